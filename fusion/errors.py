@@ -1,0 +1,55 @@
+"""One error tree for fusion.
+
+Every error a user can see derives from :class:`FusionError`. Messages say what failed,
+the likely cause and what to change. Servers map these to gRPC status codes
+(:mod:`executor.status`) and clients map the codes back, so a caller catches the same
+types whether the failure happened locally or on a remote worker.
+"""
+
+from __future__ import annotations
+
+
+class FusionError(Exception):
+    """Base class of every error fusion raises on purpose."""
+
+
+class ConfigError(FusionError):
+    """A job file, model spec, data spec or command-line value is invalid."""
+
+
+class GraphExportError(FusionError):
+    """A model could not be captured as an OP-DAG (neither torch.fx nor torch.export)."""
+
+
+class SplitError(FusionError):
+    """A node-to-stage assignment cannot be turned into runnable stages (e.g. it is cyclic)."""
+
+
+class PlanError(FusionError):
+    """A plan is malformed, or no plan satisfies the constraints."""
+
+
+class WireError(FusionError):
+    """A message received from the network is malformed or does not match what is expected."""
+
+
+class CompressionError(WireError):
+    """Encoded tensor bytes are malformed or do not match their declared codec."""
+
+
+class RemoteError(FusionError):
+    """A remote peer answered with an error, or could not be reached.
+
+    Attributes:
+        code: the gRPC status code name (e.g. ``"UNAVAILABLE"``), or ``None`` if unknown.
+        peer: the address of the peer, when known.
+    """
+
+    def __init__(self, message: str, *, code: str | None = None, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.peer = peer
+
+
+class StageError(FusionError):
+    """A stage failed while computing (forward, backward or optimizer step)."""
