@@ -53,3 +53,15 @@ class RemoteError(FusionError):
 
 class StageError(FusionError):
     """A stage failed while computing (forward, backward or optimizer step)."""
+
+
+class NotFoundError(FusionError):
+    """A request names a job, stage, micro-batch or tensor that does not exist."""
+
+
+class StateError(FusionError):
+    """A request does not fit the current state (wrong step, stage not loaded, job aborted)."""
+
+
+class AuthError(FusionError):
+    """A peer did not prove it belongs to the job (wrong or missing token)."""

@@ -1,0 +1,169 @@
+"""Client side of the Executor service: channels, deadlines, retries, chunked transfers.
+
+Used by the driver (to load stages and run steps) and by stages themselves (to send
+activations and gradients to their peers).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
+import torch
+
+from executor.status import call_with_retry, remote_error
+from executor.transport import (
+    DEFAULT_CHUNK_BYTES,
+    decode_transfer,
+    encode_transfer,
+    grpc_message_options,
+    scalar_to_wire,
+)
+from fusion.errors import RemoteError
+from fusion.wire import executor_pb2 as epb
+from fusion.wire import executor_pb2_grpc as egrpc
+from fusion.wire import tensor_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+#: Deadline for control calls (load, start, apply).
+CONTROL_TIMEOUT_S = 120.0
+#: Minimum throughput assumed when sizing a transfer's deadline (bytes/s): 8 Mbps.
+SLOWEST_LINK_BYTES_PER_S = 1_000_000
+#: Fixed part of a transfer's deadline.
+TRANSFER_BASE_TIMEOUT_S = 60.0
+
+
+def transfer_timeout_s(size_bytes: int) -> float:
+    """A deadline for moving ``size_bytes``: long enough for an 8 Mbps link, never unbounded."""
+    return TRANSFER_BASE_TIMEOUT_S + size_bytes / SLOWEST_LINK_BYTES_PER_S
+
+
+class ChannelPool:
+    """One gRPC channel per peer address, shared by every caller in the process."""
+
+    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = grpc.insecure_channel(address, options=grpc_message_options(self.chunk_bytes))
+                self._channels[address] = ch
+            return ch
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class ExecutorClient:
+    """Typed calls to one worker's Executor service."""
+
+    def __init__(self, address: str, pool: ChannelPool) -> None:
+        self.address = address
+        self.pool = pool
+        self.stub = egrpc.ExecutorStub(pool.get(address))
+
+    def _call(self, method: Any, request: Any, what: str, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
+        return call_with_retry(method, request, peer=self.address, what=what, timeout_s=timeout_s)
+
+    def ping(self, timeout_s: float = 5.0) -> epb.PingResponse:
+        return self._call(self.stub.Ping, epb.PingRequest(), "Ping", timeout_s)
+
+    def load_stage(self, request: epb.LoadStageRequest, timeout_s: float = 600.0) -> epb.LoadStageResponse:
+        return self._call(self.stub.LoadStage, request, f"LoadStage(stage {request.stage_idx})", timeout_s)
+
+    def send(
+        self,
+        header: pb.TransferHeader,
+        tensors: Mapping[str, torch.Tensor],
+        scalars: Mapping[str, Any] | None = None,
+        *,
+        encoded: Mapping[str, tuple[pb.TensorMeta, bytes]] | None = None,
+    ) -> int:
+        """Send one transfer (activations, gradients or targets); returns payload bytes."""
+        for name, value in (scalars or {}).items():
+            header.values.append(scalar_to_wire(name, value))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        size += sum(len(b) for _, b in (encoded or {}).values())
+
+        def chunks() -> Iterator[pb.TensorChunk]:
+            return encode_transfer(header, tensors, chunk_bytes=self.pool.chunk_bytes, encoded=encoded)
+
+        what = f"Send(kind {header.kind} to stage {header.stage_idx}, micro-batch {header.micro_batch_idx})"
+        self._call(self.stub.Send, chunks, what, transfer_timeout_s(size))
+        return size
+
+    def set_state(self, job_id: str, stage_idx: int, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        header = pb.TransferHeader(job_id=job_id, stage_idx=stage_idx, kind=kind)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+
+        def chunks() -> Iterator[pb.TensorChunk]:
+            return encode_transfer(header, tensors, chunk_bytes=self.pool.chunk_bytes)
+
+        self._call(self.stub.SetState, chunks, f"SetState(stage {stage_idx})", transfer_timeout_s(size))
+
+    def get_state(self, job_id: str, stage_idx: int, kind: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        request = epb.GetStateRequest(job_id=job_id, stage_idx=stage_idx, kind=kind, names=names or [])
+        what = f"GetState(stage {stage_idx})"
+        try:
+            stream = self.stub.GetState(request, timeout=transfer_timeout_s(1 << 30))
+            transfer = decode_transfer(stream, max_bytes=1 << 40)
+        except grpc.RpcError as e:
+            raise remote_error(e, peer=self.address, what=what) from None
+        return {k: v.clone() for k, v in transfer.tensors().items()}
+
+    def run_step(self, job_id: str, stage_idx: int, step: int, num_micro_batches: int, schedule: int) -> None:
+        request = epb.RunStepRequest(
+            job_id=job_id, stage_idx=stage_idx, step=step, num_micro_batches=num_micro_batches, schedule=schedule
+        )
+        self._call(self.stub.RunStep, request, f"RunStep(stage {stage_idx}, step {step})")
+
+    def wait_step(self, job_id: str, stage_idx: int, step: int, timeout_s: float) -> epb.WaitStepResponse:
+        request = epb.WaitStepRequest(job_id=job_id, stage_idx=stage_idx, step=step, timeout_s=timeout_s)
+        return self._call(self.stub.WaitStep, request, f"WaitStep(stage {stage_idx}, step {step})", timeout_s + 30.0)
+
+    def apply_step(self, job_id: str, stage_idx: int, step: int, *, optimizer_step: bool = True) -> None:
+        request = epb.ApplyStepRequest(job_id=job_id, stage_idx=stage_idx, step=step, optimizer_step=optimizer_step)
+        self._call(self.stub.ApplyStep, request, f"ApplyStep(stage {stage_idx}, step {step})")
+
+    def abort(self, job_id: str, reason: str) -> None:
+        """Best effort: a peer that is gone cannot be aborted, and that is fine."""
+        try:
+            self._call(self.stub.Abort, epb.AbortRequest(job_id=job_id, reason=reason), "Abort", 10.0)
+        except RemoteError as e:
+            logger.info("abort on %s failed: %s", self.address, e)
+
+    def unload_job(self, job_id: str) -> None:
+        self._call(self.stub.UnloadJob, epb.UnloadJobRequest(job_id=job_id), "UnloadJob", 30.0)
+
+
+def run_parallel(calls: list[Callable[[], Any]], *, name: str = "call") -> list[Any]:
+    """Run callables on threads; return results in order; re-raise the first failure."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results

@@ -1,0 +1,438 @@
+"""The stage runtime: one stage's sub-graph, its mailbox, its schedule and its optimizer.
+
+Remote autodiff, the runtime way (rather than a ``torch.autograd.Function`` per cut): a
+forward of micro-batch ``m`` turns every received floating-point activation into a leaf
+that requires grad, runs the stage module, *keeps* inputs and outputs for ``m``, and sends
+each output to the stages that consume it. The backward of ``m`` waits for one gradient
+message from every consumer stage (several consumers of one value have their gradients
+summed), calls ``torch.autograd.backward`` on the kept outputs, and sends the input leaves'
+``.grad`` upstream, one message per producer stage. Parameter gradients accumulate over
+the micro-batches of a step; each micro-batch's loss is scaled by its share of the batch,
+so the accumulated gradient is that of the mean loss over the whole batch.
+
+Threads: gRPC handler threads only validate and deposit transfers into the
+:class:`Mailbox`; each step runs on the stage's own compute thread; sends go through one
+ordered background sender per destination, so transfers overlap compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from executor.schedule import Action, stage_actions
+from executor.transport import Transfer, dtype_from_wire, scalar_kind
+from fusion.errors import NotFoundError, StageError, StateError, WireError
+from fusion.graph.split import DRIVER, StageSpec
+from fusion.wire import tensor_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+#: Name under which the driver sends loss targets to the loss stage.
+TARGET_NAME = "@target"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpectedValue:
+    """What a boundary value must look like on the wire."""
+
+    kind: str
+    """``tensor`` or a scalar kind (see :class:`fusion.graph.ir.ValueMeta`)."""
+    dtype: torch.dtype | None = None
+    """Tensor dtype."""
+    shape: tuple[int, ...] | None = None
+    """Tensor shape."""
+
+    def check(self, name: str, meta: pb.TensorMeta | None, scalar: pb.ScalarValue | None) -> None:
+        """Raise ``WireError`` unless the received entry matches."""
+        if self.kind == "tensor":
+            if meta is None:
+                raise WireError(f"value {name!r} must be a tensor")
+            dtype = dtype_from_wire(meta.dtype)
+            if dtype != self.dtype:
+                raise WireError(f"tensor {name!r} has dtype {dtype}, expected {self.dtype}")
+            if tuple(meta.shape) != self.shape:
+                raise WireError(f"tensor {name!r} has shape {list(meta.shape)}, expected {list(self.shape or ())}")
+        else:
+            if scalar is None:
+                raise WireError(f"value {name!r} must be a {self.kind}, not a tensor")
+            if scalar_kind(scalar) != self.kind:
+                raise WireError(f"value {name!r} is a {scalar_kind(scalar)}, expected a {self.kind}")
+
+
+Payload = dict[str, Any]
+MailKey = tuple[int, int, int]  # (transfer kind, micro-batch, source stage)
+
+
+class Aborted(StateError):
+    """The step was aborted (by the driver, or because this stage failed)."""
+
+
+class Mailbox:
+    """Transfers received for the current step, waited on by the compute thread."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: dict[MailKey, Payload] = {}
+        self._aborted: str | None = None
+
+    def put(self, key: MailKey, payload: Payload) -> None:
+        with self._cv:
+            if key in self._items:
+                raise WireError(f"duplicate transfer for (kind {key[0]}, micro-batch {key[1]}, from stage {key[2]})")
+            self._items[key] = payload
+            self._cv.notify_all()
+
+    def take(self, key: MailKey, *, timeout_s: float, what: str) -> Payload:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while key not in self._items:
+                if self._aborted is not None:
+                    raise Aborted(f"aborted while waiting for {what}: {self._aborted}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StageError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                self._cv.wait(timeout=min(left, 1.0))
+            return self._items.pop(key)
+
+    def abort(self, reason: str) -> None:
+        with self._cv:
+            self._aborted = reason
+            self._cv.notify_all()
+
+    def reset(self) -> None:
+        with self._cv:
+            self._items.clear()
+            self._aborted = None
+
+
+@dataclass
+class StepResult:
+    """Outcome of one step on one stage."""
+
+    step: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    loss: float = 0.0
+    compute_s: float = 0.0
+    sent_bytes: dict[int, int] = field(default_factory=dict)
+
+
+#: Sends ``(dst_stage, header, tensors, scalars)`` asynchronously; returns bytes sent via the future.
+SendFn = Callable[[int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any]], "Future[int]"]
+
+
+class StageRuntime:
+    """Runs one stage of a job: forward/backward per micro-batch, optimizer, state."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        spec: StageSpec,
+        module: torch.fx.GraphModule,
+        expected: Mapping[str, ExpectedValue],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        send: SendFn,
+        micro_batch_weights: list[float],
+        step_timeout_s: float = 600.0,
+    ) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.module = module
+        self.expected = dict(expected)
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.device = device
+        self._send = send
+        self.micro_batch_weights = list(micro_batch_weights)
+        self.step_timeout_s = step_timeout_s
+        self.mailbox = Mailbox()
+        self._lock = threading.Lock()
+        self._step: StepResult | None = None
+        self._num_micro_batches = 0
+        self._last_applied: int | None = None
+        self._inputs_from: dict[int, list[str]] = {}
+        for name, src in spec.inputs:
+            self._inputs_from.setdefault(src, []).append(name)
+        self._outputs_to: dict[int, list[int]] = {}  # dst stage -> output indices
+        for i, (_, dsts) in enumerate(spec.outputs):
+            for d in dsts:
+                self._outputs_to.setdefault(d, []).append(i)
+        # Per micro-batch: (input leaves by name, outputs tuple, weighted loss or None).
+        self._kept: dict[int, tuple[dict[str, torch.Tensor], tuple[Any, ...], torch.Tensor | None]] = {}
+
+    # ------------------------------------------------------------- receiving
+    def check_transfer(self, header: pb.TransferHeader) -> None:
+        """Validate a transfer header against the stage's boundary before its payload is read."""
+        kind = header.kind
+        src = header.src_stage_idx
+        step = self._step
+        if step is None or header.step != step.step:
+            current = "none" if step is None else step.step
+            raise StateError(f"stage {self.spec.stage_idx} is not running step {header.step} (current step: {current})")
+        if header.micro_batch_idx >= self._num_micro_batches:
+            raise NotFoundError(
+                f"micro-batch {header.micro_batch_idx} does not exist: step {header.step} has {self._num_micro_batches}"
+            )
+        if kind == pb.TRANSFER_KIND_ACTIVATION:
+            if src not in self._inputs_from:
+                raise WireError(f"stage {self.spec.stage_idx} takes no activations from stage {src}")
+            names = self._inputs_from[src]
+        elif kind == pb.TRANSFER_KIND_GRADIENT:
+            if src not in self._outputs_to:
+                raise WireError(f"stage {self.spec.stage_idx} sends nothing to stage {src}, so takes no gradients from it")
+            names = [self.spec.outputs[i][0] for i in self._outputs_to[src]]
+        elif kind == pb.TRANSFER_KIND_TARGET:
+            if not self.spec.is_loss_stage or src != DRIVER:
+                raise WireError(f"stage {self.spec.stage_idx} does not compute the loss; targets go to the loss stage")
+            names = [TARGET_NAME]
+        else:
+            raise WireError(f"transfer kind {kind} cannot be sent to a running stage")
+        metas = {m.name: m for m in header.tensors}
+        scalars = {v.name: v for v in header.values}
+        received = set(metas) | set(scalars)
+        allowed = set(names)
+        if not received <= allowed:
+            raise WireError(f"unexpected value(s) {sorted(received - allowed)}; stage {self.spec.stage_idx} expects {sorted(allowed)}")
+        if kind != pb.TRANSFER_KIND_GRADIENT and received != allowed:
+            raise WireError(f"missing value(s) {sorted(allowed - received)} for stage {self.spec.stage_idx}")
+        for name in received:
+            exp = self.expected.get(name)
+            if exp is None:
+                raise WireError(f"no expected shape is known for value {name!r}")
+            if kind == pb.TRANSFER_KIND_GRADIENT and exp.kind != "tensor":
+                raise WireError(f"value {name!r} is a {exp.kind}; it has no gradient")
+            exp.check(name, metas.get(name), scalars.get(name))
+
+    def deliver(self, transfer: Transfer, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Deposit a validated transfer for the compute thread."""
+        h = transfer.header
+        payload: Payload = dict(tensors)
+        payload.update(transfer.scalars(self.device))
+        self.mailbox.put((h.kind, h.micro_batch_idx, h.src_stage_idx), payload)
+
+    # ------------------------------------------------------------- steps
+    def start_step(self, step: int, num_micro_batches: int, schedule: str) -> None:
+        """Begin ``step``: reset the mailbox and run the schedule on a compute thread."""
+        if num_micro_batches != len(self.micro_batch_weights):
+            raise WireError(
+                f"step has {num_micro_batches} micro-batches but the stage was loaded for {len(self.micro_batch_weights)}"
+            )
+        actions = stage_actions(schedule, num_micro_batches=num_micro_batches, depth=self.spec.depth)
+        with self._lock:
+            if self._step is not None and not self._step.done.is_set():
+                raise StateError(f"stage {self.spec.stage_idx} is still running step {self._step.step}")
+            self.mailbox.reset()
+            self._kept.clear()
+            self._num_micro_batches = num_micro_batches
+            result = StepResult(step=step)
+            self._step = result
+        thread = threading.Thread(
+            target=self._run, args=(result, actions), name=f"stage{self.spec.stage_idx}-step{step}", daemon=True
+        )
+        thread.start()
+
+    def wait_step(self, step: int, timeout_s: float) -> StepResult | None:
+        """The step's result once done, or ``None`` if still running after ``timeout_s``."""
+        result = self._step
+        if result is None or result.step != step:
+            raise StateError(f"stage {self.spec.stage_idx} has not started step {step}")
+        return result if result.done.wait(timeout=max(0.0, timeout_s)) else None
+
+    def abort(self, reason: str) -> None:
+        """Unblock the compute thread; the step ends with an error."""
+        self.mailbox.abort(reason)
+
+    def _run(self, result: StepResult, actions: list[Action]) -> None:
+        pending: list[Future[int]] = []
+        current: Action | None = None
+        try:
+            for current in actions:
+                t0 = time.perf_counter()
+                if current.kind == "F":
+                    pending += self._forward(result, current.micro_batch_idx)
+                else:
+                    pending += self._backward(result, current.micro_batch_idx)
+                result.compute_s += time.perf_counter() - t0
+            current = None
+            for f in pending:
+                f.result(timeout=self.step_timeout_s)
+        except Aborted as e:
+            result.error = str(e)
+        except Exception as e:
+            where = f" at {current}" if current is not None else " while sending"
+            logger.exception("stage %d step %d failed%s", self.spec.stage_idx, result.step, where)
+            result.error = f"stage {self.spec.stage_idx} step {result.step}{where}: {type(e).__name__}: {e}"
+            self.mailbox.abort(result.error)
+        finally:
+            self._kept.clear()
+            result.done.set()
+
+    def _header(self, result: StepResult, kind: int, micro_batch_idx: int, dst: int) -> pb.TransferHeader:
+        return pb.TransferHeader(
+            job_id=self.job_id,
+            stage_idx=dst,
+            src_stage_idx=self.spec.stage_idx,
+            step=result.step,
+            micro_batch_idx=micro_batch_idx,
+            kind=kind,
+        )
+
+    def _send_tracked(self, result: StepResult, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[int]:
+        fut = self._send(dst, header, tensors, scalars)
+
+        def account(f: Future[int]) -> None:
+            if f.exception() is None:
+                result.sent_bytes[dst] = result.sent_bytes.get(dst, 0) + f.result()
+
+        fut.add_done_callback(account)
+        return fut
+
+    def _forward(self, result: StepResult, m: int) -> list[Future[int]]:
+        received: dict[int, Payload] = {}
+        for src in self._inputs_from:
+            received[src] = self.mailbox.take(
+                (pb.TRANSFER_KIND_ACTIVATION, m, src), timeout_s=self.step_timeout_s, what=f"micro-batch {m} from stage {src}"
+            )
+        leaves: dict[str, torch.Tensor] = {}
+        args = []
+        for name, src in self.spec.inputs:
+            value = received[src][name]
+            if isinstance(value, torch.Tensor):
+                value = value.to(self.device, non_blocking=True)
+                if src != DRIVER and value.is_floating_point():
+                    value = value.detach().requires_grad_(True)
+                    leaves[name] = value
+            args.append(value)
+        outs = self.module(*args)
+        loss = None
+        if self.spec.is_loss_stage:
+            assert self.loss_fn is not None
+            target = self.mailbox.take(
+                (pb.TRANSFER_KIND_TARGET, m, DRIVER), timeout_s=self.step_timeout_s, what=f"targets of micro-batch {m}"
+            )[TARGET_NAME].to(self.device, non_blocking=True)
+            loss = self.loss_fn(outs[-1], target) * self.micro_batch_weights[m]
+            result.loss += float(loss.detach())
+        self._kept[m] = (leaves, outs, loss)
+        sends = []
+        for dst, idxs in self._outputs_to.items():
+            tensors: dict[str, torch.Tensor] = {}
+            scalars: dict[str, Any] = {}
+            for i in idxs:
+                name = self.spec.outputs[i][0]
+                value = outs[i]
+                if isinstance(value, torch.Tensor):
+                    tensors[name] = value.detach()
+                else:
+                    scalars[name] = value
+            header = self._header(result, pb.TRANSFER_KIND_ACTIVATION, m, dst)
+            sends.append(self._send_tracked(result, dst, header, tensors, scalars))
+        return sends
+
+    def _backward(self, result: StepResult, m: int) -> list[Future[int]]:
+        grads: dict[int, torch.Tensor] = {}
+        for dst in self._outputs_to:
+            payload = self.mailbox.take(
+                (pb.TRANSFER_KIND_GRADIENT, m, dst), timeout_s=self.step_timeout_s, what=f"gradients of micro-batch {m} from stage {dst}"
+            )
+            for i in self._outputs_to[dst]:
+                g = payload.get(self.spec.outputs[i][0])
+                if g is not None:
+                    g = g.to(self.device, non_blocking=True)
+                    grads[i] = grads[i] + g if i in grads else g
+        leaves, outs, loss = self._kept.pop(m)
+        tensors: list[torch.Tensor] = []
+        grad_tensors: list[torch.Tensor | None] = []
+        for i, g in grads.items():
+            out = outs[i]
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                tensors.append(out)
+                grad_tensors.append(g)
+        if loss is not None and loss.requires_grad:
+            tensors.append(loss)
+            grad_tensors.append(None)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+        sends = []
+        for src, names in self._inputs_from.items():
+            if src == DRIVER:
+                continue
+            tensors_out = {n: leaves[n].grad for n in names if n in leaves and leaves[n].grad is not None}
+            header = self._header(result, pb.TRANSFER_KIND_GRADIENT, m, src)
+            sends.append(self._send_tracked(result, src, header, tensors_out, {}))
+        return sends
+
+    def apply_step(self, step: int, *, optimizer_step: bool) -> None:
+        """Run the optimizer (unless ``optimizer_step`` is false) and zero the gradients."""
+        result = self._step
+        if result is None or result.step != step or not result.done.is_set():
+            raise StateError(f"stage {self.spec.stage_idx} cannot apply step {step}: it has not finished it")
+        if result.error is not None:
+            raise StateError(f"stage {self.spec.stage_idx} cannot apply step {step}: it failed ({result.error})")
+        if self._last_applied == step:
+            raise StateError(f"stage {self.spec.stage_idx} already applied step {step}")
+        if optimizer_step:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._last_applied = step
+
+    # ------------------------------------------------------------- state
+    def get_state(self, kind: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """Parameters and buffers (``STATE_KIND_PARAMETERS``) or parameter gradients, by name."""
+        from fusion.wire import executor_pb2 as epb
+
+        if kind == epb.STATE_KIND_PARAMETERS:
+            available = {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
+        elif kind == epb.STATE_KIND_GRADIENTS:
+            available = {
+                k: p.grad.detach() for k, p in self.module.named_parameters(remove_duplicate=False) if p.grad is not None
+            }
+        else:
+            raise WireError(f"unknown state kind {kind}")
+        if not names:
+            return {k: v.cpu() for k, v in available.items()}
+        missing = [n for n in names if n not in available]
+        if missing and kind == epb.STATE_KIND_PARAMETERS:
+            raise NotFoundError(f"stage {self.spec.stage_idx} holds no tensor named {missing[:5]}")
+        return {n: available[n].cpu() for n in names if n in available}
+
+    def check_state(self, kind: int, header: pb.TransferHeader) -> None:
+        """Validate a SetState header: known names, matching dtypes and shapes."""
+        params = dict(self.module.state_dict(keep_vars=True))
+        if kind == pb.TRANSFER_KIND_PARAMETER_GRADIENT:
+            params = dict(self.module.named_parameters(remove_duplicate=False))
+        elif kind != pb.TRANSFER_KIND_PARAMETER:
+            raise WireError(f"transfer kind {kind} cannot set stage state")
+        for meta in header.tensors:
+            target = params.get(meta.name)
+            if target is None:
+                raise NotFoundError(f"stage {self.spec.stage_idx} holds no tensor named {meta.name!r}")
+            dtype = dtype_from_wire(meta.dtype)
+            if dtype != target.dtype or tuple(meta.shape) != tuple(target.shape):
+                raise WireError(
+                    f"tensor {meta.name!r} is {dtype}{list(meta.shape)}, the stage holds {target.dtype}{list(target.shape)}"
+                )
+
+    def set_state(self, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy parameters/buffers in, or set parameter gradients (tied-gradient sync)."""
+        if self._step is not None and not self._step.done.is_set():
+            raise StateError(f"stage {self.spec.stage_idx} is running step {self._step.step}; state cannot change now")
+        with torch.no_grad():
+            if kind == pb.TRANSFER_KIND_PARAMETER:
+                sd = self.module.state_dict(keep_vars=True)
+                for name, t in tensors.items():
+                    sd[name].copy_(t)
+            else:
+                params = dict(self.module.named_parameters(remove_duplicate=False))
+                for name, t in tensors.items():
+                    params[name].grad = t.to(self.device).clone()

@@ -1,0 +1,296 @@
+"""The Executor gRPC service: hosts stages on a worker and serves the remote backward pass.
+
+Handler threads never compute: they validate a request, deposit tensors into a stage's
+mailbox, or start/await the stage's compute thread. Every handler maps fusion errors to
+status codes (:func:`executor.status.rpc_errors`), so a malformed or unexpected request is
+answered with a clear error and the worker keeps serving.
+
+Run a bare executor (what ``fusion-worker`` wraps, and what the local driver starts)::
+
+    python -m executor.server --listen 127.0.0.1:0 --allow-code
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import torch
+
+from executor.build import build_stage
+from executor.client import ChannelPool, ExecutorClient
+from executor.runtime import StageRuntime
+from executor.status import rpc_errors
+from executor.transport import DEFAULT_CHUNK_BYTES, decode_transfer, encode_transfer, grpc_message_options
+from fusion.errors import NotFoundError, StateError, WireError
+from fusion.losses import get_loss
+from fusion.optim import build_optimizer
+from fusion.wire import executor_pb2 as epb
+from fusion.wire import executor_pb2_grpc as egrpc
+from fusion.wire import tensor_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+#: Largest transfer a stage accepts (each tensor is also checked against its expected shape).
+MAX_TRANSFER_BYTES = 8 << 30
+#: Longest a WaitStep call blocks before answering "not done yet".
+MAX_WAIT_S = 30.0
+
+_SCHEDULES = {epb.SCHEDULE_GPIPE: "gpipe", epb.SCHEDULE_1F1B: "1f1b"}
+
+
+class PeerSender:
+    """Ordered, asynchronous sends from one stage to each destination stage."""
+
+    def __init__(self, job_id: str, addresses: Mapping[int, str], pool: ChannelPool) -> None:
+        self.job_id = job_id
+        self.addresses = dict(addresses)
+        self.pool = pool
+        self._queues: dict[int, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[int]:
+        address = self.addresses.get(dst)
+        if address is None:
+            raise NotFoundError(f"no address known for stage {dst}")
+        with self._lock:
+            queue = self._queues.get(dst)
+            if queue is None:
+                queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"send-to-stage{dst}")
+                self._queues[dst] = queue
+        client = ExecutorClient(address, self.pool)
+        return queue.submit(client.send, header, tensors, scalars)
+
+    def close(self) -> None:
+        with self._lock:
+            for q in self._queues.values():
+                q.shutdown(wait=False, cancel_futures=True)
+            self._queues.clear()
+
+
+class ExecutorService(egrpc.ExecutorServicer):
+    """Hosts any number of stages, keyed by (job id, stage index)."""
+
+    def __init__(self, *, worker_name: str = "", allow_code: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.worker_name = worker_name
+        self.allow_code = allow_code
+        self.pool = ChannelPool(chunk_bytes=chunk_bytes)
+        self._stages: dict[tuple[str, int], StageRuntime] = {}
+        self._senders: dict[tuple[str, int], PeerSender] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, job_id: str, stage_idx: int) -> StageRuntime:
+        """The loaded stage, or ``NotFoundError`` naming what is loaded."""
+        with self._lock:
+            runtime = self._stages.get((job_id, stage_idx))
+            if runtime is None:
+                loaded = sorted(f"{j}/{s}" for j, s in self._stages)
+                raise NotFoundError(f"no stage {stage_idx} of job {job_id!r} on this worker (loaded: {loaded or 'none'})")
+            return runtime
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted({j for j, _ in self._stages})
+
+    # ------------------------------------------------------------- RPCs
+    @rpc_errors
+    def LoadStage(self, request: epb.LoadStageRequest, context: grpc.ServicerContext) -> epb.LoadStageResponse:
+        if not request.job_id:
+            raise WireError("LoadStage needs a job_id")
+        built = build_stage(request, allow_code=self.allow_code)
+        loss_fn = get_loss(request.loss or "cross_entropy") if built.spec.is_loss_stage else None
+        params = list(built.module.parameters())
+        optimizer = build_optimizer(built.train, params)
+        sender = PeerSender(request.job_id, dict(request.stage_addresses), self.pool)
+        weights = list(request.micro_batch_weights) or [1.0]
+        runtime = StageRuntime(
+            job_id=request.job_id,
+            spec=built.spec,
+            module=built.module,
+            expected=built.expected,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            device=built.device,
+            send=sender,
+            micro_batch_weights=weights,
+        )
+        key = (request.job_id, request.stage_idx)
+        with self._lock:
+            old = self._stages.pop(key, None)
+            old_sender = self._senders.pop(key, None)
+            self._stages[key] = runtime
+            self._senders[key] = sender
+        if old is not None:
+            old.abort("stage reloaded")
+        if old_sender is not None:
+            old_sender.close()
+        state = built.module.state_dict()
+        param_names = [n for n, _ in built.module.named_parameters(remove_duplicate=False)]
+        logger.info("loaded stage %d of job %s: %d nodes, %d parameters", request.stage_idx, request.job_id, len(built.spec.nodes), len(params))
+        return epb.LoadStageResponse(
+            parameter_names=param_names,
+            buffer_names=[n for n in state if n not in set(param_names)],
+            parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        )
+
+    @rpc_errors
+    def SetState(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> epb.SetStateResponse:
+        holder: dict[str, StageRuntime] = {}
+
+        def check(header: pb.TransferHeader) -> None:
+            runtime = self.stage(header.job_id, header.stage_idx)
+            runtime.check_state(header.kind, header)
+            holder["rt"] = runtime
+
+        transfer = decode_transfer(request_iterator, max_bytes=MAX_TRANSFER_BYTES, check=check)
+        tensors = transfer.tensors()
+        holder["rt"].set_state(transfer.header.kind, tensors)
+        return epb.SetStateResponse(num_tensors=len(tensors))
+
+    @rpc_errors
+    def GetState(self, request: epb.GetStateRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+        runtime = self.stage(request.job_id, request.stage_idx)
+        tensors = runtime.get_state(request.kind, list(request.names))
+        kind = pb.TRANSFER_KIND_PARAMETER if request.kind == epb.STATE_KIND_PARAMETERS else pb.TRANSFER_KIND_PARAMETER_GRADIENT
+        header = pb.TransferHeader(job_id=request.job_id, stage_idx=request.stage_idx, kind=kind)
+        # Materialise here so errors surface inside the handler, not mid-stream.
+        return iter(list(encode_transfer(header, tensors, chunk_bytes=self.pool.chunk_bytes)))
+
+    @rpc_errors
+    def Send(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> epb.SendResponse:
+        holder: dict[str, StageRuntime] = {}
+
+        def check(header: pb.TransferHeader) -> None:
+            runtime = self.stage(header.job_id, header.stage_idx)
+            runtime.check_transfer(header)
+            holder["rt"] = runtime
+
+        transfer = decode_transfer(request_iterator, max_bytes=MAX_TRANSFER_BYTES, check=check)
+        holder["rt"].deliver(transfer, transfer.tensors())
+        return epb.SendResponse(received_bytes=transfer.size_bytes)
+
+    @rpc_errors
+    def RunStep(self, request: epb.RunStepRequest, context: grpc.ServicerContext) -> epb.RunStepResponse:
+        runtime = self.stage(request.job_id, request.stage_idx)
+        schedule = _SCHEDULES.get(request.schedule)
+        if schedule is None:
+            raise WireError(f"unknown schedule {request.schedule}; use SCHEDULE_GPIPE or SCHEDULE_1F1B")
+        runtime.start_step(request.step, request.num_micro_batches, schedule)
+        return epb.RunStepResponse()
+
+    @rpc_errors
+    def WaitStep(self, request: epb.WaitStepRequest, context: grpc.ServicerContext) -> epb.WaitStepResponse:
+        runtime = self.stage(request.job_id, request.stage_idx)
+        result = runtime.wait_step(request.step, min(max(request.timeout_s, 0.0), MAX_WAIT_S))
+        if result is None:
+            return epb.WaitStepResponse(done=False)
+        if result.error is not None:
+            raise StateError(result.error)
+        return epb.WaitStepResponse(
+            done=True,
+            loss=result.loss,
+            has_loss=runtime.spec.is_loss_stage,
+            compute_s=result.compute_s,
+            sent_bytes=result.sent_bytes,
+        )
+
+    @rpc_errors
+    def ApplyStep(self, request: epb.ApplyStepRequest, context: grpc.ServicerContext) -> epb.ApplyStepResponse:
+        self.stage(request.job_id, request.stage_idx).apply_step(request.step, optimizer_step=request.optimizer_step)
+        return epb.ApplyStepResponse()
+
+    @rpc_errors
+    def Abort(self, request: epb.AbortRequest, context: grpc.ServicerContext) -> epb.AbortResponse:
+        with self._lock:
+            runtimes = [rt for (j, _), rt in self._stages.items() if j == request.job_id]
+        for rt in runtimes:
+            rt.abort(request.reason or "aborted by the driver")
+        return epb.AbortResponse()
+
+    @rpc_errors
+    def UnloadJob(self, request: epb.UnloadJobRequest, context: grpc.ServicerContext) -> epb.UnloadJobResponse:
+        self.unload(request.job_id)
+        return epb.UnloadJobResponse()
+
+    @rpc_errors
+    def Ping(self, request: epb.PingRequest, context: grpc.ServicerContext) -> epb.PingResponse:
+        return epb.PingResponse(worker_name=self.worker_name, jobs=self.jobs())
+
+    def unload(self, job_id: str) -> None:
+        """Drop every stage of ``job_id`` (aborting a running step)."""
+        with self._lock:
+            keys = [k for k in self._stages if k[0] == job_id]
+            runtimes = [self._stages.pop(k) for k in keys]
+            senders = [self._senders.pop(k) for k in keys if k in self._senders]
+        for rt in runtimes:
+            rt.abort("job unloaded")
+        for s in senders:
+            s.close()
+
+    def close(self) -> None:
+        for job in self.jobs():
+            self.unload(job)
+        self.pool.close()
+
+
+def start_server(
+    service: ExecutorService,
+    listen: str,
+    *,
+    max_workers: int = 32,
+    server: grpc.Server | None = None,
+) -> tuple[grpc.Server, int]:
+    """Start (or add to) a gRPC server for ``service`` on ``listen``; returns it and its port."""
+    if server is None:
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
+            options=grpc_message_options(service.pool.chunk_bytes),
+        )
+        egrpc.add_ExecutorServicer_to_server(service, server)
+        port = server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        server.start()
+        return server, port
+    egrpc.add_ExecutorServicer_to_server(service, server)
+    return server, 0
+
+
+READY_PREFIX = "FUSION_EXECUTOR_READY"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a bare executor until SIGTERM/SIGINT; prints ``FUSION_EXECUTOR_READY <port>``."""
+    parser = argparse.ArgumentParser(prog="python -m executor.server", description="Run a fusion Executor service.")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0 picks a free one)")
+    parser.add_argument("--name", default=f"executor-{os.getpid()}", help="worker name reported by Ping")
+    parser.add_argument("--allow-code", action="store_true", help="allow job owners' module:factory models")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transfer chunk size")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    service = ExecutorService(worker_name=args.name, allow_code=args.allow_code, chunk_bytes=args.chunk_bytes)
+    server, port = start_server(service, args.listen)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"{READY_PREFIX} {port}", flush=True)
+    stop.wait()
+    server.stop(grace=2.0).wait()
+    service.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Code generated from proto/ by proto/generate.py. Never edit by hand."""

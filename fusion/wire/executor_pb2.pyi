@@ -1,0 +1,261 @@
+from fusion.wire import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_KIND_UNSPECIFIED: _ClassVar[StateKind]
+    STATE_KIND_PARAMETERS: _ClassVar[StateKind]
+    STATE_KIND_GRADIENTS: _ClassVar[StateKind]
+
+class Schedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULE_UNSPECIFIED: _ClassVar[Schedule]
+    SCHEDULE_GPIPE: _ClassVar[Schedule]
+    SCHEDULE_1F1B: _ClassVar[Schedule]
+STATE_KIND_UNSPECIFIED: StateKind
+STATE_KIND_PARAMETERS: StateKind
+STATE_KIND_GRADIENTS: StateKind
+SCHEDULE_UNSPECIFIED: Schedule
+SCHEDULE_GPIPE: Schedule
+SCHEDULE_1F1B: Schedule
+
+class ModelSpec(_message.Message):
+    __slots__ = ("name", "preset", "kwargs_json", "leaf_modules")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEAF_MODULES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    preset: str
+    kwargs_json: str
+    leaf_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., preset: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., leaf_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StageInput(_message.Message):
+    __slots__ = ("name", "src_stage_idx")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SRC_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    src_stage_idx: int
+    def __init__(self, name: _Optional[str] = ..., src_stage_idx: _Optional[int] = ...) -> None: ...
+
+class StageOutput(_message.Message):
+    __slots__ = ("name", "dst_stage_idx")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DST_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dst_stage_idx: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dst_stage_idx: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ValueSpec(_message.Message):
+    __slots__ = ("name", "kind", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    dtype: _tensor_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadStageRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth")
+    class StageAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    IS_LOSS_STAGE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_JSON_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    model: ModelSpec
+    example_inputs: _containers.RepeatedCompositeFieldContainer[ValueSpec]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    inputs: _containers.RepeatedCompositeFieldContainer[StageInput]
+    outputs: _containers.RepeatedCompositeFieldContainer[StageOutput]
+    values: _containers.RepeatedCompositeFieldContainer[ValueSpec]
+    is_loss_stage: bool
+    loss: str
+    stage_addresses: _containers.ScalarMap[int, str]
+    depth: int
+    train_json: str
+    graph_fingerprint: str
+    device: str
+    chunk_bytes: int
+    micro_batch_weights: _containers.RepeatedScalarFieldContainer[float]
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[StageInput, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., is_loss_stage: _Optional[bool] = ..., loss: _Optional[str] = ..., stage_addresses: _Optional[_Mapping[int, str]] = ..., depth: _Optional[int] = ..., train_json: _Optional[str] = ..., graph_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., micro_batch_weights: _Optional[_Iterable[float]] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class LoadStageResponse(_message.Message):
+    __slots__ = ("parameter_names", "buffer_names", "parameter_bytes")
+    PARAMETER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    parameter_names: _containers.RepeatedScalarFieldContainer[str]
+    buffer_names: _containers.RepeatedScalarFieldContainer[str]
+    parameter_bytes: int
+    def __init__(self, parameter_names: _Optional[_Iterable[str]] = ..., buffer_names: _Optional[_Iterable[str]] = ..., parameter_bytes: _Optional[int] = ...) -> None: ...
+
+class SetStateResponse(_message.Message):
+    __slots__ = ("num_tensors",)
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    num_tensors: int
+    def __init__(self, num_tensors: _Optional[int] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "kind", "names", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    kind: StateKind
+    names: _containers.RepeatedScalarFieldContainer[str]
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., names: _Optional[_Iterable[str]] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class SendResponse(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class RunStepRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    step: int
+    num_micro_batches: int
+    schedule: Schedule
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class RunStepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WaitStepRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "step", "timeout_s", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    step: int
+    timeout_s: float
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., timeout_s: _Optional[float] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class WaitStepResponse(_message.Message):
+    __slots__ = ("done", "loss", "has_loss", "compute_s", "sent_bytes")
+    class SentBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    loss: float
+    has_loss: bool
+    compute_s: float
+    sent_bytes: _containers.ScalarMap[int, int]
+    def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class ApplyStepRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "step", "optimizer_step", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    step: int
+    optimizer_step: bool
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., optimizer_step: _Optional[bool] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class ApplyStepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("job_id", "reason", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadJobRequest(_message.Message):
+    __slots__ = ("job_id", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class UnloadJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("worker_name", "jobs")
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    worker_name: str
+    jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_name: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
