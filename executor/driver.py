@@ -1,0 +1,325 @@
+"""The pipeline driver: loads a job's stages onto workers and runs training steps.
+
+One step, as the driver sees it:
+
+1. ``RunStep`` on every stage (each starts its schedule on a compute thread);
+2. send each micro-batch's model inputs to the stages that read them, and its targets to
+   the loss stage — from then on stages talk to each other directly;
+3. poll ``WaitStep`` on every stage; the first failure aborts the step everywhere and is
+   raised with the stage that caused it;
+4. sum the gradients of parameters held by several stages (tied embeddings) and give
+   every holder the sum, so they stay identical;
+5. ``ApplyStep``: each stage runs the job's optimizer on its own parameters.
+
+The coordinator drives jobs through this class; tests and benchmarks use it through
+:mod:`executor.local`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.client import ChannelPool, ExecutorClient, run_parallel
+from executor.runtime import TARGET_NAME
+from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
+from fusion.config import JobSpec
+from fusion.errors import FusionError, RemoteError, StageError
+from fusion.graph.export import CapturedModel
+from fusion.graph.ir import ValueMeta
+from fusion.graph.split import DRIVER, StageSpec
+from fusion.wire import executor_pb2 as epb
+from fusion.wire import tensor_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_SCHEDULES = {"gpipe": epb.SCHEDULE_GPIPE, "1f1b": epb.SCHEDULE_1F1B}
+
+#: How long one WaitStep poll blocks on the worker.
+POLL_S = 5.0
+
+
+@dataclass
+class StepStats:
+    """What one distributed training step did."""
+
+    step: int
+    loss: float
+    step_s: float
+    compute_s: dict[int, float] = field(default_factory=dict)
+    """Compute seconds per stage."""
+    sent_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Bytes sent per (source stage, destination stage) link."""
+
+
+def value_spec(name: str, meta: ValueMeta) -> epb.ValueSpec:
+    """The wire expectation of a boundary value from its OpDag metadata."""
+    if meta.kind == "tensor":
+        from executor.transport import dtype_from_name
+
+        return epb.ValueSpec(name=name, kind="tensor", dtype=dtype_to_wire(dtype_from_name(meta.dtype or "")), shape=list(meta.shape or ()))
+    return epb.ValueSpec(name=name, kind=meta.kind)
+
+
+def tensor_value_spec(name: str, t: torch.Tensor) -> epb.ValueSpec:
+    """The wire expectation of a tensor shaped like ``t``."""
+    return epb.ValueSpec(name=name, kind="tensor", dtype=dtype_to_wire(t.dtype), shape=list(t.shape))
+
+
+class PipelineDriver:
+    """Drives one job's stages on a set of workers."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        job: JobSpec,
+        model: torch.nn.Module,
+        captured: CapturedModel,
+        stages: Sequence[StageSpec],
+        addresses: Sequence[str],
+        example_target: torch.Tensor,
+        leaf_modules: Sequence[str] = (),
+        device: str = "cpu",
+        pool: ChannelPool | None = None,
+        step_timeout_s: float = 600.0,
+    ) -> None:
+        if len(addresses) != len(stages):
+            raise ValueError(f"need one worker address per stage: {len(stages)} stages, {len(addresses)} addresses")
+        self.job_id = job_id
+        self.job = job
+        self.model = model
+        self.captured = captured
+        self.dag = captured.dag
+        self.stages = list(stages)
+        self.addresses = list(addresses)
+        self.example_target = example_target
+        self.leaf_modules = tuple(leaf_modules)
+        self.device = device
+        self.pool = pool or ChannelPool(chunk_bytes=DEFAULT_CHUNK_BYTES)
+        self._own_pool = pool is None
+        self.step_timeout_s = step_timeout_s
+        self.clients = [ExecutorClient(a, self.pool) for a in self.addresses]
+        self.loss_stage = next(s.stage_idx for s in self.stages if s.is_loss_stage)
+        self._param_names: list[list[str]] = [[] for _ in self.stages]
+        self._state_names: list[set[str]] = [set() for _ in self.stages]
+        self._tied: dict[str, list[tuple[int, str]]] = {}
+
+    # ------------------------------------------------------------- loading
+    def load_request(self, spec: StageSpec) -> epb.LoadStageRequest:
+        """The LoadStage request for one stage."""
+        job = self.job
+        values = [value_spec(name, self.dag.node(name).value) for name, _ in spec.inputs]
+        values += [value_spec(name, self.dag.node(name).value) for name, _ in spec.outputs]
+        if spec.is_loss_stage:
+            values.append(tensor_value_spec(TARGET_NAME, self.example_target))
+        m = job.train.micro_batches
+        return epb.LoadStageRequest(
+            job_id=self.job_id,
+            stage_idx=spec.stage_idx,
+            model=epb.ModelSpec(
+                name=job.model.name,
+                preset=job.model.preset or "",
+                kwargs_json=json.dumps(job.model.kwargs),
+                leaf_modules=list(self.leaf_modules),
+            ),
+            example_inputs=[value_spec(n, self.dag.node(n).value) for n in self.dag.input_names()],
+            nodes=list(spec.nodes),
+            inputs=[epb.StageInput(name=n, src_stage_idx=s) for n, s in spec.inputs],
+            outputs=[epb.StageOutput(name=n, dst_stage_idx=list(d)) for n, d in spec.outputs],
+            values=values,
+            is_loss_stage=spec.is_loss_stage,
+            loss=job.train.loss,
+            stage_addresses={s.stage_idx: self.addresses[s.stage_idx] for s in self.stages},
+            depth=spec.depth,
+            train_json=json.dumps(job.train.to_dict()),
+            graph_fingerprint=self.dag.fingerprint,
+            device=self.device,
+            chunk_bytes=self.pool.chunk_bytes,
+            micro_batch_weights=[1.0 / m] * m,
+        )
+
+    def load(self) -> None:
+        """Build every stage on its worker and send it its initial parameters and buffers."""
+        state = self.model.state_dict()
+
+        def load_one(spec: StageSpec) -> None:
+            client = self.clients[spec.stage_idx]
+            response = client.load_stage(self.load_request(spec))
+            names = list(response.parameter_names) + list(response.buffer_names)
+            self._param_names[spec.stage_idx] = list(response.parameter_names)
+            self._state_names[spec.stage_idx] = set(names)
+            tensors = {n: state[n] for n in names if n in state}
+            client.set_state(self.job_id, spec.stage_idx, pb.TRANSFER_KIND_PARAMETER, tensors)
+
+        run_parallel([lambda s=s: load_one(s) for s in self.stages], name="load-stage")
+        holders: dict[str, list[tuple[int, str]]] = {}
+        for stage_idx, names in enumerate(self._param_names):
+            seen: set[str] = set()
+            for name in names:
+                canonical = self.dag.tied_params.get(name, name)
+                if canonical not in seen:
+                    seen.add(canonical)
+                    holders.setdefault(canonical, []).append((stage_idx, name))
+        self._tied = {k: v for k, v in holders.items() if len(v) > 1}
+        if self._tied:
+            logger.info("parameters shared across stages: %s", {k: [s for s, _ in v] for k, v in self._tied.items()})
+
+    # ------------------------------------------------------------- steps
+    def forward_backward(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> StepStats:
+        """Run forward and backward of one batch over all stages; returns the step's loss."""
+        t0 = time.perf_counter()
+        m = self.job.train.micro_batches
+        schedule = _SCHEDULES[self.job.train.schedule]
+        run_parallel(
+            [lambda s=s: self.clients[s.stage_idx].run_step(self.job_id, s.stage_idx, step, m, schedule) for s in self.stages],
+            name="run-step",
+        )
+        input_names = self.dag.input_names()
+        if len(inputs) != len(input_names):
+            raise ValueError(f"model takes {len(input_names)} inputs ({input_names}), got {len(inputs)}")
+        chunks = [torch.chunk(x, m) for x in inputs]
+        targets = torch.chunk(target, m)
+        failure = threading.Event()
+        errors: list[tuple[int, BaseException]] = []
+        results: dict[int, epb.WaitStepResponse] = {}
+        lock = threading.Lock()
+
+        def fail(stage_idx: int, e: BaseException) -> None:
+            with lock:
+                errors.append((stage_idx, e))
+            if not failure.is_set():
+                failure.set()
+                for c in self.clients:
+                    c.abort(self.job_id, f"stage {stage_idx} failed: {e}")
+
+        def feed(spec: StageSpec) -> None:
+            try:
+                names = [n for n, src in spec.inputs if src == DRIVER]
+                for mb in range(m):
+                    if failure.is_set():
+                        return
+                    if names:
+                        tensors = {n: chunks[input_names.index(n)][mb] for n in names}
+                        header = self._header(spec.stage_idx, step, mb, pb.TRANSFER_KIND_ACTIVATION)
+                        self.clients[spec.stage_idx].send(header, tensors)
+                    if spec.is_loss_stage:
+                        header = self._header(spec.stage_idx, step, mb, pb.TRANSFER_KIND_TARGET)
+                        self.clients[spec.stage_idx].send(header, {TARGET_NAME: targets[mb]})
+            except FusionError as e:
+                fail(spec.stage_idx, e)
+
+        def wait(spec: StageSpec) -> None:
+            deadline = time.monotonic() + self.step_timeout_s
+            try:
+                while time.monotonic() < deadline:
+                    r = self.clients[spec.stage_idx].wait_step(self.job_id, spec.stage_idx, step, POLL_S)
+                    if r.done:
+                        results[spec.stage_idx] = r
+                        return
+                raise StageError(f"stage {spec.stage_idx} did not finish step {step} within {self.step_timeout_s:.0f}s")
+            except FusionError as e:
+                fail(spec.stage_idx, e)
+
+        calls = [lambda s=s: feed(s) for s in self.stages] + [lambda s=s: wait(s) for s in self.stages]
+        run_parallel(calls, name=f"step{step}")
+        if errors:
+            raise self._root_cause(step, errors)
+        stats = StepStats(step=step, loss=results[self.loss_stage].loss, step_s=time.perf_counter() - t0)
+        for s, r in results.items():
+            stats.compute_s[s] = r.compute_s
+            for dst, size in r.sent_bytes.items():
+                stats.sent_bytes[(s, dst)] = size
+        return stats
+
+    def _root_cause(self, step: int, errors: list[tuple[int, BaseException]]) -> FusionError:
+        """Prefer the stage that failed over the stages that were aborted because of it."""
+        def secondary(e: BaseException) -> bool:
+            return "aborted" in str(e).lower()
+
+        stage_idx, error = sorted(errors, key=lambda se: secondary(se[1]))[0]
+        if isinstance(error, RemoteError):
+            return RemoteError(f"step {step} failed on stage {stage_idx} ({self.addresses[stage_idx]}): {error}", code=error.code, peer=error.peer)
+        return StageError(f"step {step} failed on stage {stage_idx}: {error}")
+
+    def _header(self, stage_idx: int, step: int, micro_batch_idx: int, kind: int) -> pb.TransferHeader:
+        return pb.TransferHeader(
+            job_id=self.job_id, stage_idx=stage_idx, src_stage_idx=DRIVER, step=step, micro_batch_idx=micro_batch_idx, kind=kind
+        )
+
+    def sync_tied_gradients(self) -> None:
+        """Give every holder of a shared parameter the sum of all holders' gradients."""
+        if not self._tied:
+            return
+        grads: dict[str, list[torch.Tensor]] = {}
+        for canonical, holders in self._tied.items():
+            for stage_idx, name in holders:
+                got = self.clients[stage_idx].get_state(self.job_id, stage_idx, epb.STATE_KIND_GRADIENTS, [name])
+                if name in got:
+                    grads.setdefault(canonical, []).append(got[name])
+        for canonical, holders in self._tied.items():
+            parts = grads.get(canonical)
+            if not parts:
+                continue
+            total = parts[0].clone()
+            for g in parts[1:]:
+                total += g
+            for stage_idx, name in holders:
+                self.clients[stage_idx].set_state(self.job_id, stage_idx, pb.TRANSFER_KIND_PARAMETER_GRADIENT, {name: total})
+
+    def apply(self, step: int, *, optimizer_step: bool = True) -> None:
+        """Run the optimizer on every stage (or only zero the gradients)."""
+        run_parallel(
+            [lambda s=s: self.clients[s.stage_idx].apply_step(self.job_id, s.stage_idx, step, optimizer_step=optimizer_step) for s in self.stages],
+            name="apply",
+        )
+
+    def train_step(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> StepStats:
+        """One full training step: forward, backward, tied-gradient sync, optimizer."""
+        stats = self.forward_backward(step, inputs, target)
+        self.sync_tied_gradients()
+        self.apply(step)
+        return stats
+
+    # ------------------------------------------------------------- state
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Accumulated parameter gradients by canonical parameter name (call before apply)."""
+        out: dict[str, torch.Tensor] = {}
+        for spec in self.stages:
+            got = self.clients[spec.stage_idx].get_state(self.job_id, spec.stage_idx, epb.STATE_KIND_GRADIENTS)
+            for name, g in got.items():
+                out.setdefault(self.dag.tied_params.get(name, name), g)
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's ``state_dict`` under the original names.
+
+        Entries no stage holds (parameters the graph never reads) keep their initial value.
+        """
+        fetched: dict[str, torch.Tensor] = {}
+        for spec in self.stages:
+            got = self.clients[spec.stage_idx].get_state(self.job_id, spec.stage_idx, epb.STATE_KIND_PARAMETERS)
+            for name, t in got.items():
+                fetched.setdefault(name, t)
+                fetched.setdefault(self.dag.tied_params.get(name, name), t)
+        out: dict[str, torch.Tensor] = {}
+        for name, initial in self.model.state_dict().items():
+            canonical = self.dag.tied_params.get(name, name)
+            out[name] = fetched.get(name, fetched.get(canonical, initial.detach().cpu())).clone()
+        return out
+
+    def close(self) -> None:
+        """Unload the job's stages from every worker (best effort) and close channels."""
+        for address, client in {a: c for a, c in zip(self.addresses, self.clients)}.items():
+            try:
+                client.unload_job(self.job_id)
+            except RemoteError as e:
+                logger.info("unloading job %s from %s failed: %s", self.job_id, address, e)
+        if self._own_pool:
+            self.pool.close()
