@@ -73,11 +73,15 @@ def train_reference(
     *,
     steps: int | None = None,
     device: str = "cpu",
+    accumulate: bool = False,
     on_step: Callable[[int, float], None] | None = None,
 ) -> ReferenceResult:
     """Plain PyTorch training of the job on one process: the parity baseline.
 
-    The loss of a step is the mean over the whole batch (one forward, no micro-batches).
+    The loss of a step is the mean over the whole batch. With ``accumulate`` the batch is
+    run as ``train.micro_batches`` chunks with gradient accumulation (loss of each chunk
+    divided by their number) — identical for most models, and the right reference for
+    models whose forward sees the micro-batch, such as BatchNorm in training mode.
     """
     model = build_job_model(job).to(device)
     dataset = build_job_dataset(job)
@@ -87,11 +91,15 @@ def train_reference(
     for step in range(job.train.steps if steps is None else steps):
         x, y = job_batch(job, dataset, step)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x.to(device)), y.to(device))
-        loss.backward()
+        chunks = job.train.micro_batches if accumulate else 1
+        total = 0.0
+        for xm, ym in zip(torch.chunk(x, chunks), torch.chunk(y, chunks)):
+            loss = loss_fn(model(xm.to(device)), ym.to(device)) / chunks
+            loss.backward()
+            total += float(loss.detach())
         result.gradients = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
-        result.losses.append(float(loss.detach()))
+        result.losses.append(total)
         if on_step is not None:
             on_step(step, result.losses[-1])
     result.state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

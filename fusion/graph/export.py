@@ -18,6 +18,7 @@ import copy
 import hashlib
 import logging
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from fusion.errors import GraphExportError
 from fusion.graph.ir import OpDag, OpEdge, OpNode, ValueMeta
 
 logger = logging.getLogger(__name__)
+
+_CAPTURE_LOCK = threading.Lock()
 
 #: Bytes charged for a non-tensor value crossing a boundary (it travels as a protobuf field).
 SCALAR_BYTES = 8
@@ -82,12 +85,21 @@ def capture_graph(
     """
     leaf_modules = tuple(leaf_modules)
     _check_leaf_modules(model, leaf_modules)
+    # Tracing patches process-wide hooks (Module.__call__ and friends): one capture at a time.
+    with _CAPTURE_LOCK:
+        return _capture_locked(model, example_inputs, leaf_modules)
+
+
+def _capture_locked(
+    model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], leaf_modules: tuple[str, ...]
+) -> tuple[fx.GraphModule, str]:
     tracer = _LeafTracer(leaf_modules)
     try:
         graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
         return gm, "fx"
-    except Exception as fx_error:  # any tracing failure leads to the fallback
+    except Exception as e:  # any tracing failure leads to the fallback
+        fx_error = e
         failed_in = tracer.failed_in or "<top level>"
         logger.info("symbolic_trace failed in %s (%s); falling back to torch.export", failed_in, fx_error)
     try:

@@ -1,0 +1,53 @@
+"""Shared fixtures: a pool of real executor processes, free ports, seeds, and a reaper.
+
+Every child process a test starts must be stopped by that test; the session-end reaper
+is a safety net that kills any left over (and reports them), so a failed test never
+leaves workers running.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+
+from executor.local import LocalCluster
+
+logger = logging.getLogger(__name__)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    """Four executor processes on loopback, shared by the tests of a session."""
+    with LocalCluster(4, torch_threads=1) as c:
+        yield c
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Reap any child process a test forgot (and say so)."""
+    leftovers = psutil.Process().children(recursive=True)
+    for child in leftovers:
+        logger.warning("reaping leftover child process %d (%s)", child.pid, " ".join(child.cmdline()[:4]))
+        child.kill()
+    psutil.wait_procs(leftovers, timeout=10)

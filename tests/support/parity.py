@@ -1,0 +1,75 @@
+"""The one parity helper: a distributed run against single-process PyTorch.
+
+Losses, every parameter's gradient (of the last step, before its update) and every
+``state_dict`` entry after the run (parameters and BatchNorm buffers) must match.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from executor.local import DistributedResult, train_distributed
+from fusion.config import JobSpec
+from fusion.graph.ir import OpDag
+from fusion.training import train_reference
+
+# Summation order differs between one process and micro-batches over stages; fp32 noise
+# stays far below these bounds, a wrong gradient does not.
+RTOL = 1e-4
+ATOL = 1e-5
+
+
+def assert_parity(
+    job: JobSpec,
+    addresses: Sequence[str],
+    *,
+    steps: int = 1,
+    assignment: Mapping[str, int] | None = None,
+    accumulate: bool = False,
+    stage_workers: Sequence[int] | None = None,
+) -> DistributedResult:
+    """Run ``job`` distributed and in one process; assert they agree; return the distributed run."""
+    ref = train_reference(job, steps=steps, accumulate=accumulate)
+    got = train_distributed(
+        job, addresses, steps=steps, assignment=assignment, collect_gradients=True, stage_workers=stage_workers
+    )
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=RTOL, atol=ATOL)
+    assert set(got.gradients) == set(ref.gradients), set(got.gradients) ^ set(ref.gradients)
+    for name, g in ref.gradients.items():
+        torch.testing.assert_close(got.gradients[name], g, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"gradient of {n}: {m}")
+    assert set(got.state_dict) == set(ref.state_dict)
+    for name, v in ref.state_dict.items():
+        torch.testing.assert_close(got.state_dict[name], v, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    return got
+
+
+def skip_assignment(dag: OpDag, branch: str, num_stages: int) -> dict[str, int]:
+    """A non-chain cut: a residual branch on its own stage, its skip jumping over it.
+
+    Nodes before the branch go to stage 0; the branch (module paths matching the regex
+    ``branch``, plus whatever between its first and last node feeds it) to stage 1; the
+    rest is split evenly over stages ``2 .. num_stages-1``. The block input then feeds two
+    stages (1 and 2), and the residual crosses stage 1.
+    """
+    nodes = dag.compute_nodes()
+    pattern = re.compile(branch)
+    idx = [i for i, n in enumerate(nodes) if pattern.match(n.module_path)]
+    assert idx, f"no node matches {branch!r}"
+    first, last = idx[0], idx[-1]
+    in_branch = {nodes[i].name for i in idx}
+    consumers = dag.consumers()
+    # Pull in nodes between first and last that feed the branch (walk backwards).
+    for i in range(last, first - 1, -1):
+        n = nodes[i]
+        if any(c in in_branch for c in consumers[n.name]):
+            in_branch.add(n.name)
+    tail = [n for n in nodes[first:] if n.name not in in_branch]
+    out = {n.name: 0 for n in nodes[:first]}
+    out.update({name: 1 for name in in_branch})
+    rest = num_stages - 2
+    for i, n in enumerate(tail):
+        out[n.name] = 2 + i * rest // len(tail)
+    return out
