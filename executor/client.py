@@ -8,23 +8,24 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 import torch
 
+from executor.binding import ExecutorStub
 from executor.status import call_with_retry, remote_error
 from executor.transport import (
     DEFAULT_CHUNK_BYTES,
     decode_transfer,
-    encode_transfer,
+    encode_transfer_wire,
     grpc_message_options,
     scalar_to_wire,
 )
 from fusion.errors import RemoteError
 from fusion.wire import executor_pb2 as epb
-from fusion.wire import executor_pb2_grpc as egrpc
 from fusion.wire import tensor_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class ExecutorClient:
     def __init__(self, address: str, pool: ChannelPool) -> None:
         self.address = address
         self.pool = pool
-        self.stub = egrpc.ExecutorStub(pool.get(address))
+        self.stub = ExecutorStub(pool.get(address))
 
     def _call(self, method: Any, request: Any, what: str, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
         return call_with_retry(method, request, peer=self.address, what=what, timeout_s=timeout_s)
@@ -96,19 +97,31 @@ class ExecutorClient:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         size += sum(len(b) for _, b in (encoded or {}).values())
 
-        def chunks() -> Iterator[pb.TensorChunk]:
-            return encode_transfer(header, tensors, chunk_bytes=self.pool.chunk_bytes, encoded=encoded)
+        def chunks() -> Iterator[bytes]:
+            return encode_transfer_wire(header, tensors, chunk_bytes=self.pool.chunk_bytes, encoded=encoded)
 
         what = f"Send(kind {header.kind} to stage {header.stage_idx}, micro-batch {header.micro_batch_idx})"
         self._call(self.stub.Send, chunks, what, transfer_timeout_s(size))
         return size
 
+    def probe(self, size_bytes: int) -> tuple[float, epb.ProbeResponse]:
+        """Send ``size_bytes`` of probe bytes through the tensor path; returns (seconds, answer)."""
+        payload = torch.zeros(size_bytes, dtype=torch.uint8)
+        header = pb.TransferHeader(kind=pb.TRANSFER_KIND_PROBE)
+
+        def chunks() -> Iterator[bytes]:
+            return encode_transfer_wire(header, {"probe": payload}, chunk_bytes=self.pool.chunk_bytes)
+
+        t0 = time.perf_counter()
+        response = self._call(self.stub.Probe, chunks, f"Probe({size_bytes} bytes)", transfer_timeout_s(size_bytes))
+        return time.perf_counter() - t0, response
+
     def set_state(self, job_id: str, stage_idx: int, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:
         header = pb.TransferHeader(job_id=job_id, stage_idx=stage_idx, kind=kind)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
 
-        def chunks() -> Iterator[pb.TensorChunk]:
-            return encode_transfer(header, tensors, chunk_bytes=self.pool.chunk_bytes)
+        def chunks() -> Iterator[bytes]:
+            return encode_transfer_wire(header, tensors, chunk_bytes=self.pool.chunk_bytes)
 
         self._call(self.stub.SetState, chunks, f"SetState(stage {stage_idx})", transfer_timeout_s(size))
 

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -25,22 +26,24 @@ from typing import Any
 import grpc
 import torch
 
+from executor.binding import executor_handler
 from executor.build import build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.runtime import StageRuntime
 from executor.status import rpc_errors
-from executor.transport import DEFAULT_CHUNK_BYTES, decode_transfer, encode_transfer, grpc_message_options
+from executor.transport import DEFAULT_CHUNK_BYTES, RawChunk, decode_transfer, encode_transfer_wire, grpc_message_options
 from fusion.errors import NotFoundError, StateError, WireError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.wire import executor_pb2 as epb
-from fusion.wire import executor_pb2_grpc as egrpc
 from fusion.wire import tensor_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 #: Largest transfer a stage accepts (each tensor is also checked against its expected shape).
 MAX_TRANSFER_BYTES = 8 << 30
+#: Largest link probe accepted.
+MAX_PROBE_BYTES = 256 << 20
 #: Longest a WaitStep call blocks before answering "not done yet".
 MAX_WAIT_S = 30.0
 
@@ -76,7 +79,7 @@ class PeerSender:
             self._queues.clear()
 
 
-class ExecutorService(egrpc.ExecutorServicer):
+class ExecutorService:
     """Hosts any number of stages, keyed by (job id, stage index)."""
 
     def __init__(self, *, worker_name: str = "", allow_code: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
@@ -142,7 +145,7 @@ class ExecutorService(egrpc.ExecutorServicer):
         )
 
     @rpc_errors
-    def SetState(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> epb.SetStateResponse:
+    def SetState(self, request_iterator: Iterator[RawChunk], context: grpc.ServicerContext) -> epb.SetStateResponse:
         holder: dict[str, StageRuntime] = {}
 
         def check(header: pb.TransferHeader) -> None:
@@ -156,16 +159,16 @@ class ExecutorService(egrpc.ExecutorServicer):
         return epb.SetStateResponse(num_tensors=len(tensors))
 
     @rpc_errors
-    def GetState(self, request: epb.GetStateRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+    def GetState(self, request: epb.GetStateRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         runtime = self.stage(request.job_id, request.stage_idx)
         tensors = runtime.get_state(request.kind, list(request.names))
         kind = pb.TRANSFER_KIND_PARAMETER if request.kind == epb.STATE_KIND_PARAMETERS else pb.TRANSFER_KIND_PARAMETER_GRADIENT
         header = pb.TransferHeader(job_id=request.job_id, stage_idx=request.stage_idx, kind=kind)
         # Materialise here so errors surface inside the handler, not mid-stream.
-        return iter(list(encode_transfer(header, tensors, chunk_bytes=self.pool.chunk_bytes)))
+        return iter(list(encode_transfer_wire(header, tensors, chunk_bytes=self.pool.chunk_bytes)))
 
     @rpc_errors
-    def Send(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> epb.SendResponse:
+    def Send(self, request_iterator: Iterator[RawChunk], context: grpc.ServicerContext) -> epb.SendResponse:
         holder: dict[str, StageRuntime] = {}
 
         def check(header: pb.TransferHeader) -> None:
@@ -221,6 +224,18 @@ class ExecutorService(egrpc.ExecutorServicer):
         return epb.UnloadJobResponse()
 
     @rpc_errors
+    def Probe(self, request_iterator: Iterator[RawChunk], context: grpc.ServicerContext) -> epb.ProbeResponse:
+        t0: list[float] = []
+
+        def check(header: pb.TransferHeader) -> None:
+            t0.append(time.perf_counter())
+            if header.kind != pb.TRANSFER_KIND_PROBE:
+                raise WireError("Probe takes only TRANSFER_KIND_PROBE transfers")
+
+        transfer = decode_transfer(request_iterator, max_bytes=MAX_PROBE_BYTES, check=check)
+        return epb.ProbeResponse(received_bytes=transfer.size_bytes, receive_s=time.perf_counter() - t0[0])
+
+    @rpc_errors
     def Ping(self, request: epb.PingRequest, context: grpc.ServicerContext) -> epb.PingResponse:
         return epb.PingResponse(worker_name=self.worker_name, jobs=self.jobs())
 
@@ -254,13 +269,13 @@ def start_server(
             ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
             options=grpc_message_options(service.pool.chunk_bytes),
         )
-        egrpc.add_ExecutorServicer_to_server(service, server)
+        server.add_generic_rpc_handlers((executor_handler(service),))
         port = server.add_insecure_port(listen)
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
         server.start()
         return server, port
-    egrpc.add_ExecutorServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((executor_handler(service),))
     return server, 0
 
 

@@ -248,6 +248,14 @@ class UnloadJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ProbeResponse(_message.Message):
+    __slots__ = ("received_bytes", "receive_s")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_S_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    receive_s: float
+    def __init__(self, received_bytes: _Optional[int] = ..., receive_s: _Optional[float] = ...) -> None: ...
+
 class PingRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -85,6 +85,11 @@ class ExecutorStub:
                 request_serializer=fusion_dot_wire_dot_executor__pb2.PingRequest.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_executor__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.stream_unary(
+                '/fusion.wire.Executor/Probe',
+                request_serializer=fusion_dot_wire_dot_tensor__pb2.TensorChunk.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.ProbeResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -158,6 +163,14 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request_iterator, context):
+        """Receive a transfer of probe bytes through the full tensor path and drop it: measures
+        the link (latency and bandwidth) the way training traffic sees it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +223,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=fusion_dot_wire_dot_executor__pb2.PingRequest.FromString,
                     response_serializer=fusion_dot_wire_dot_executor__pb2.PingResponse.SerializeToString,
+            ),
+            'Probe': grpc.stream_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=fusion_dot_wire_dot_tensor__pb2.TensorChunk.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.ProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +500,33 @@ class Executor:
             '/fusion.wire.Executor/Ping',
             fusion_dot_wire_dot_executor__pb2.PingRequest.SerializeToString,
             fusion_dot_wire_dot_executor__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fusion.wire.Executor/Probe',
+            fusion_dot_wire_dot_tensor__pb2.TensorChunk.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,
