@@ -314,6 +314,10 @@ class PipelineDriver:
             out[name] = fetched.get(name, fetched.get(canonical, initial.detach().cpu())).clone()
         return out
 
+    def abort(self, reason: str) -> None:
+        """Abort the running step on every worker (best effort, in parallel)."""
+        run_parallel([lambda c=c: c.abort(self.job_id, reason) for c in self.clients], name="abort")
+
     def close(self) -> None:
         """Unload the job's stages from every worker (best effort) and close channels."""
         for address, client in {a: c for a, c in zip(self.addresses, self.clients)}.items():

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
     import torch
 
+__version__ = "0.1.0"
+
 __all__ = [
     "AuthError",
     "CompressionError",

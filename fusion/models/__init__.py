@@ -22,7 +22,7 @@ from fusion.models import gpt2, resnet
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model", "check_arguments", "default_dataset", "load_factory", "model_names"]
+__all__ = ["build_model", "check_arguments", "check_model", "default_dataset", "load_factory", "model_names"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,29 @@ def default_dataset(model_name: str) -> str | None:
     return builtin.default_dataset if builtin is not None else None
 
 
+def check_model(name: str, preset: str | None = None, **kwargs: Any) -> None:
+    """Raise :class:`ConfigError` for what :func:`build_model` would reject, without building.
+
+    Bundled models get their config validated; user factories get imported and their
+    signature checked against ``kwargs``. Cheap for any model size (used at job submit).
+    """
+    if name in _BUILTIN:
+        _builtin_config(name, _BUILTIN[name], preset, kwargs)
+        return
+    if ":" in name:
+        factory = load_factory(name, kind="model")
+        check_arguments(factory, {**kwargs, **({"preset": preset} if preset is not None else {})}, name)
+        return
+    raise ConfigError(f"unknown model {name!r}; choose one of {model_names()} or give 'package.module:factory'")
+
+
 def _build_builtin(name: str, builtin: _BuiltinModel, preset: str | None, kwargs: dict[str, Any]) -> nn.Module:
+    config = _builtin_config(name, builtin, preset, kwargs)
+    logger.info("building %s (preset %s): %s", name, preset, config)
+    return builtin.model_cls(config)
+
+
+def _builtin_config(name: str, builtin: _BuiltinModel, preset: str | None, kwargs: dict[str, Any]) -> Any:
     field_names = [field.name for field in dataclasses.fields(builtin.config_cls)]
     unknown = sorted(set(kwargs) - set(field_names))
     if unknown:
@@ -126,9 +148,7 @@ def _build_builtin(name: str, builtin: _BuiltinModel, preset: str | None, kwargs
             f"{name} without a preset needs the option(s) {missing}; give them, "
             f"or pick a preset from {list(builtin.presets)}"
         )
-    config = builtin.config_cls(**config_kwargs)
-    logger.info("building %s (preset %s): %s", name, preset, config)
-    return builtin.model_cls(config)
+    return builtin.config_cls(**config_kwargs)
 
 
 def _build_from_factory(name: str, preset: str | None, kwargs: dict[str, Any]) -> nn.Module:

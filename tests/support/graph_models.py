@@ -1,9 +1,49 @@
-"""Tiny models that exercise the corners of graph capture (used by the unit tests only)."""
+"""Tiny models that exercise the corners of graph capture, and captured bundled models (tests only)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
+
+from fusion.graph.export import CapturedModel, capture
+from fusion.graph.ir import OpDag
+from fusion.models import build_model
+
+
+@dataclass
+class Captured:
+    """A model, its example input and what :func:`fusion.graph.export.capture` made of it."""
+
+    model: nn.Module
+    example: torch.Tensor
+    captured: CapturedModel
+
+    @property
+    def dag(self) -> OpDag:
+        return self.captured.dag
+
+    @property
+    def compute(self) -> list[str]:
+        """Names of the compute nodes, in topological order."""
+        return [n.name for n in self.dag.compute_nodes()]
+
+
+def captured_gpt2_tiny() -> Captured:
+    """GPT-2 tiny in eval mode on a (2, 8) batch of token ids."""
+    torch.manual_seed(0)
+    model = build_model("gpt2", "tiny").eval()
+    idx = torch.randint(0, 256, (2, 8))  # (B, T)
+    return Captured(model, idx, capture(model, (idx,)))
+
+
+def captured_resnet_tiny(*, train: bool = False) -> Captured:
+    """ResNet tiny (4 classes) on a (2, 3, 16, 16) batch of images."""
+    torch.manual_seed(0)
+    model = build_model("resnet", "tiny", num_classes=4).train(train)
+    x = torch.randn(2, 3, 16, 16)  # (B, C, H, W)
+    return Captured(model, x, capture(model, (x,)))
 
 
 class SignGate(nn.Module):

@@ -4,57 +4,28 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
 
 from fusion.errors import GraphExportError
-from fusion.graph.export import CapturedModel, capture, describe_value, export, tied_parameter_names
+from fusion.graph.export import capture, describe_value, export, tied_parameter_names
 from fusion.graph.ir import OpDag, ValueMeta
 from fusion.graph.split import split_stages
 from fusion.models import build_model
-from tests.support.graph_models import GatedNet, TupleOutputNet
+from tests.support.graph_models import Captured, GatedNet, TupleOutputNet, captured_gpt2_tiny, captured_resnet_tiny
 from tests.support.models import ControlFlowNet
-
-
-@dataclass
-class Captured:
-    """A model, its example input and what :func:`capture` made of it."""
-
-    name: str
-    model: nn.Module
-    example: torch.Tensor
-    captured: CapturedModel
-
-    @property
-    def dag(self) -> OpDag:
-        return self.captured.dag
-
-
-def _gpt2() -> Captured:
-    torch.manual_seed(0)
-    model = build_model("gpt2", "tiny").eval()
-    idx = torch.randint(0, 256, (2, 8))  # (B, T)
-    return Captured("gpt2", model, idx, capture(model, (idx,)))
-
-
-def _resnet() -> Captured:
-    torch.manual_seed(0)
-    model = build_model("resnet", "tiny", num_classes=4).eval()
-    x = torch.randn(2, 3, 16, 16)  # (B, C, H, W)
-    return Captured("resnet", model, x, capture(model, (x,)))
 
 
 @pytest.fixture(scope="module")
 def gpt2() -> Captured:
-    return _gpt2()
+    return captured_gpt2_tiny()
 
 
 @pytest.fixture(scope="module")
 def resnet() -> Captured:
-    return _resnet()
+    return captured_resnet_tiny()
 
 
 @pytest.fixture(scope="module", params=["gpt2", "resnet"])
@@ -395,6 +366,31 @@ def test_expanded_even_split_of_groups_is_accepted(gpt2: Captured, num_stages: i
     assert len(specs) == num_stages
     assert [s.depth for s in specs] == list(range(num_stages - 1, -1, -1))
     assert specs[-1].is_loss_stage
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: fusion/graph/ir.py OpDag._grouped builds group nodes with empty `inputs` and keeps the "
+    "output node's original inputs, so node.inputs disagrees with the coarse edges",
+    raises=AssertionError,
+)
+def test_coarse_node_inputs_match_coarse_edges(gpt2: Captured) -> None:
+    coarse = gpt2.dag.coarsen(6)
+    from_inputs = {(src, n.name) for n in coarse.nodes for src in n.inputs}
+    assert from_inputs == {(e.src, e.dst) for e in coarse.edges}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: fusion/graph/ir.py OpDag._grouped gives groups ValueMeta(kind='group'), which is not in "
+    "SENDABLE_KINDS, so split_stages on the coarse DAG silently pulls every group onto stage 0",
+    raises=AssertionError,
+)
+def test_split_of_the_coarse_dag_keeps_its_stages(gpt2: Captured) -> None:
+    coarse = gpt2.dag.coarsen(6)
+    groups = [g.name for g in coarse.compute_nodes()]
+    specs = split_stages(coarse, {g: i * 3 // len(groups) for i, g in enumerate(groups)})
+    assert len(specs) == 3
 
 
 def test_value_meta_round_trips_through_dict() -> None:

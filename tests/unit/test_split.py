@@ -3,59 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
 
 from fusion.errors import SplitError
-from fusion.graph.export import CapturedModel, capture
+from fusion.graph.export import capture
 from fusion.graph.ir import OpDag
 from fusion.graph.split import DRIVER, StageSpec, build_stage_module, normalize_assignment, split_stages
-from fusion.models import build_model
-
-
-@dataclass
-class Captured:
-    """A model, its example input and its capture."""
-
-    model: nn.Module
-    example: torch.Tensor
-    captured: CapturedModel
-
-    @property
-    def dag(self) -> OpDag:
-        return self.captured.dag
-
-    @property
-    def compute(self) -> list[str]:
-        return [n.name for n in self.dag.compute_nodes()]
+from tests.support.graph_models import Captured, captured_gpt2_tiny, captured_resnet_tiny
+from tests.support.models import ControlFlowNet
 
 
 @pytest.fixture(scope="module")
 def gpt2() -> Captured:
-    torch.manual_seed(0)
-    model = build_model("gpt2", "tiny").eval()
-    idx = torch.randint(0, 256, (2, 8))  # (B, T)
-    return Captured(model, idx, capture(model, (idx,)))
-
-
-def _resnet(train: bool) -> Captured:
-    torch.manual_seed(0)
-    model = build_model("resnet", "tiny", num_classes=4).train(train)
-    x = torch.randn(2, 3, 16, 16)  # (B, C, H, W)
-    return Captured(model, x, capture(model, (x,)))
+    return captured_gpt2_tiny()
 
 
 @pytest.fixture(scope="module")
 def resnet() -> Captured:
-    return _resnet(train=False)
+    return captured_resnet_tiny(train=False)
 
 
 @pytest.fixture(scope="module")
 def resnet_train() -> Captured:
-    return _resnet(train=True)
+    return captured_resnet_tiny(train=True)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "resnet", "resnet_train"])
@@ -246,13 +218,16 @@ def test_stage_module_holds_exactly_its_state_as_copies(model: Captured) -> None
             assert v.data_ptr() != originals[k], f"stage {spec.stage_idx} shares {k} with the captured model"
 
 
-def test_export_captured_model_splits_with_replicated_attrs() -> None:
-    from tests.support.models import ControlFlowNet
-
+@pytest.fixture(scope="module")
+def control_flow() -> Captured:
     torch.manual_seed(0)
     net = ControlFlowNet().eval()
     x = torch.randn(2, 3, 8, 8)
-    captured = Captured(net, x, capture(net, (x,)))
+    return Captured(net, x, capture(net, (x,)))
+
+
+def test_export_captured_model_splits_with_replicated_attrs(control_flow: Captured) -> None:
+    captured, net = control_flow, control_flow.model
     assert captured.dag.capture == "export"
     specs = check_runs_like_model(captured, even_assignment(captured.compute, 3))
     for spec in specs:
@@ -281,6 +256,7 @@ def test_cyclic_assignment_is_refused(resnet: Captured) -> None:
     strict=True,
     reason="bug: fusion/graph/split.py _find_cycle walks into a stage downstream of the cycle "
     "and calls min() on an empty sequence (ValueError instead of SplitError)",
+    raises=ValueError,
 )
 def test_cycle_with_a_stage_downstream_is_refused(resnet: Captured) -> None:
     compute = _chain(resnet)
@@ -320,11 +296,8 @@ def test_bad_stage_indices_are_refused(resnet: Captured, index: object) -> None:
         split_stages(resnet.dag, assignment)  # type: ignore[arg-type]
 
 
-def test_export_get_attr_in_assignment_is_refused() -> None:
-    from tests.support.models import ControlFlowNet
-
-    net = ControlFlowNet()
-    dag = capture(net, (torch.randn(2, 3, 8, 8),)).dag
+def test_export_get_attr_in_assignment_is_refused(control_flow: Captured) -> None:
+    dag = control_flow.dag
     attr = next(n.name for n in dag.nodes if n.op == "get_attr")
     assignment = {**{n.name: 0 for n in dag.compute_nodes()}, attr: 0}
     with pytest.raises(SplitError, match="not compute nodes"):

@@ -1,0 +1,1 @@
+"""Command-line entry points: ``fusion``, ``fusion-coordinator``, ``fusion-worker``."""

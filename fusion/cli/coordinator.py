@@ -1,0 +1,97 @@
+"""``fusion-coordinator``: the long-running service workers join and jobs are submitted to."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from fusion.cli.env import add_log_arg, resolve_token, run_cli, setup_logging
+from fusion.coordinator.service import CoordinatorService, start_coordinator_server
+from fusion.coordinator.store import Store
+from fusion.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+LISTENING = "fusion-coordinator listening on"
+STATE_DB = "coordinator.sqlite"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fusion-coordinator", description="Run a fusion coordinator: workers join it, jobs are submitted to it.")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=7077, help="port (0 picks a free one; default: %(default)s)")
+    p.add_argument("--token", default=None, help="token workers and job owners must present (default: $FUSION_TOKEN, else generated)")
+    p.add_argument("--token-file", default=None, help="read the token from this file")
+    p.add_argument("--state-dir", default="./fusion-state", help="where the SQLite state (and a generated token) live (default: %(default)s)")
+    p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between worker heartbeats (default: %(default)s)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker is declared gone (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="device stages run on (cpu, cuda, cuda:N; default: %(default)s)")
+    add_log_arg(p)
+    return p
+
+
+def _token(args: argparse.Namespace, state_dir: Path) -> str:
+    token = resolve_token(args.token, args.token_file, required=False)
+    if token:
+        return token
+    path = state_dir / "token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    print(f"generated a token in {path} (pass it to workers with --token-file)", flush=True)
+    return token
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+
+    def body() -> int:
+        state_dir = Path(args.state_dir).expanduser().resolve()
+        state_dir.mkdir(parents=True, exist_ok=True)
+        token = _token(args, state_dir)
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(
+                f"WARNING: listening on {args.host} without TLS: tokens and tensors cross the network in clear text",
+                file=sys.stderr,
+                flush=True,
+            )
+        if args.port < 0 or args.port > 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+        store = Store(state_dir / STATE_DB)
+        service = CoordinatorService(
+            store=store,
+            token=token,
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            device=args.device,
+        )
+        try:
+            server, port = start_coordinator_server(service, args.host, args.port)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from e
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"{LISTENING} {args.host}:{port} (state: {state_dir})", flush=True)
+        stop.wait()
+        print("fusion-coordinator stopping", flush=True)
+        server.stop(grace=2.0)
+        service.close()
+        store.close()
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The one place where fusion reads its environment variables, and shared CLI plumbing.
+
+- ``FUSION_COORDINATOR``: default ``--coordinator`` (HOST:PORT) for ``fusion`` and ``fusion-worker``.
+- ``FUSION_TOKEN``: default ``--token``.
+- ``FUSION_LOG_LEVEL``: default ``--log-level`` (``WARNING``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from fusion.errors import ConfigError, FusionError
+
+DEFAULT_COORDINATOR = "127.0.0.1:7077"
+
+
+def env_coordinator() -> str:
+    return os.environ.get("FUSION_COORDINATOR", DEFAULT_COORDINATOR)
+
+
+def env_token() -> str | None:
+    return os.environ.get("FUSION_TOKEN") or None
+
+
+def env_log_level() -> str:
+    return os.environ.get("FUSION_LOG_LEVEL", "WARNING")
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """``--coordinator``, ``--token`` and ``--token-file``."""
+    parser.add_argument("--coordinator", default=env_coordinator(), help="coordinator HOST:PORT (default: $FUSION_COORDINATOR or %(default)s)")
+    parser.add_argument("--token", default=None, help="the coordinator's token (default: $FUSION_TOKEN)")
+    parser.add_argument("--token-file", default=None, help="read the token from this file")
+
+
+def add_log_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=env_log_level(), help="DEBUG, INFO, WARNING (default: $FUSION_LOG_LEVEL or WARNING)")
+
+
+def resolve_token(token: str | None, token_file: str | None, *, required: bool = True) -> str | None:
+    """The token from ``--token``, ``--token-file`` or ``$FUSION_TOKEN``, in that order."""
+    if token:
+        return token
+    if token_file:
+        try:
+            value = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read token file {token_file}: {e}") from e
+        if not value:
+            raise ConfigError(f"token file {token_file} is empty")
+        return value
+    value = env_token()
+    if value is None and required:
+        raise ConfigError("no token given: pass --token, --token-file or set FUSION_TOKEN")
+    return value
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def run_cli(body: Callable[[], int]) -> int:
+    """Run a CLI body: fusion errors become one line on stderr and exit code 1 (2 for bad input)."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,204 @@
+"""``fusion``: the job owner's command line.
+
+    fusion submit JOB.toml          # prints the job id as its last word
+    fusion status [JOB_ID] [--json]
+    fusion jobs [--json]
+    fusion cancel JOB_ID
+    fusion logs JOB_ID [--follow]
+    fusion workers
+    fusion plan JOB.toml --workers N [--json]
+    fusion demo [--workers 3] [--job FILE] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
+from fusion.config import JobSpec, OutputSpec, load_job
+from fusion.coordinator.client import CoordinatorClient
+
+
+def _client(args: argparse.Namespace) -> CoordinatorClient:
+    token = resolve_token(args.token, args.token_file)
+    assert token is not None
+    return CoordinatorClient(args.coordinator, token)
+
+
+def load_job_for_submit(path: str) -> JobSpec:
+    """Read a job file; a relative ``[output] dir`` is taken relative to the current directory."""
+    spec = load_job(path)
+    out = Path(spec.output.dir).expanduser()
+    if not out.is_absolute():
+        spec = replace(spec, output=OutputSpec(dir=str(out.resolve())))
+    return spec
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    spec = load_job_for_submit(args.job)
+    with _client(args) as c:
+        job_id = c.submit(spec)
+    print(f"submitted {spec.name!r} ({spec.model.name}, {spec.train.steps} steps) as {job_id}")
+    return 0
+
+
+def _format_status(s: dict[str, Any]) -> str:
+    loss = f"{s['loss']:.4f}" if s.get("loss") is not None else "-"
+    rate = f"{s['samples_per_s']:.1f} samples/s" if s.get("samples_per_s") else "-"
+    lines = [
+        f"job {s['id']} ({s['name']}): {s['state']}" + (f" — {s['reason']}" if s.get("reason") else ""),
+        f"  step {s['step']}/{s['steps']}, loss {loss}, {rate}",
+        f"  workers: {', '.join(s['workers']) or '-'}",
+        f"  outputs: {s['output_dir']}",
+    ]
+    plan = s.get("plan")
+    if plan:
+        stages = ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"])
+        lines.append(f"  plan: {plan['strategy']}: {stages}")
+    for e in s.get("events", [])[-5:]:
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e.get('event')}: {e.get('message', '')}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        if args.job_id:
+            s = c.status(args.job_id)
+            print(json.dumps(s, indent=2) if args.json else _format_status(s))
+            return 0
+        workers = c.workers()
+        jobs = c.jobs()
+    if args.json:
+        print(json.dumps({"workers": [{"name": w.name, "address": w.address, "state": w.state, "job_id": w.job_id} for w in workers], "jobs": jobs}, indent=2))
+        return 0
+    live = [w for w in workers if w.state != "gone"]
+    print(f"coordinator {args.coordinator}: {len(live)} worker(s), {len(jobs)} job(s)")
+    for w in live:
+        print(f"  worker {w.name} {w.address} {w.state}" + (f" ({w.job_id})" if w.job_id else ""))
+    for j in jobs[:10]:
+        print(f"  {j['id']} {j['state']:<10} step {j['step']}/{j['steps']} {j['name']}")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        jobs = c.jobs()
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    print(f"{'id':<14} {'state':<10} {'step':>11} {'loss':>8}  name")
+    for j in jobs:
+        loss = f"{j['loss']:.4f}" if j.get("loss") is not None else "-"
+        print(f"{j['id']:<14} {j['state']:<10} {j['step']:>5}/{j['steps']:<5} {loss:>8}  {j['name']}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        state = c.cancel(args.job_id)
+    print(f"{args.job_id}: {state}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from fusion.coordinator.store import TERMINAL_STATES
+
+    with _client(args) as c:
+        seq = 0
+        while True:
+            lines, seq = c.logs(args.job_id, seq)
+            for line in lines:
+                print(line, flush=True)
+            if not args.follow or c.status(args.job_id)["state"] in TERMINAL_STATES:
+                if args.follow:
+                    for line in c.logs(args.job_id, seq)[0]:
+                        print(line, flush=True)
+                return 0
+            time.sleep(1.0)
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        workers = c.workers()
+    for w in workers:
+        r = w.resources
+        print(f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  {r.memory_bytes / 2**30:6.1f} GiB")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fusion.graph.export import capture
+    from fusion.graph.split import split_stages
+    from fusion.training import build_job_dataset, build_job_model, example_micro_batch
+    from scheduler.baselines import uniform_assignment
+    from scheduler.plan import plan_from_stages
+
+    spec = load_job(args.job)
+    t0 = time.perf_counter()
+    model = build_job_model(spec)
+    x, _ = example_micro_batch(spec, build_job_dataset(spec))
+    dag = capture(model, (x,)).dag
+    stages = split_stages(dag, uniform_assignment(dag, args.workers))
+    plan = plan_from_stages(
+        dag, stages, [f"worker-{i}" for i in range(len(stages))], strategy="uniform",
+        micro_batches=spec.train.micro_batches, schedule=spec.train.schedule, planning_s=time.perf_counter() - t0,
+    )
+    print(plan.to_json() if args.json else plan.table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fusion", description="Submit and watch fusion training jobs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help_text: str, connect: bool = True) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if connect:
+            add_connection_args(sp)
+        add_log_arg(sp)
+        return sp
+
+    sp = command("submit", "submit a job file (TOML); prints the job id")
+    sp.add_argument("job", help="path to the job file")
+    sp.set_defaults(func=cmd_submit)
+    sp = command("status", "show a job (or the coordinator's workers and jobs)")
+    sp.add_argument("job_id", nargs="?", help="job id (omit for an overview)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=cmd_status)
+    sp = command("jobs", "list jobs, newest first")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_jobs)
+    sp = command("cancel", "cancel a job")
+    sp.add_argument("job_id")
+    sp.set_defaults(func=cmd_cancel)
+    sp = command("logs", "print a job's events and per-step metrics")
+    sp.add_argument("job_id")
+    sp.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    sp.set_defaults(func=cmd_logs)
+    sp = command("workers", "list the workers that joined")
+    sp.set_defaults(func=cmd_workers)
+    sp = command("plan", "show how a job would be split over N workers (offline)", connect=False)
+    sp.add_argument("job", help="path to the job file")
+    sp.add_argument("--workers", type=int, default=2, help="number of workers (default: %(default)s)")
+    sp.add_argument("--json", action="store_true", help="print the plan as JSON")
+    sp.set_defaults(func=cmd_plan)
+    from fusion.cli.demo import add_demo_parser
+
+    add_demo_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    return run_cli(lambda: int(args.func(args)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""``fusion-worker``: volunteer this machine to a coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+import torch
+
+from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
+from fusion.errors import AuthError
+from fusion.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+READY = "fusion-worker ready"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fusion-worker", description="Join a fusion coordinator and train pieces of its jobs.")
+    add_connection_args(p)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}", help="name shown to the job owner (default: HOST-PID)")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for peers to reach this worker (default: %(default)s; port 0 picks one)")
+    p.add_argument("--advertise", default=None, help="HOST:PORT peers should dial, if not the listen address (NAT, containers)")
+    p.add_argument("--allow-code", action="store_true", help="allow job owners' own model code (module:factory); built-in models need no flag")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_log_arg(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+
+    def body() -> int:
+        token = resolve_token(args.token, args.token_file)
+        assert token is not None
+        if args.torch_threads > 0:
+            torch.set_num_threads(args.torch_threads)
+        worker = Worker(
+            coordinator=args.coordinator, token=token, name=args.name, listen=args.listen,
+            advertise=args.advertise, device=args.device, allow_code=args.allow_code,
+        )
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            worker.start()
+        except AuthError as e:
+            worker.stop("refused")
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except BaseException:
+            worker.stop("failed to start")
+            raise
+        print(f"{READY}: {worker.name} serving on {worker.address}, joined {args.coordinator} as {worker.worker_id}", flush=True)
+        stop.wait()
+        print(f"fusion-worker {worker.name} leaving", flush=True)
+        worker.stop("stopped by its operator")
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Typed client of the Coordinator service, for the CLI, workers, the demo and tests."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import grpc
+
+from executor.status import call_with_retry
+from fusion.config import JobSpec
+from fusion.wire import coordinator_pb2 as cpb
+from fusion.wire import coordinator_pb2_grpc as cgrpc
+
+logger = logging.getLogger(__name__)
+
+AUTH_METADATA = "fusion-auth"
+TIMEOUT_S = 30.0
+
+
+class CoordinatorClient:
+    """Calls to one coordinator, authenticated with a token or a worker session."""
+
+    def __init__(self, address: str, credential: str, *, timeout_s: float = TIMEOUT_S) -> None:
+        self.address = address
+        self.credential = credential
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address)
+        self.stub = cgrpc.CoordinatorStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any, what: str, *, attempts: int = 4) -> Any:
+        metadata = ((AUTH_METADATA, self.credential),)
+
+        def call(req: Any, timeout: float) -> Any:
+            return method(req, timeout=timeout, metadata=metadata)
+
+        return call_with_retry(call, request, peer=self.address, what=what, timeout_s=self.timeout_s, attempts=attempts)
+
+    # ------------------------------------------------------------- workers
+    def register(self, name: str, address: str, resources: cpb.WorkerResources) -> cpb.RegisterResponse:
+        return self._call(self.stub.Register, cpb.RegisterRequest(name=name, address=address, resources=resources), "Register")
+
+    def heartbeat(self, worker_id: str) -> bool:
+        return bool(self._call(self.stub.Heartbeat, cpb.HeartbeatRequest(worker_id=worker_id), "Heartbeat", attempts=1).known)
+
+    def deregister(self, worker_id: str, reason: str) -> None:
+        self._call(self.stub.Deregister, cpb.DeregisterRequest(worker_id=worker_id, reason=reason), "Deregister", attempts=2)
+
+    def workers(self) -> list[cpb.WorkerInfo]:
+        return list(self._call(self.stub.ListWorkers, cpb.ListWorkersRequest(), "ListWorkers").workers)
+
+    # ------------------------------------------------------------- jobs
+    def submit(self, spec: JobSpec) -> str:
+        return str(self._call(self.stub.SubmitJob, cpb.SubmitJobRequest(spec_json=spec.to_json(indent=None)), "SubmitJob").job_id)
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        return json.loads(self._call(self.stub.GetJob, cpb.GetJobRequest(job_id=job_id), "GetJob").status_json)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return [json.loads(s) for s in self._call(self.stub.ListJobs, cpb.ListJobsRequest(), "ListJobs").status_json]
+
+    def cancel(self, job_id: str) -> str:
+        return str(self._call(self.stub.CancelJob, cpb.CancelJobRequest(job_id=job_id), "CancelJob").state)
+
+    def logs(self, job_id: str, after_seq: int = 0) -> tuple[list[str], int]:
+        r = self._call(self.stub.GetLogs, cpb.GetLogsRequest(job_id=job_id, after_seq=after_seq), "GetLogs")
+        return list(r.lines), int(r.last_seq)

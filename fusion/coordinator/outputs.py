@@ -1,0 +1,99 @@
+"""A job's output directory: model, metrics, loss curve, plan and summary.
+
+Whole files (``model.safetensors``, ``loss.png``, ``plan.json``, ``summary.json``) are
+written to a temporary file in the same directory and renamed into place, so a crash
+leaves either the previous file or the new one — never half of one. ``metrics.jsonl``
+grows one flushed line per step, so a crash leaves a valid prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT_FILE = "loss.png"
+PLAN_FILE = "plan.json"
+SUMMARY_FILE = "summary.json"
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """Write JSON atomically."""
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
+
+
+class JobOutputs:
+    """Writer for one job's output directory."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def append_metrics(self, record: Mapping[str, Any]) -> None:
+        """One JSON line per step, flushed at once."""
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def write_plan(self, plan: Mapping[str, Any]) -> None:
+        write_json(self.dir / PLAN_FILE, plan)
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        write_json(self.dir / SUMMARY_FILE, summary)
+
+    def write_model(self, state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> Path:
+        """``model.safetensors`` under the original ``state_dict`` names."""
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}
+        path = self.dir / MODEL_FILE
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=dict(metadata or {})))
+        return path
+
+    def write_loss_plot(self, steps: list[int], losses: list[float], title: str) -> None:
+        """``loss.png``: training loss against step."""
+        if not steps:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        ax.plot(steps, losses, linewidth=1.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        atomic_write(self.dir / LOSS_PLOT_FILE, lambda tmp: fig.savefig(tmp, format="png"))
+        plt.close(fig)
+
+    def close(self) -> None:
+        self._metrics.close()

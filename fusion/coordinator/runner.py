@@ -1,0 +1,205 @@
+"""Run one job on a set of workers: plan, load stages, train, write the outputs.
+
+A :class:`JobRunner` is a thread owned by the coordinator. It moves the job through
+``planning`` → ``running`` → ``succeeded`` (or ``failed``/``cancelled`` with a reason),
+records per-step metrics in SQLite and ``metrics.jsonl``, and at the end writes
+``model.safetensors``, ``loss.png``, ``plan.json`` and ``summary.json``. The coordinator
+stops a runner through :meth:`JobRunner.stop` (cancel, or a lost worker), which aborts the
+step in flight on every worker so nothing waits for a peer that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from executor.client import ChannelPool
+from executor.driver import PipelineDriver, StepStats
+from fusion.config import JobSpec
+from fusion.coordinator.outputs import JobOutputs
+from fusion.coordinator.store import Store, WorkerRow
+from fusion.errors import FusionError, StateError
+from fusion.graph.export import capture
+from fusion.graph.split import split_stages
+from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+from scheduler.baselines import uniform_assignment
+from scheduler.plan import Plan, plan_from_stages
+
+logger = logging.getLogger(__name__)
+
+
+class JobRunner(threading.Thread):
+    """Drives one job to a terminal state on the given workers."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        job_id: str,
+        spec: JobSpec,
+        workers: Sequence[WorkerRow],
+        output_dir: str,
+        pool: ChannelPool,
+        on_done: Callable[[JobRunner], None],
+        device: str = "cpu",
+    ) -> None:
+        super().__init__(name=f"job-{job_id}", daemon=True)
+        self.store = store
+        self.job_id = job_id
+        self.spec = spec
+        self.workers = list(workers)
+        self.output_dir = output_dir
+        self.pool = pool
+        self.on_done = on_done
+        self.device = device
+        self._stop_state: tuple[str, str] | None = None
+        self._lock = threading.Lock()
+        self._driver: PipelineDriver | None = None
+
+    @property
+    def worker_ids(self) -> set[str]:
+        return {w.worker_id for w in self.workers}
+
+    def stop(self, state: str, reason: str) -> None:
+        """End the job as ``state`` (``cancelled`` or ``failed``) with ``reason``, now."""
+        with self._lock:
+            if self._stop_state is None:
+                self._stop_state = (state, reason)
+            driver = self._driver
+        if driver is not None:
+            driver.abort(reason)
+
+    def _stopping(self) -> tuple[str, str] | None:
+        with self._lock:
+            return self._stop_state
+
+    def run(self) -> None:
+        outputs = JobOutputs(self.output_dir)
+        driver: PipelineDriver | None = None
+        steps: list[int] = []
+        losses: list[float] = []
+        t_start = time.time()
+        try:
+            self.store.transition(self.job_id, "planning")
+            driver, plan, dataset = self._plan(outputs)
+            with self._lock:
+                self._driver = driver
+                if self._stop_state is not None:
+                    raise StateError(self._stop_state[1])
+            driver.load()
+            self.store.transition(self.job_id, "running")
+            for step in range(self.spec.train.steps):
+                if self._stopping() is not None:
+                    break
+                x, y = job_batch(self.spec, dataset, step)
+                stats = driver.train_step(step, (x,), y)
+                record = self._record(stats, x, plan)
+                outputs.append_metrics(record)
+                self.store.log(self.job_id, "metric", record)
+                self.store.set_progress(self.job_id, step=step + 1, loss=stats.loss, samples_per_s=record["samples_per_s"])
+                steps.append(step)
+                losses.append(stats.loss)
+            stop = self._stopping()
+            if stop is not None:
+                raise StateError(stop[1])
+            state_dict = driver.state_dict()
+            outputs.write_model(state_dict, metadata={"job_id": self.job_id, "model": self.spec.model.name, "steps": str(len(steps))})
+            outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
+            outputs.write_summary(self._summary("succeeded", None, steps, losses, t_start))
+            self.store.transition(self.job_id, "succeeded")
+        except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
+            stop = self._stopping()
+            state, reason = stop if stop is not None else ("failed", _reason(e))
+            if stop is None and not isinstance(e, FusionError):
+                logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
+            if driver is not None and stop is None:
+                driver.abort(reason)
+            try:
+                if steps:
+                    outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
+                outputs.write_summary(self._summary(state, reason, steps, losses, t_start))
+                self.store.transition(self.job_id, state, reason)
+            except FusionError as e2:
+                logger.error("job %s: could not record its end (%s): %s", self.job_id, reason, e2)
+        finally:
+            outputs.close()
+            if driver is not None:
+                driver.close()
+            self.on_done(self)
+
+    def _plan(self, outputs: JobOutputs) -> tuple[PipelineDriver, Plan, Any]:
+        t0 = time.perf_counter()
+        spec = self.spec
+        model = build_job_model(spec)
+        dataset = build_job_dataset(spec)
+        example_x, example_y = example_micro_batch(spec, dataset)
+        captured = capture(model, (example_x,))
+        num_stages = min(len(self.workers), len(captured.dag.compute_nodes()))
+        workers = self.workers[:num_stages]
+        stages = split_stages(captured.dag, uniform_assignment(captured.dag, num_stages))
+        plan = plan_from_stages(
+            captured.dag,
+            stages,
+            [w.name for w in workers],
+            strategy="uniform",
+            micro_batches=spec.train.micro_batches,
+            schedule=spec.train.schedule,
+            planning_s=time.perf_counter() - t0,
+        )
+        if spec.plan.strategy != "uniform":
+            self.store.log(self.job_id, "event", {"event": "plan", "message": f"strategy {spec.plan.strategy!r} is not available yet; using an even split"})
+        self.store.set_plan(self.job_id, plan.to_dict(), [w.name for w in workers])
+        outputs.write_plan(plan.to_dict())
+        self.store.log(self.job_id, "event", {"event": "planned", "message": f"{num_stages} stages on {', '.join(w.name for w in workers)}"})
+        driver = PipelineDriver(
+            job_id=self.job_id,
+            job=spec,
+            model=model,
+            captured=captured,
+            stages=stages,
+            addresses=[w.address for w in workers],
+            example_target=example_y,
+            device=self.device,
+            pool=self.pool,
+        )
+        return driver, plan, dataset
+
+    def _record(self, stats: StepStats, x: Any, plan: Plan) -> dict[str, Any]:
+        batch = int(x.shape[0])
+        record: dict[str, Any] = {
+            "step": stats.step,
+            "loss": stats.loss,
+            "step_s": round(stats.step_s, 6),
+            "samples_per_s": batch / stats.step_s if stats.step_s > 0 else 0.0,
+        }
+        if x.dim() == 2 and not x.is_floating_point():  # token ids (B, T)
+            record["tokens_per_s"] = x.numel() / stats.step_s if stats.step_s > 0 else 0.0
+        record["bytes_per_link"] = {
+            f"{plan.stages[s].worker}->{plan.stages[d].worker}": size for (s, d), size in sorted(stats.sent_bytes.items())
+        }
+        record["compute_s"] = {plan.stages[s].worker: round(c, 6) for s, c in sorted(stats.compute_s.items())}
+        return record
+
+    def _summary(self, state: str, reason: str | None, steps: list[int], losses: list[float], t_start: float) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "name": self.spec.name,
+            "state": state,
+            "reason": reason,
+            "steps_done": len(steps),
+            "steps": self.spec.train.steps,
+            "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "wall_s": round(time.time() - t_start, 3),
+            "workers": [w.name for w in self.workers],
+            "spec": self.spec.to_dict(),
+        }
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if isinstance(e, FusionError) else f"{type(e).__name__}: {text}"

@@ -1,0 +1,346 @@
+"""The Coordinator gRPC service: admits workers, watches their heartbeats, runs jobs.
+
+Three kinds of work happen here:
+
+- **RPCs** (worker registration and heartbeats; job submission, status, cancel, logs).
+  Handlers only read and write the :class:`~fusion.coordinator.store.Store` and wake the
+  background loop; they never train.
+- **The background loop** (one thread, every ``heartbeat_interval_s`` or when woken):
+  declares workers whose heartbeats stopped ``gone`` and fails the jobs that used them;
+  starts pending jobs once enough idle workers exist.
+- **Job runners** (:class:`~fusion.coordinator.runner.JobRunner`, one thread per running
+  job).
+
+Authentication: the ``fusion-auth`` metadata of each call carries either the coordinator
+token (job owners, and workers registering) or the session credential a worker received
+at registration; only its SHA-256 is stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from executor.client import ChannelPool
+from executor.status import rpc_errors
+from fusion.config import JobSpec
+from fusion.coordinator.runner import JobRunner
+from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store
+from fusion.errors import AuthError, ConfigError, WireError
+from fusion.wire import coordinator_pb2 as cpb
+
+logger = logging.getLogger(__name__)
+
+AUTH_METADATA = "fusion-auth"
+#: How many recent events ``fusion status`` shows.
+STATUS_EVENTS = 20
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _credential(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == AUTH_METADATA:
+            return str(value)
+    return ""
+
+
+def validate_job(spec: JobSpec) -> None:
+    """Reject at submit time what would only fail later: unknown models, data sets, losses.
+
+    Checks the model's name and options without building it (a GPT-2 XL job is validated
+    as fast as a tiny one) and builds the data set (cheap, and it catches missing files).
+    """
+    from fusion.losses import get_loss
+    from fusion.models import check_model
+    from fusion.training import build_job_dataset
+
+    check_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
+    dataset = build_job_dataset(spec)
+    if len(dataset) < spec.data.batch_size:  # type: ignore[arg-type]
+        raise ConfigError(f"data.batch_size {spec.data.batch_size} is larger than the data set ({len(dataset)} samples)")  # type: ignore[arg-type]
+    get_loss(spec.train.loss)
+
+
+class CoordinatorService:
+    """State, background loop and RPC handlers of a coordinator."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        token: str,
+        heartbeat_interval_s: float = 2.0,
+        heartbeat_timeout_s: float = 10.0,
+        device: str = "cpu",
+    ) -> None:
+        if not token:
+            raise ConfigError("the coordinator needs a non-empty token")
+        if heartbeat_timeout_s <= heartbeat_interval_s:
+            raise ConfigError("heartbeat timeout must be longer than the heartbeat interval")
+        self.store = store
+        self._token = token
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.device = device
+        self.pool = ChannelPool()
+        self._runners: dict[str, JobRunner] = {}
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._background, name="coordinator-loop", daemon=True)
+        failed = store.recover()
+        if failed:
+            logger.warning("failed %d job(s) that were running when the coordinator stopped: %s", len(failed), failed)
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def close(self) -> None:
+        """Stop the loop and every running job (their jobs end as failed)."""
+        self._stop.set()
+        self._wake.set()
+        with self._lock:
+            runners = list(self._runners.values())
+        for r in runners:
+            r.stop("failed", "the coordinator shut down")
+        for r in runners:
+            r.join(timeout=30)
+        if self._loop.is_alive():
+            self._loop.join(timeout=10)
+        self.pool.close()
+
+    # ------------------------------------------------------------- auth
+    def _check_owner(self, context: grpc.ServicerContext) -> None:
+        if not hmac.compare_digest(_credential(context).encode(), self._token.encode()):
+            raise AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN")
+
+    def _check_worker(self, context: grpc.ServicerContext, worker_id: str) -> None:
+        from fusion.errors import NotFoundError
+
+        try:
+            row = self.store.worker(worker_id)
+        except NotFoundError:
+            raise AuthError(f"unknown worker {worker_id!r}: register first") from None
+        if not hmac.compare_digest(_hash(_credential(context)), row.session_hash):
+            raise AuthError(f"wrong session credential for worker {worker_id!r}")
+
+    # ------------------------------------------------------------- workers
+    @rpc_errors
+    def Register(self, request: cpb.RegisterRequest, context: grpc.ServicerContext) -> cpb.RegisterResponse:
+        self._check_owner(context)
+        if not request.address or ":" not in request.address:
+            raise WireError(f"register needs the worker's executor address as HOST:PORT, got {request.address!r}")
+        name = request.name or request.address
+        worker_id = f"w-{uuid.uuid4().hex[:10]}"
+        session = secrets.token_urlsafe(32)
+        from google.protobuf.json_format import MessageToDict
+
+        resources = MessageToDict(request.resources, preserving_proto_field_name=True)
+        self.store.add_worker(worker_id=worker_id, name=name, address=request.address, resources=resources, session_hash=_hash(session))
+        logger.info("worker %s (%s) joined from %s", name, worker_id, request.address)
+        self._wake.set()
+        return cpb.RegisterResponse(worker_id=worker_id, session=session, heartbeat_interval_s=self.heartbeat_interval_s)
+
+    @rpc_errors
+    def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
+        from fusion.errors import NotFoundError
+
+        try:
+            row = self.store.worker(request.worker_id)
+        except NotFoundError:
+            return cpb.HeartbeatResponse(known=False)
+        self._check_worker(context, request.worker_id)
+        if row.state == "gone":
+            return cpb.HeartbeatResponse(known=False)
+        return cpb.HeartbeatResponse(known=self.store.heartbeat(request.worker_id))
+
+    @rpc_errors
+    def Deregister(self, request: cpb.DeregisterRequest, context: grpc.ServicerContext) -> cpb.DeregisterResponse:
+        self._check_worker(context, request.worker_id)
+        row = self.store.worker(request.worker_id)
+        self.store.set_worker_state(request.worker_id, "gone")
+        logger.info("worker %s left: %s", row.name, request.reason or "deregistered")
+        self._fail_jobs_of(request.worker_id, f"worker {row.name} ({row.address}) left: {request.reason or 'deregistered'}")
+        return cpb.DeregisterResponse()
+
+    @rpc_errors
+    def ListWorkers(self, request: cpb.ListWorkersRequest, context: grpc.ServicerContext) -> cpb.ListWorkersResponse:
+        self._check_owner(context)
+        now = time.time()
+        out = cpb.ListWorkersResponse()
+        for w in self.store.workers():
+            info = out.workers.add(
+                worker_id=w.worker_id, name=w.name, address=w.address, state=w.state,
+                last_heartbeat_age_s=now - w.last_heartbeat, job_id=w.job_id or "",
+            )
+            from google.protobuf.json_format import ParseDict
+
+            ParseDict(w.resources, info.resources, ignore_unknown_fields=True)
+        return out
+
+    # ------------------------------------------------------------- jobs
+    @rpc_errors
+    def SubmitJob(self, request: cpb.SubmitJobRequest, context: grpc.ServicerContext) -> cpb.SubmitJobResponse:
+        self._check_owner(context)
+        spec = JobSpec.from_json(request.spec_json)
+        validate_job(spec)
+        job_id = f"job-{uuid.uuid4().hex[:8]}"
+        output_dir = str(Path(spec.output.dir).expanduser().resolve() / job_id)
+        self.store.add_job(job_id=job_id, name=spec.name, spec_json=spec.to_json(indent=None), steps=spec.train.steps, output_dir=output_dir)
+        logger.info("job %s (%s) submitted", job_id, spec.name)
+        self._wake.set()
+        return cpb.SubmitJobResponse(job_id=job_id)
+
+    @rpc_errors
+    def GetJob(self, request: cpb.GetJobRequest, context: grpc.ServicerContext) -> cpb.GetJobResponse:
+        self._check_owner(context)
+        return cpb.GetJobResponse(status_json=json.dumps(self.status(self.store.job(request.job_id))))
+
+    @rpc_errors
+    def ListJobs(self, request: cpb.ListJobsRequest, context: grpc.ServicerContext) -> cpb.ListJobsResponse:
+        self._check_owner(context)
+        jobs = list(reversed(self.store.jobs()))
+        return cpb.ListJobsResponse(status_json=[json.dumps(self.status(j, events=False)) for j in jobs])
+
+    @rpc_errors
+    def CancelJob(self, request: cpb.CancelJobRequest, context: grpc.ServicerContext) -> cpb.CancelJobResponse:
+        self._check_owner(context)
+        job = self.store.job(request.job_id)
+        if job.state in TERMINAL_STATES:
+            return cpb.CancelJobResponse(state=job.state)
+        with self._lock:
+            runner = self._runners.get(job.job_id)
+            if runner is None:
+                self.store.transition(job.job_id, "cancelled", "cancelled by the job owner")
+                return cpb.CancelJobResponse(state="cancelled")
+        runner.stop("cancelled", "cancelled by the job owner")
+        runner.join(timeout=20)
+        return cpb.CancelJobResponse(state=self.store.job(job.job_id).state)
+
+    @rpc_errors
+    def GetLogs(self, request: cpb.GetLogsRequest, context: grpc.ServicerContext) -> cpb.GetLogsResponse:
+        self._check_owner(context)
+        self.store.job(request.job_id)  # NOT_FOUND for unknown ids
+        records = self.store.log_records(request.job_id, after_seq=request.after_seq)
+        lines = [_log_line(ts, kind, rec) for _, ts, kind, rec in records]
+        last = records[-1][0] if records else request.after_seq
+        return cpb.GetLogsResponse(lines=lines, last_seq=last)
+
+    def status(self, job: JobRow, *, events: bool = True) -> dict[str, Any]:
+        """The ``fusion status --json`` document of a job."""
+        end = job.finished_at or time.time()
+        doc: dict[str, Any] = {
+            "id": job.job_id,
+            "name": job.name,
+            "state": job.state,
+            "reason": job.reason,
+            "step": job.step,
+            "steps": job.steps,
+            "loss": job.loss,
+            "samples_per_s": job.samples_per_s,
+            "workers": job.workers,
+            "output_dir": job.output_dir,
+            "created_at": job.created_at,
+            "started_at": job.started_at,
+            "finished_at": job.finished_at,
+            "elapsed_s": round(end - job.started_at, 3) if job.started_at else None,
+        }
+        if job.plan_json:
+            plan = json.loads(job.plan_json)
+            doc["plan"] = {"strategy": plan["strategy"], "stages": [{"worker": s["worker"], "nodes": len(s["nodes"])} for s in plan["stages"]]}
+        if events:
+            records = self.store.log_records(job.job_id, kind="event")
+            doc["events"] = [{"time": ts, **rec} for _, ts, _, rec in records[-STATUS_EVENTS:]]
+        else:
+            doc["events"] = []
+        return doc
+
+    # ------------------------------------------------------------- background
+    def _background(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._reap_silent_workers()
+                self._start_pending_jobs()
+            except Exception:
+                logger.exception("coordinator background loop failed; continuing")
+            self._wake.wait(timeout=self.heartbeat_interval_s)
+            self._wake.clear()
+
+    def _reap_silent_workers(self) -> None:
+        now = time.time()
+        for w in self.store.workers("idle", "busy"):
+            silent_s = now - w.last_heartbeat
+            if silent_s > self.heartbeat_timeout_s:
+                self.store.set_worker_state(w.worker_id, "gone")
+                logger.warning("worker %s (%s) stopped heart-beating %.1fs ago; declared gone", w.name, w.address, silent_s)
+                self._fail_jobs_of(w.worker_id, f"worker {w.name} ({w.address}) stopped heart-beating ({silent_s:.1f}s without a heartbeat)")
+
+    def _fail_jobs_of(self, worker_id: str, reason: str) -> None:
+        with self._lock:
+            runners = [r for r in self._runners.values() if worker_id in r.worker_ids]
+        for r in runners:
+            self.store.log(r.job_id, "event", {"event": "worker_lost", "message": reason})
+            r.stop("failed", reason)
+
+    def _start_pending_jobs(self) -> None:
+        with self._lock:
+            for job in self.store.jobs("pending"):
+                idle = self.store.workers("idle")
+                spec = JobSpec.from_json(job.spec_json)
+                if len(idle) < spec.cluster.min_workers:
+                    return  # oldest first: a later job does not overtake one that waits for workers
+                for w in idle:
+                    self.store.set_worker_state(w.worker_id, "busy", job.job_id)
+                runner = JobRunner(
+                    store=self.store, job_id=job.job_id, spec=spec, workers=idle, output_dir=job.output_dir,
+                    pool=self.pool, on_done=self._job_done, device=self.device,
+                )
+                self._runners[job.job_id] = runner
+                runner.start()
+
+    def _job_done(self, runner: JobRunner) -> None:
+        with self._lock:
+            self._runners.pop(runner.job_id, None)
+            for w in runner.workers:
+                row = self.store.worker(w.worker_id)
+                if row.state == "busy" and row.job_id == runner.job_id:
+                    self.store.set_worker_state(w.worker_id, "idle")
+        logger.info("job %s ended: %s", runner.job_id, self.store.job(runner.job_id).state)
+        self._wake.set()
+
+
+def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    if kind == "metric":
+        extra = f" tokens/s {record['tokens_per_s']:.0f}" if "tokens_per_s" in record else ""
+        return f"{stamp} step {record['step']}: loss {record['loss']:.4f}, {record['step_s']:.3f}s, samples/s {record['samples_per_s']:.1f}{extra}"
+    return f"{stamp} {record.get('event', kind)}: {record.get('message', '')}"
+
+
+def start_coordinator_server(service: CoordinatorService, host: str, port: int) -> tuple[grpc.Server, int]:
+    """Serve ``service`` on ``host:port`` (port 0 picks a free one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fusion.wire import coordinator_pb2_grpc as cgrpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
+    cgrpc.add_CoordinatorServicer_to_server(service, server)  # type: ignore[arg-type]
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    server.start()
+    service.start()
+    return server, bound

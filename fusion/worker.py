@@ -1,0 +1,142 @@
+"""A volunteer worker: measure this machine, serve an Executor, register, heart-beat.
+
+The worker is passive: once registered, the coordinator (and peer workers) call its
+Executor service to load stages and run steps. The worker only keeps its registration
+alive — heart-beating, re-registering if the coordinator restarted and forgot it — and
+deregisters when it is stopped, so a clean leave fails no job by surprise.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import grpc
+import torch
+
+from executor.server import ExecutorService, start_server
+from fusion.coordinator.client import CoordinatorClient
+from fusion.errors import AuthError, FusionError, RemoteError
+from fusion.profiling import DeviceProfile, measure_device
+from fusion.wire import coordinator_pb2 as cpb
+
+logger = logging.getLogger(__name__)
+
+
+def advertised_address(listen: str, bound_port: int, coordinator: str) -> str:
+    """The address peers should dial: the listen host, or, for a wildcard, the local IP
+    that routes to the coordinator."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        coord_host = coordinator.rpartition(":")[0].strip("[]") or "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((coord_host, 9))  # no packet is sent: this only picks the route
+            host = s.getsockname()[0]
+    return f"{host}:{bound_port}"
+
+
+def resources_message(profile: DeviceProfile) -> cpb.WorkerResources:
+    from fusion import __version__
+
+    return cpb.WorkerResources(
+        num_cores=profile.num_cores,
+        memory_bytes=profile.memory_bytes,
+        device=profile.device,
+        device_name=profile.device_name,
+        device_memory_bytes=profile.device_memory_bytes,
+        matmul_flops=profile.matmul_flops,
+        torch_version=torch.__version__,
+        fusion_version=__version__,
+    )
+
+
+class Worker:
+    """One worker process's agent."""
+
+    def __init__(
+        self,
+        *,
+        coordinator: str,
+        token: str,
+        name: str,
+        listen: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        device: str = "cpu",
+        allow_code: bool = False,
+        register_timeout_s: float = 60.0,
+    ) -> None:
+        self.coordinator = coordinator
+        self.name = name
+        self.listen = listen
+        self.advertise = advertise
+        self.device = device
+        self.allow_code = allow_code
+        self.register_timeout_s = register_timeout_s
+        self._token = token
+        self.client = CoordinatorClient(coordinator, token)
+        self.service = ExecutorService(worker_name=name, allow_code=allow_code)
+        self.server: grpc.Server | None = None
+        self.address = ""
+        self.worker_id = ""
+        self.heartbeat_interval_s = 2.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.profile: DeviceProfile | None = None
+
+    def start(self) -> None:
+        """Measure, serve, register (waiting for the coordinator), start heart-beating."""
+        self.profile = measure_device(self.device)
+        self.server, port = start_server(self.service, self.listen)
+        self.address = self.advertise or advertised_address(self.listen, port, self.coordinator)
+        self._register(wait_s=self.register_timeout_s)
+        self._thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _register(self, *, wait_s: float) -> None:
+        assert self.profile is not None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                response = self.client.register(self.name, self.address, resources_message(self.profile))
+                break
+            except RemoteError as e:
+                if e.code == "UNAUTHENTICATED":
+                    raise AuthError(f"the coordinator at {self.coordinator} refused this worker: {e}") from e
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise
+                logger.warning("coordinator %s not reachable yet (%s); retrying", self.coordinator, e.code)
+                time.sleep(1.0)
+        self.worker_id = response.worker_id
+        self.heartbeat_interval_s = response.heartbeat_interval_s or 2.0
+        # Later calls prove membership with the session credential, not the token.
+        self.client.credential = response.session
+        logger.info("registered with %s as %s (%s), serving on %s", self.coordinator, self.name, self.worker_id, self.address)
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            try:
+                if not self.client.heartbeat(self.worker_id):
+                    logger.warning("the coordinator no longer knows this worker; registering again")
+                    for job_id in self.service.jobs():  # its jobs were failed by the restart
+                        self.service.unload(job_id)
+                    self.client.credential = self._token
+                    self._register(wait_s=self.register_timeout_s)
+            except FusionError as e:
+                logger.warning("heartbeat to %s failed: %s", self.coordinator, e)
+            except Exception:
+                logger.exception("heartbeat loop error; continuing")
+
+    def stop(self, reason: str = "worker stopped") -> None:
+        """Deregister (best effort), stop serving, release everything."""
+        self._stop.set()
+        if self.worker_id:
+            try:
+                self.client.deregister(self.worker_id, reason)
+            except FusionError as e:
+                logger.info("deregistering failed: %s", e)
+        if self.server is not None:
+            self.server.stop(grace=1.0).wait()
+        self.service.close()
+        self.client.close()

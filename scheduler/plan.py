@@ -1,0 +1,174 @@
+"""The Plan: stages, their workers, and the cuts between them, as plain data.
+
+A plan prints as a table, compares by value and round-trips JSON in the
+``fusion plan --json`` form (Contracts in DESIGN.md). :func:`validate_plan` is the one
+place that checks a plan is well formed. Planners (the baselines, later OP-Fence) produce
+plans; the coordinator executes them. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fusion.errors import PlanError
+from fusion.graph.ir import OpDag
+from fusion.graph.split import StageSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One stage: its nodes and the worker that runs it."""
+
+    worker: str
+    """Name of the worker hosting the stage."""
+    nodes: tuple[str, ...]
+    """Compute nodes of the stage, in topological order."""
+    compute_s: float | None = None
+    """Predicted compute seconds per micro-batch (forward + backward), once estimated."""
+    peak_memory_bytes: int | None = None
+    """Predicted peak memory of the worker for this stage, once estimated."""
+    flops: int = 0
+    """Forward + backward FLOPs of one micro-batch through the stage."""
+    param_bytes: int = 0
+    """Bytes of the parameters the stage holds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CutPlan:
+    """Values flowing from one stage to another, and how they are encoded."""
+
+    src_stage: int
+    dst_stage: int
+    bytes: int
+    """Bytes per micro-batch in the forward direction (the same crosses back as gradients)."""
+    codec: str = "none"
+    """Wire codec: ``none``, ``zstd``, ``fp16`` or ``topk``."""
+    keep_ratio: float = 1.0
+    """Fraction of entries kept by ``topk`` (1.0 = dense)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A placement of a job's OP-DAG onto workers."""
+
+    strategy: str
+    """Planner that produced the plan (``uniform``, ``compute``, ``opfence`` ...)."""
+    stages: tuple[StagePlan, ...]
+    cuts: tuple[CutPlan, ...] = ()
+    predicted_step_s: float | None = None
+    """Modelled step time, when an estimator priced the plan."""
+    planning_s: float = 0.0
+    """Seconds the planner took."""
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Planner-specific details (clusters, search statistics ...)."""
+
+    def assignment(self) -> dict[str, int]:
+        """Node → stage index."""
+        return {n: i for i, s in enumerate(self.stages) for n in s.nodes}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stages"] = [{**asdict(s), "nodes": list(s.nodes)} for s in self.stages]
+        return d
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Plan:
+        try:
+            return Plan(
+                strategy=d["strategy"],
+                stages=tuple(StagePlan(**{**s, "nodes": tuple(s["nodes"])}) for s in d["stages"]),
+                cuts=tuple(CutPlan(**c) for c in d.get("cuts", ())),
+                predicted_step_s=d.get("predicted_step_s"),
+                planning_s=float(d.get("planning_s", 0.0)),
+                micro_batches=int(d.get("micro_batches", 1)),
+                schedule=d.get("schedule", "1f1b"),
+                extra=dict(d.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"not a valid plan document: {e}") from e
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        try:
+            return Plan.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from e
+
+    def table(self) -> str:
+        """A human-readable summary."""
+        lines = [f"plan: {self.strategy}, {len(self.stages)} stages, {self.micro_batches} micro-batches ({self.schedule})"]
+        if self.predicted_step_s is not None:
+            lines.append(f"predicted step time: {self.predicted_step_s:.3f}s")
+        lines.append(f"{'stage':>5}  {'worker':<16} {'nodes':>6} {'params MB':>10} {'GFLOP/mb':>9} {'compute s':>9}")
+        for i, s in enumerate(self.stages):
+            compute = f"{s.compute_s:.4f}" if s.compute_s is not None else "-"
+            lines.append(f"{i:>5}  {s.worker:<16} {len(s.nodes):>6} {s.param_bytes / 1e6:>10.2f} {s.flops / 1e9:>9.3f} {compute:>9}")
+        if self.cuts:
+            lines.append(f"{'cut':>9}  {'MB/mb':>8} {'codec':<6} {'keep':>5}")
+            for c in self.cuts:
+                lines.append(f"{c.src_stage:>3} -> {c.dst_stage:<3} {c.bytes / 1e6:>8.3f} {c.codec:<6} {c.keep_ratio:>5.2f}")
+        return "\n".join(lines)
+
+
+def plan_from_stages(
+    dag: OpDag,
+    stages: Sequence[StageSpec],
+    workers: Sequence[str],
+    *,
+    strategy: str,
+    micro_batches: int,
+    schedule: str,
+    planning_s: float = 0.0,
+) -> Plan:
+    """Describe split stages as a :class:`Plan` (FLOPs, parameter bytes, cut bytes)."""
+    if len(workers) != len(stages):
+        raise PlanError(f"{len(stages)} stages but {len(workers)} workers")
+    sizes = dict(dag.iter_params())  # canonical name -> bytes
+    stage_plans = []
+    for spec, worker in zip(stages, workers):
+        flops = sum(dag.node(n).flops_fwd + dag.node(n).flops_bwd for n in spec.nodes)
+        param_bytes = sum(sizes.get(name, 0) for name in {dag.tied_params.get(p, p) for p in spec.params})
+        stage_plans.append(StagePlan(worker=worker, nodes=spec.nodes, flops=flops, param_bytes=param_bytes))
+    cut_bytes: dict[tuple[int, int], int] = {}
+    for spec in stages:
+        for name, dsts in spec.outputs:
+            for d in dsts:
+                cut_bytes[(spec.stage_idx, d)] = cut_bytes.get((spec.stage_idx, d), 0) + dag.node(name).out_bytes
+    cuts = tuple(CutPlan(src_stage=s, dst_stage=d, bytes=b) for (s, d), b in sorted(cut_bytes.items()))
+    plan = Plan(
+        strategy=strategy, stages=tuple(stage_plans), cuts=cuts, planning_s=planning_s, micro_batches=micro_batches, schedule=schedule
+    )
+    validate_plan(plan, dag)
+    return plan
+
+
+def validate_plan(plan: Plan, dag: OpDag) -> None:
+    """Check that a plan covers every compute node exactly once and its cuts are sane."""
+    seen: dict[str, int] = {}
+    for i, s in enumerate(plan.stages):
+        if not s.nodes:
+            raise PlanError(f"stage {i} has no nodes")
+        for n in s.nodes:
+            if n not in dag or not dag.node(n).is_compute:
+                raise PlanError(f"stage {i} names {n!r}, which is not a compute node of the DAG")
+            if n in seen:
+                raise PlanError(f"node {n!r} is on stages {seen[n]} and {i}")
+            seen[n] = i
+    missing = [n.name for n in dag.compute_nodes() if n.name not in seen]
+    if missing:
+        raise PlanError(f"the plan leaves {len(missing)} compute node(s) unplaced, e.g. {missing[:5]}")
+    for c in plan.cuts:
+        if not (0 <= c.src_stage < len(plan.stages) and 0 <= c.dst_stage < len(plan.stages)) or c.src_stage == c.dst_stage:
+            raise PlanError(f"cut {c.src_stage}->{c.dst_stage} does not join two different stages of the plan")
+        if not 0.0 < c.keep_ratio <= 1.0:
+            raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has keep_ratio {c.keep_ratio}; it must be in (0, 1]")
+    if plan.micro_batches < 1:
+        raise PlanError("micro_batches must be >= 1")
