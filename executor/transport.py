@@ -50,6 +50,8 @@ _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _DTYPES}
 
 #: Largest number of dimensions accepted on the wire.
 MAX_DIMS = 16
+#: Largest element count (and dimension) accepted on the wire: 2**40 (4 TiB of fp32).
+MAX_NUMEL = 1 << 40
 
 
 def dtype_to_wire(dtype: torch.dtype) -> int:
@@ -105,6 +107,8 @@ def scalar_to_wire(name: str, value: Any) -> pb.ScalarValue:
     if isinstance(value, bool):
         v.bool_value = value
     elif isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 63):
+            raise WireError(f"value {name!r} = {value} does not fit in 64 bits")
         v.int_value = value
     elif isinstance(value, float):
         v.float_value = value
@@ -115,6 +119,8 @@ def scalar_to_wire(name: str, value: Any) -> pb.ScalarValue:
     elif isinstance(value, torch.device):
         v.device_type = value.type
     elif isinstance(value, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        if any(not -(1 << 63) <= x < (1 << 63) for x in value):
+            raise WireError(f"value {name!r} has an entry that does not fit in 64 bits")
         v.int_list.values.extend(value)
     else:
         raise WireError(f"value {name!r} of type {type(value).__name__} cannot cross a stage boundary")
@@ -291,6 +297,8 @@ def parse_chunk(raw: bytes) -> RawChunk:
     while pos < len(buf):
         tag, pos = _read_varint(buf, pos)
         field_no, wire_type = tag >> 3, tag & 7
+        if field_no == 0:
+            raise WireError("malformed chunk: field number 0")
         if wire_type == 2:
             size, pos = _read_varint(buf, pos)
             if pos + size > len(buf):
@@ -298,6 +306,8 @@ def parse_chunk(raw: bytes) -> RawChunk:
             value = buf[pos : pos + size]
             pos += size
             if field_no == 1:
+                if header is not None:
+                    raise WireError("malformed chunk: the header field appears twice")
                 try:
                     header = pb.TransferHeader.FromString(value.tobytes())
                 except Exception as e:  # protobuf's DecodeError
@@ -390,8 +400,13 @@ def check_header_shape(header: pb.TransferHeader) -> int:
         if meta.name in names:
             raise WireError(f"tensor {meta.name!r} appears twice in the transfer header")
         names.add(meta.name)
-        if len(meta.shape) > MAX_DIMS or any(s < 0 for s in meta.shape):
+        if len(meta.shape) > MAX_DIMS or any(s < 0 or s > MAX_NUMEL for s in meta.shape):
             raise WireError(f"tensor {meta.name!r} has an invalid shape {list(meta.shape)}")
+        numel = 1
+        for s in meta.shape:
+            numel *= s
+        if numel > MAX_NUMEL:
+            raise WireError(f"tensor {meta.name!r} declares {numel} elements, above the limit of {MAX_NUMEL}")
         dtype_from_wire(meta.dtype)
         if meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) and meta.size_bytes != expected_raw_bytes(meta):
             raise WireError(
@@ -399,8 +414,10 @@ def check_header_shape(header: pb.TransferHeader) -> int:
             )
         total += meta.size_bytes
     for v in header.values:
-        if not v.name or v.name in names:
-            raise WireError(f"scalar value {v.name!r} has no name or repeats a tensor name")
+        if not v.name:
+            raise WireError("a scalar value in the transfer header has no name")
+        if v.name in names:
+            raise WireError(f"value {v.name!r} appears twice in the transfer header")
         names.add(v.name)
     return total
 

@@ -113,7 +113,7 @@ class JobRunner(threading.Thread):
             self.store.transition(self.job_id, "succeeded")
         except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
             stop = self._stopping()
-            state, reason = stop if stop is not None else ("failed", _reason(e))
+            state, reason = stop if stop is not None else ("failed", self._diagnose(e))
             if stop is None and not isinstance(e, FusionError):
                 logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
             if driver is not None and stop is None:
@@ -130,6 +130,23 @@ class JobRunner(threading.Thread):
             if driver is not None:
                 driver.close()
             self.on_done(self)
+
+    def _diagnose(self, e: BaseException) -> str:
+        """The failure reason; names the workers that no longer answer, if any."""
+        reason = _reason(e)
+        if not isinstance(e, FusionError):
+            return reason
+        from executor.client import ExecutorClient
+
+        gone = []
+        for w in self.workers:
+            try:
+                ExecutorClient(w.address, self.pool).ping(timeout_s=2.0)
+            except FusionError:
+                gone.append(f"{w.name} ({w.address})")
+        if gone:
+            return f"worker {', '.join(gone)} stopped answering: {reason}"
+        return reason
 
     def _plan(self, outputs: JobOutputs) -> tuple[PipelineDriver, Plan, Any]:
         t0 = time.perf_counter()

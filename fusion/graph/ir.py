@@ -323,8 +323,13 @@ class OpDag:
             out_bytes[src] = max(out_bytes.get(src, 0), size)
         for g in groups:
             g.value = ValueMeta(kind="group", size_bytes=out_bytes.get(g.name, 0))
+        inputs_of: dict[str, list[str]] = {}
+        for src, dst in edge_bytes:
+            inputs_of.setdefault(dst, []).append(src)
+        for g in groups:
+            g.inputs = inputs_of.get(g.name, [])
         placeholders = [n for n in keep if n.op == "placeholder"]
-        outputs = [n for n in keep if n.op == "output"]
+        outputs = [replace(n, inputs=list(dict.fromkeys(group_of[i] for i in n.inputs))) for n in keep if n.op == "output"]
         output_node = self.node(self.output)
         return OpDag(
             nodes=[*placeholders, *groups, *outputs],

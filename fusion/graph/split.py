@@ -103,6 +103,8 @@ def split_stages(dag: OpDag, assignment: Mapping[str, int]) -> list[StageSpec]:
         SplitError: the assignment is incomplete, names unknown nodes, leaves a stage
             index empty, or makes the stage graph cyclic (the message shows the cycle).
     """
+    if any(n.op == "group" for n in dag.nodes):
+        raise SplitError("cannot split a coarsened DAG directly: map the assignment with dag.expand_assignment() and split the original DAG")
     stage_of = normalize_assignment(dag, assignment)
     num_stages = max(stage_of.values(), default=-1) + 1
     used = set(stage_of.values())
@@ -197,6 +199,18 @@ def _topological_stage_order(num_stages: int, links: Mapping[tuple[int, int], Se
 
 
 def _find_cycle(nodes: set[int], succ: Mapping[int, set[int]]) -> list[int]:
+    """A cycle among ``nodes`` (the stages Kahn's algorithm could not order).
+
+    Those stages are on a cycle or downstream of one; pruning the ones with no successor
+    left leaves only stages that each have a successor in the set, so walking always
+    closes a cycle.
+    """
+    nodes = set(nodes)
+    while True:
+        sinks = {n for n in nodes if not (succ[n] & nodes)}
+        if not sinks:
+            break
+        nodes -= sinks
     start = min(nodes)
     path = [start]
     seen = {start: 0}

@@ -252,12 +252,6 @@ def test_cyclic_assignment_is_refused(resnet: Captured) -> None:
     assert "stage 0 -> stage 1" in str(info.value) and "stage 1 -> stage 0" in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: fusion/graph/split.py _find_cycle walks into a stage downstream of the cycle "
-    "and calls min() on an empty sequence (ValueError instead of SplitError)",
-    raises=ValueError,
-)
 def test_cycle_with_a_stage_downstream_is_refused(resnet: Captured) -> None:
     compute = _chain(resnet)
     # conv1 on 1, bn1 on 2, relu back on 1, the rest on 0: stages 1 <-> 2 form a cycle
