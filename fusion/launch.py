@@ -47,6 +47,7 @@ class Fleet:
         self.coordinator_address = ""
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self._all: list[subprocess.Popen[bytes]] = []
+        self._log_start: dict[Path, int] = {}
 
     def __enter__(self) -> Fleet:
         return self
@@ -56,6 +57,7 @@ class Fleet:
 
     def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
         log = self.log_dir / f"{name}.log"
+        self._log_start[log] = log.stat().st_size if log.exists() else 0  # a restart appends
         with open(log, "ab") as f:
             proc = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         self._all.append(proc)
@@ -65,7 +67,7 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         rx = re.compile(pattern)
         while time.monotonic() < deadline:
-            text = log.read_text(errors="replace") if log.exists() else ""
+            text = log.read_bytes()[self._log_start.get(log, 0) :].decode(errors="replace") if log.exists() else ""
             m = rx.search(text)
             if m:
                 return m
