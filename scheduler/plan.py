@@ -18,6 +18,10 @@ from fusion.graph.ir import OpDag
 from fusion.graph.split import StageSpec
 
 
+#: Wire codecs a cut may use (see compress/).
+CODECS = ("none", "zstd", "fp16", "topk")
+
+
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
     """One stage: its nodes and the worker that runs it."""
@@ -168,6 +172,8 @@ def validate_plan(plan: Plan, dag: OpDag) -> None:
     for c in plan.cuts:
         if not (0 <= c.src_stage < len(plan.stages) and 0 <= c.dst_stage < len(plan.stages)) or c.src_stage == c.dst_stage:
             raise PlanError(f"cut {c.src_stage}->{c.dst_stage} does not join two different stages of the plan")
+        if c.codec not in CODECS:
+            raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has unknown codec {c.codec!r}; use one of {CODECS}")
         if not 0.0 < c.keep_ratio <= 1.0:
             raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has keep_ratio {c.keep_ratio}; it must be in (0, 1]")
     if plan.micro_batches < 1:

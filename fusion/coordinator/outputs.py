@@ -35,6 +35,9 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -54,7 +57,11 @@ class JobOutputs:
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        path = self.dir / METRICS_FILE
+        torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+        self._metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if torn:  # a crash cut the last line short: start a fresh line rather than extend it
+            self._metrics.write("\n")
 
     def append_metrics(self, record: Mapping[str, Any]) -> None:
         """One JSON line per step, flushed at once."""

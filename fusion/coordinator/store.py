@@ -196,7 +196,7 @@ class Store:
                 "INSERT INTO jobs (job_id, name, spec_json, state, created_at, steps, output_dir) VALUES (?, ?, ?, 'pending', ?, ?, ?)",
                 (job_id, name, spec_json, time.time(), steps, output_dir),
             )
-        self.log(job_id, "event", {"event": "submitted", "message": f"job {name!r} submitted"})
+            _append_log(db, job_id, "event", {"event": "submitted", "message": f"job {name!r} submitted"})
 
     def job(self, job_id: str) -> JobRow:
         with self._lock:
@@ -229,8 +229,8 @@ class Store:
                 "WHERE job_id = ?",
                 (state, reason, state, now, state, now, job_id),
             )
-        record = {"event": "state", "state": state, "message": f"{current} -> {state}" + (f": {reason}" if reason else "")}
-        self.log(job_id, "event", record)
+            record = {"event": "state", "state": state, "message": f"{current} -> {state}" + (f": {reason}" if reason else "")}
+            _append_log(db, job_id, "event", record)
         return self.job(job_id)
 
     def set_plan(self, job_id: str, plan: dict[str, Any], worker_names: list[str]) -> None:
@@ -248,11 +248,7 @@ class Store:
     def log(self, job_id: str, kind: str, record: dict[str, Any]) -> int:
         """Append an event or metric record to the job's log; returns its sequence number."""
         with self._tx() as db:
-            cur = db.execute(
-                "INSERT INTO log (job_id, ts, kind, record_json) VALUES (?, ?, ?, ?)",
-                (job_id, time.time(), kind, json.dumps(record)),
-            )
-            return int(cur.lastrowid or 0)
+            return _append_log(db, job_id, kind, record)
 
     def log_records(self, job_id: str, *, after_seq: int = 0, kind: str | None = None) -> list[tuple[int, float, str, dict[str, Any]]]:
         """(seq, time, kind, record) of the job's log after ``after_seq``, oldest first."""
@@ -276,6 +272,13 @@ class Store:
         with self._tx() as db:
             db.execute("UPDATE workers SET state = 'gone', job_id = NULL")
         return failed
+
+
+def _append_log(db: sqlite3.Connection, job_id: str, kind: str, record: dict[str, Any]) -> int:
+    cur = db.execute(
+        "INSERT INTO log (job_id, ts, kind, record_json) VALUES (?, ?, ?, ?)", (job_id, time.time(), kind, json.dumps(record))
+    )
+    return int(cur.lastrowid or 0)
 
 
 def _worker(row: sqlite3.Row) -> WorkerRow:

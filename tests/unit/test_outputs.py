@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,6 +139,21 @@ def test_atomic_write_success_leaves_only_the_target(tmp_path: Path) -> None:
     atomic_write(target, lambda tmp: tmp.write_bytes(b"new"))
     assert target.read_bytes() == b"new"
     assert [p.name for p in target.parent.iterdir()] == ["x.bin"]
+
+
+def test_whole_files_get_the_same_permissions_as_metrics(tmp_path: Path) -> None:
+    old_umask = os.umask(0o022)  # the usual default; under 0o077 every file would be 0600 anyway
+    try:
+        outputs = JobOutputs(tmp_path)
+        outputs.append_metrics({"step": 1})
+        outputs.write_summary({"state": "succeeded"})
+        outputs.write_model({"w": torch.zeros(2)})
+        outputs.close()
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / METRICS_FILE).stat().st_mode & 0o777 == 0o644  # what open() gives under this umask
+    modes = {name: oct((tmp_path / name).stat().st_mode & 0o777) for name in (SUMMARY_FILE, MODEL_FILE)}
+    assert modes == dict.fromkeys(modes, oct(0o644))
 
 
 # ----------------------------------------------------------------- metrics

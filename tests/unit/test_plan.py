@@ -228,6 +228,12 @@ def test_accepts_keep_ratio_one_and_small(gpt2: Planned) -> None:
         validate_plan(replace(gpt2.plan, cuts=cuts), gpt2.dag)
 
 
+def test_rejects_an_unknown_codec(gpt2: Planned) -> None:
+    cuts = (replace(gpt2.plan.cuts[0], codec="gzip"), *gpt2.plan.cuts[1:])
+    with pytest.raises(PlanError, match="gzip"):
+        validate_plan(replace(gpt2.plan, cuts=cuts), gpt2.dag)
+
+
 def test_rejects_zero_micro_batches(gpt2: Planned) -> None:
     with pytest.raises(PlanError, match="micro_batches"):
         validate_plan(replace(gpt2.plan, micro_batches=0), gpt2.dag)
