@@ -26,6 +26,10 @@ LOSS_PLOT_FILE = "loss.png"
 PLAN_FILE = "plan.json"
 SUMMARY_FILE = "summary.json"
 
+# Read once at import (os.umask can only be read by setting it, which is not thread-safe).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it over ``path``."""
@@ -35,9 +39,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
