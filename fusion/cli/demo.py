@@ -158,11 +158,23 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"job {job_id} {status['state']}: {status.get('reason')}", file=sys.stderr)
         return 1
     summary = _read_summary(job_dir)
-    print(f"done in {wall:.1f}s: loss {summary.get('first_loss', float('nan')):.3f} -> {summary.get('final_loss', float('nan')):.3f}")
+    tail = _last_losses(job_dir, 20)
+    smooth = f" (mean of the last {len(tail)} steps: {sum(tail) / len(tail):.3f})" if tail else ""
+    print(f"done in {wall:.1f}s: loss {summary.get('first_loss', float('nan')):.3f} -> {summary.get('final_loss', float('nan')):.3f}{smooth}")
     print(f"  model:   {job_dir / 'model.safetensors'}")
     print(f"  curve:   {job_dir / 'loss.png'}")
     print(f"  metrics: {job_dir / 'metrics.jsonl'}")
     return 0
+
+
+def _last_losses(job_dir: Path, n: int) -> list[float]:
+    import json
+
+    try:
+        lines = (job_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line)["loss"] for line in lines[-n:] if line.strip()]
 
 
 def _read_summary(job_dir: Path) -> dict[str, Any]:
