@@ -80,3 +80,160 @@ def measure_device(device: str = "cpu") -> DeviceProfile:
     )
     logger.info("measured %s: %.1f GFLOP/s", label, flops / 1e9)
     return profile
+
+
+# ---------------------------------------------------------------- per-node costs
+def _sync_all(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _NodeTimer(torch.fx.Interpreter):
+    """Runs a graph node by node, timing each and attributing saved activations to it."""
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, param_ptrs: set[int]) -> None:
+        super().__init__(gm)
+        self.device = device
+        self.param_ptrs = param_ptrs
+        self.times: dict[str, float] = {}
+        self.saved: dict[str, int] = {}
+        self._current = ""
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks pack: charge each saved activation storage once, to its node."""
+        try:
+            ptr = t.untyped_storage().data_ptr()
+            size = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if ptr not in self._seen and ptr not in self.param_ptrs:
+            self._seen.add(ptr)
+            self.saved[self._current] = self.saved.get(self._current, 0) + size
+        return t
+
+    def run_node(self, n: torch.fx.Node) -> object:
+        self._current = n.name
+        _sync_all(self.device)
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        _sync_all(self.device)
+        self.times[n.name] = self.times.get(n.name, 0.0) + time.perf_counter() - t0
+        return out
+
+
+def _scalar_loss(out: object) -> torch.Tensor:
+    """A stand-in loss whose backward touches every differentiable output."""
+    tensors = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else []) if isinstance(t, torch.Tensor)]
+    return sum((t.float().sum() for t in tensors if t.requires_grad), torch.zeros(()))
+
+
+def profile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    device: str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+) -> dict[str, dict[str, float]]:
+    """Measure every compute node's forward and backward seconds and saved activation bytes.
+
+    Per-node forward times come from running the graph node by node (synchronising the
+    device around each); they are rescaled so that they sum to the graph's measured
+    forward time when run normally (the per-node instrumentation adds overhead that a real
+    run does not have). The backward of the whole graph is timed and spread over the nodes
+    in proportion to their forward times. Saved activation bytes are what autograd keeps
+    for backward (``saved_tensors_hooks``), parameters excluded. Medians over ``repeats``
+    runs after ``warmup``. The module's buffers are restored afterwards.
+
+    Returns:
+        node name → ``{"fwd_time_s", "bwd_time_s", "saved_bytes"}``, plus the key
+        ``"__graph__"`` with the whole graph's ``fwd_time_s``/``bwd_time_s``.
+    """
+    import copy
+    import statistics
+
+    dev = torch.device(device)
+    module = copy.deepcopy(gm).to(dev)
+    module.train()
+    inputs = tuple(x.to(dev) for x in example_inputs)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    rng = torch.random.get_rng_state()
+    fwd_total, bwd_total = [], []
+    node_times: list[dict[str, float]] = []
+    saved: dict[str, int] = {}
+    try:
+        for i in range(warmup + repeats):
+            _sync_all(dev)
+            t0 = time.perf_counter()
+            out = module(*inputs)
+            _sync_all(dev)
+            t1 = time.perf_counter()
+            _scalar_loss(out).backward()
+            _sync_all(dev)
+            t2 = time.perf_counter()
+            module.zero_grad(set_to_none=True)
+            timer = _NodeTimer(module, dev, param_ptrs)
+            with torch.autograd.graph.saved_tensors_hooks(timer.pack, lambda t: t):
+                out = timer.run(*inputs)
+            del out
+            if i >= warmup:
+                fwd_total.append(t1 - t0)
+                bwd_total.append(t2 - t1)
+                node_times.append(timer.times)
+                saved = timer.saved
+    finally:
+        torch.random.set_rng_state(rng)
+    fwd = statistics.median(fwd_total)
+    bwd = statistics.median(bwd_total)
+    compute = [n.name for n in module.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    raw = {name: statistics.median(t.get(name, 0.0) for t in node_times) for name in compute}
+    total_raw = sum(raw.values()) or 1.0
+    result: dict[str, dict[str, float]] = {}
+    for name in compute:
+        share = raw[name] / total_raw
+        result[name] = {"fwd_time_s": fwd * share, "bwd_time_s": bwd * share, "saved_bytes": float(saved.get(name, 0))}
+    result["__graph__"] = {"fwd_time_s": fwd, "bwd_time_s": bwd}
+    return result
+
+
+def measure_optimizer_s_per_byte(optimizer: str, *, device: str = "cpu", numel: int = 1 << 20) -> float:
+    """Seconds per parameter byte of one optimizer update (median of a few)."""
+    import statistics
+
+    dev = torch.device(device)
+    p = torch.nn.Parameter(torch.randn(numel, device=dev))
+    p.grad = torch.randn(numel, device=dev)
+    opt = torch.optim.AdamW([p], lr=1e-3) if optimizer == "adamw" else torch.optim.SGD([p], lr=1e-3, momentum=0.9)
+    times = []
+    for i in range(5):
+        _sync_all(dev)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync_all(dev)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / (numel * 4)
+
+
+# ---------------------------------------------------------------- links
+def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares fit of ``seconds = latency_s + bytes / bandwidth_bytes_per_s``.
+
+    Args:
+        samples: (bytes, seconds) pairs, at least two distinct sizes.
+
+    Returns:
+        ``(latency_s, bandwidth_bytes_per_s)``; latency clamped at 0, bandwidth positive.
+    """
+    import numpy as np
+
+    if len({s for s, _ in samples}) < 2:
+        raise ValueError("fitting a link needs samples of at least two sizes")
+    x = np.array([float(s) for s, _ in samples])
+    y = np.array([t for _, t in samples])
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:  # noise on a very fast link: bandwidth from the largest transfer alone
+        big = int(np.argmax(x))
+        slope = max(y[big] - max(intercept, 0.0), 1e-12) / x[big]
+    return max(float(intercept), 0.0), float(1.0 / slope)

@@ -131,24 +131,55 @@ def plan_from_stages(
     micro_batches: int,
     schedule: str,
     planning_s: float = 0.0,
+    predicted_step_s: float | None = None,
+    compute_s: Sequence[float] | None = None,
+    peak_memory_bytes: Sequence[int] | None = None,
+    codecs: Mapping[tuple[int, int], tuple[str, float]] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Plan:
-    """Describe split stages as a :class:`Plan` (FLOPs, parameter bytes, cut bytes)."""
+    """Describe split stages as a :class:`Plan` (FLOPs, parameter bytes, cut bytes).
+
+    Args:
+        compute_s: predicted compute seconds per micro-batch, per stage.
+        peak_memory_bytes: predicted peak memory per stage.
+        codecs: (src stage, dst stage) → (codec, keep ratio) for cuts to compress.
+    """
     if len(workers) != len(stages):
         raise PlanError(f"{len(stages)} stages but {len(workers)} workers")
     sizes = dict(dag.iter_params())  # canonical name -> bytes
     stage_plans = []
-    for spec, worker in zip(stages, workers):
+    for i, (spec, worker) in enumerate(zip(stages, workers)):
         flops = sum(dag.node(n).flops_fwd + dag.node(n).flops_bwd for n in spec.nodes)
         param_bytes = sum(sizes.get(name, 0) for name in {dag.tied_params.get(p, p) for p in spec.params})
-        stage_plans.append(StagePlan(worker=worker, nodes=spec.nodes, flops=flops, param_bytes=param_bytes))
+        stage_plans.append(
+            StagePlan(
+                worker=worker,
+                nodes=spec.nodes,
+                flops=flops,
+                param_bytes=param_bytes,
+                compute_s=None if compute_s is None else float(compute_s[i]),
+                peak_memory_bytes=None if peak_memory_bytes is None else int(peak_memory_bytes[i]),
+            )
+        )
     cut_bytes: dict[tuple[int, int], int] = {}
     for spec in stages:
         for name, dsts in spec.outputs:
             for d in dsts:
                 cut_bytes[(spec.stage_idx, d)] = cut_bytes.get((spec.stage_idx, d), 0) + dag.node(name).out_bytes
-    cuts = tuple(CutPlan(src_stage=s, dst_stage=d, bytes=b) for (s, d), b in sorted(cut_bytes.items()))
+    codecs = codecs or {}
+    cuts = tuple(
+        CutPlan(src_stage=s, dst_stage=d, bytes=b, codec=codecs.get((s, d), ("none", 1.0))[0], keep_ratio=codecs.get((s, d), ("none", 1.0))[1])
+        for (s, d), b in sorted(cut_bytes.items())
+    )
     plan = Plan(
-        strategy=strategy, stages=tuple(stage_plans), cuts=cuts, planning_s=planning_s, micro_batches=micro_batches, schedule=schedule
+        strategy=strategy,
+        stages=tuple(stage_plans),
+        cuts=cuts,
+        planning_s=planning_s,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        predicted_step_s=predicted_step_s,
+        extra=dict(extra or {}),
     )
     validate_plan(plan, dag)
     return plan

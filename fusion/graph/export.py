@@ -347,7 +347,10 @@ def _describe(
             )
         )
         for src in inputs:
-            edges.append(OpEdge(src=src, dst=n.name, bytes=values[src].size_bytes if src in values else 0))
+            meta = values.get(src)
+            size = meta.size_bytes if meta is not None else 0
+            differentiable = meta is not None and meta.kind == "tensor" and (meta.dtype or "").startswith(("float", "bfloat"))
+            edges.append(OpEdge(src=src, dst=n.name, bytes=size, grad_bytes=size if differentiable else 0))
     if not output_name:
         raise GraphExportError("the captured graph has no output node")
     tied = tied_parameter_names(model)

@@ -88,6 +88,8 @@ class OpNode:
     """Measured backward time per micro-batch, once profiled."""
     peak_memory_bytes: int | None = None
     """Measured peak memory of running the node, once profiled."""
+    saved_bytes: int | None = None
+    """Activation bytes autograd keeps from this node until backward (one micro-batch), once profiled."""
     members: list[str] = field(default_factory=list)
     """For ``group`` nodes: the names of the original nodes, in topological order."""
 
@@ -129,6 +131,8 @@ class OpEdge:
     src: str
     dst: str
     bytes: int
+    grad_bytes: int = 0
+    """Bytes of the gradient that flows back along the edge (0 for integer values and sizes)."""
 
 
 @dataclass(kw_only=True)
@@ -147,6 +151,8 @@ class OpDag:
     """Hash of the captured graph's structure; workers re-capture and must get the same one."""
     tied_params: dict[str, str] = field(default_factory=dict)
     """Parameter aliases: ``state_dict`` name → canonical name, for parameters with several names."""
+    reference_flops: float | None = None
+    """Matmul FLOP/s of the device that measured the nodes' times (to scale them to other devices)."""
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -224,6 +230,7 @@ class OpDag:
             "capture": self.capture,
             "fingerprint": self.fingerprint,
             "tied_params": dict(self.tied_params),
+            "reference_flops": self.reference_flops,
         }
         return json.dumps(doc, indent=indent)
 
@@ -239,6 +246,7 @@ class OpDag:
                 capture=doc.get("capture", "fx"),
                 fingerprint=doc.get("fingerprint", ""),
                 tied_params=dict(doc.get("tied_params", {})),
+                reference_flops=doc.get("reference_flops"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise GraphExportError(f"not a valid OpDag JSON document: {e}") from e
@@ -292,6 +300,7 @@ class OpDag:
                     fwd_time_s=_sum_or_none(n.fwd_time_s for n in run),
                     bwd_time_s=_sum_or_none(n.bwd_time_s for n in run),
                     peak_memory_bytes=_max_or_none(n.peak_memory_bytes for n in run),
+                    saved_bytes=_sum_or_none(n.saved_bytes for n in run),
                 )
             )
         keep = [n for n in self.nodes if n.op in ("placeholder", "output")]
@@ -308,6 +317,7 @@ class OpDag:
                         g.params.update(n.params)
                         g.buffers.update(n.buffers)
         edge_bytes: dict[tuple[str, str], int] = {}
+        edge_grad_bytes: dict[tuple[str, str], int] = {}
         seen_values: set[tuple[str, str]] = set()
         for e in self.edges:
             src, dst = group_of[e.src], group_of[e.dst]
@@ -317,6 +327,7 @@ class OpDag:
                 continue
             seen_values.add((e.src, dst))
             edge_bytes[(src, dst)] = edge_bytes.get((src, dst), 0) + e.bytes
+            edge_grad_bytes[(src, dst)] = edge_grad_bytes.get((src, dst), 0) + e.grad_bytes
         # A group's value is what it sends out: the sum of distinct values leaving it.
         out_bytes: dict[str, int] = {}
         for (src, _), size in edge_bytes.items():
@@ -333,11 +344,12 @@ class OpDag:
         output_node = self.node(self.output)
         return OpDag(
             nodes=[*placeholders, *groups, *outputs],
-            edges=[OpEdge(src=s, dst=d, bytes=b) for (s, d), b in edge_bytes.items()],
+            edges=[OpEdge(src=s, dst=d, bytes=b, grad_bytes=edge_grad_bytes[(s, d)]) for (s, d), b in edge_bytes.items()],
             output=group_of[output_node.name],
             capture=self.capture,
             fingerprint=self.fingerprint,
             tied_params=dict(self.tied_params),
+            reference_flops=self.reference_flops,
         )
 
     def expand_assignment(self, assignment: Mapping[str, int]) -> dict[str, int]:
@@ -349,15 +361,30 @@ class OpDag:
                 out[member] = stage_idx
         return out
 
-    def with_times(self, times: Mapping[str, tuple[float, float, int]]) -> OpDag:
-        """A copy with measured (forward s, backward s, peak bytes) for the named nodes."""
-        nodes = [
-            replace(n, fwd_time_s=times[n.name][0], bwd_time_s=times[n.name][1], peak_memory_bytes=times[n.name][2])
-            if n.name in times
-            else replace(n)
-            for n in self.nodes
-        ]
-        return replace(self, nodes=nodes)
+    def with_profile(self, profile: Mapping[str, Mapping[str, float]], *, reference_flops: float) -> OpDag:
+        """A copy with measured costs for the named nodes.
+
+        Args:
+            profile: node name → ``{"fwd_time_s", "bwd_time_s", "saved_bytes", "peak_memory_bytes"}``
+                (missing keys keep the node's current value).
+            reference_flops: matmul FLOP/s of the device that measured the times.
+        """
+        nodes = []
+        for n in self.nodes:
+            p = profile.get(n.name)
+            if p is None:
+                nodes.append(replace(n))
+                continue
+            nodes.append(
+                replace(
+                    n,
+                    fwd_time_s=float(p.get("fwd_time_s", n.fwd_time_s or 0.0)),
+                    bwd_time_s=float(p.get("bwd_time_s", n.bwd_time_s or 0.0)),
+                    saved_bytes=int(p.get("saved_bytes", n.saved_bytes or 0)),
+                    peak_memory_bytes=int(p["peak_memory_bytes"]) if "peak_memory_bytes" in p else n.peak_memory_bytes,
+                )
+            )
+        return replace(self, nodes=nodes, reference_flops=reference_flops)
 
 
 def _runs_by_prefix(nodes: list[OpNode], depth: int) -> list[list[OpNode]]:
@@ -393,9 +420,9 @@ def _common_prefix(paths: Iterable[str]) -> str:
     return ".".join(prefix)
 
 
-def _sum_or_none(values: Iterable[float | None]) -> float | None:
+def _sum_or_none(values: Iterable[float | None]) -> Any:
     vals = list(values)
-    return None if any(v is None for v in vals) else float(sum(v for v in vals if v is not None))
+    return None if any(v is None for v in vals) else sum(v for v in vals if v is not None)
 
 
 def _max_or_none(values: Iterable[int | None]) -> int | None:

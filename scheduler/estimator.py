@@ -1,0 +1,324 @@
+"""The workload estimator: what a placement costs in step time and memory.
+
+Inputs are numbers only — a costed OP-DAG (:class:`Workload`), a topology (worker speeds,
+memory, the latency/bandwidth matrix) and an assignment of DAG units to stages and stages
+to workers — so planners can call it thousands of times per second.
+
+**Step time.** For stage ``s`` on worker ``w`` let ``f_s``, ``b_s`` be its forward and
+backward seconds per micro-batch (profiled node times scaled by
+``reference_flops / flops_w``, or FLOPs / ``flops_w`` where unprofiled). For a cut
+``a → b`` let ``x_ab = lat_ab + act_bytes_ab / bw_ab`` (activations forward) and
+``g_ab = lat_ba + grad_bytes_ab / bw_ba`` (gradients back). One micro-batch alone takes
+the critical path ``P`` of the stage graph: forward along the longest path of
+``f`` and ``x``, backward along the longest path of ``b`` and ``g``. With ``M``
+micro-batches the pipeline then emits one micro-batch per bottleneck period
+``B = max(max_s (f_s + b_s), max_ab max(x_ab, g_ab))`` (every stage does one forward and one
+backward per micro-batch; each link carries one activation each way per micro-batch and
+is full duplex). Hence
+
+    T = P + (M - 1) * B + t_step,
+
+which is DESIGN.md's ``Σ c_i + Σ t_j + (M − 1)·max(max c_i, max t_j)`` for a chain, with
+the per-step fixed costs ``t_step`` (control round trips and the optimizer update, both
+measured by the profiler) added.
+
+**Peak memory** of a worker (the stages it hosts): parameters ``P``, their gradients
+``P``, optimizer state (``0``, ``P`` for SGD with momentum, ``2P`` for AdamW), and the
+stash: each micro-batch in flight keeps its received inputs and the activations autograd
+saved for backward (profiled per node); GPipe keeps ``M`` in flight, 1F1B at most
+``depth + 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusion.errors import PlanError
+from fusion.graph.ir import OpDag
+from scheduler.topology import Topology
+
+#: Optimizer state held per parameter byte.
+OPTIMIZER_STATE_FACTOR = {"sgd": 0.0, "sgd-momentum": 1.0, "adamw": 2.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCosts:
+    """Fixed per-step costs measured by the profiler (zero when unknown)."""
+
+    control_s: float = 0.0
+    """Driver round trips per step (start, wait, apply), seconds."""
+    optimizer_s_per_byte: float = 0.0
+    """Optimizer update seconds per parameter byte on the reference device."""
+
+
+@dataclass
+class Workload:
+    """A DAG's compute units in topological order, with per-unit cost arrays.
+
+    Built once per planning run by :func:`workload_from_dag`; planners work with unit
+    indices ``0 .. n-1``.
+    """
+
+    names: list[str]
+    fwd_s: np.ndarray
+    """Forward seconds per micro-batch at ``reference_flops``."""
+    bwd_s: np.ndarray
+    flops: np.ndarray
+    """Forward + backward FLOPs per micro-batch."""
+    saved_bytes: np.ndarray
+    """Activation bytes kept for backward per micro-batch."""
+    params: list[list[tuple[int, int]]]
+    """Per unit: (parameter id, bytes); ids are shared by tied parameters."""
+    edges: list[tuple[int, int, int, int]]
+    """(src unit, dst unit, bytes, grad bytes) between units; src -1 for model inputs."""
+    reference_flops: float
+    """Speed the times were measured at (FLOP/s)."""
+    step: StepCosts = field(default_factory=StepCosts)
+    optimizer: str = "adamw"
+    """``sgd``, ``sgd-momentum`` or ``adamw`` (sets the optimizer-state factor)."""
+    input_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per unit: bytes of model inputs it reads (kept in its stash)."""
+    _edge_arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def edge_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(src, dst, bytes, grad bytes) as arrays, cached."""
+        if not self.edges:
+            return None
+        if self._edge_arrays is None:
+            e = np.array(self.edges, dtype=np.int64)
+            self._edge_arrays = (e[:, 0], e[:, 1], e[:, 2].astype(np.float64), e[:, 3].astype(np.float64))
+        return self._edge_arrays
+
+    @property
+    def total_param_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for unit in self.params:
+            for pid, size in unit:
+                seen[pid] = size
+        return sum(seen.values())
+
+
+def workload_from_dag(dag: OpDag, *, optimizer: str = "adamw", momentum: float = 0.0, step: StepCosts | None = None) -> Workload:
+    """Cost arrays for the compute nodes of ``dag`` (coarsened or not).
+
+    Unprofiled nodes are timed as FLOPs / ``reference_flops`` (with ``reference_flops``
+    the DAG's own, else 1 TFLOP/s); unprofiled activation memory is estimated as the
+    node's output bytes.
+    """
+    units = dag.compute_nodes()
+    if not units:
+        raise PlanError("the DAG has no compute nodes to place")
+    index = {n.name: i for i, n in enumerate(units)}
+    ref = dag.reference_flops or 1.0e12
+    fwd = np.array([n.fwd_time_s if n.fwd_time_s is not None else (n.flops_fwd / ref) for n in units], dtype=np.float64)
+    bwd = np.array([n.bwd_time_s if n.bwd_time_s is not None else (n.flops_bwd / ref) for n in units], dtype=np.float64)
+    flops = np.array([n.flops_fwd + n.flops_bwd for n in units], dtype=np.float64)
+    saved = np.array([n.saved_bytes if n.saved_bytes is not None else n.out_bytes for n in units], dtype=np.float64)
+    param_ids: dict[str, int] = {}
+    params: list[list[tuple[int, int]]] = []
+    attr_params: dict[str, dict[str, int]] = {n.name: n.params for n in dag.nodes if n.op == "get_attr"}
+    for n in units:
+        owned = dict(n.params)
+        for src in n.inputs:  # parameters read through get_attr nodes belong to their readers
+            owned.update(attr_params.get(src, {}))
+        unit_params = []
+        for name, size in owned.items():
+            canonical = dag.tied_params.get(name, name)
+            pid = param_ids.setdefault(canonical, len(param_ids))
+            unit_params.append((pid, size))
+        params.append(unit_params)
+    edges: list[tuple[int, int, int, int]] = []
+    input_bytes = np.zeros(len(units))
+    for e in dag.edges:
+        if e.dst not in index:
+            continue
+        src = dag.node(e.src)
+        if src.op == "placeholder":
+            input_bytes[index[e.dst]] += e.bytes
+            continue
+        if e.src not in index:
+            continue
+        edges.append((index[e.src], index[e.dst], e.bytes, e.grad_bytes))
+    opt = optimizer
+    if optimizer == "sgd" and momentum > 0:
+        opt = "sgd-momentum"
+    if opt not in OPTIMIZER_STATE_FACTOR:
+        raise PlanError(f"unknown optimizer {optimizer!r} for memory estimation")
+    return Workload(
+        names=[n.name for n in units],
+        fwd_s=fwd,
+        bwd_s=bwd,
+        flops=flops,
+        saved_bytes=saved,
+        params=params,
+        edges=edges,
+        reference_flops=ref,
+        step=step or StepCosts(),
+        optimizer=opt,
+        input_bytes=input_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted cost of one placement."""
+
+    step_s: float
+    """Predicted seconds per training step."""
+    stage_compute_s: tuple[float, ...]
+    """Forward + backward seconds per micro-batch, per stage."""
+    link_s: dict[tuple[int, int], float]
+    """Seconds per micro-batch on each cut (max of the two directions), by (src stage, dst stage)."""
+    link_bytes: dict[tuple[int, int], int]
+    """Activation bytes per micro-batch on each cut."""
+    peak_memory_bytes: dict[int, int]
+    """Predicted peak memory per worker index."""
+    bottleneck_s: float
+    """The pipeline period ``B``."""
+    depth: tuple[int, ...]
+    """Longest path, in stages, from each stage to a sink."""
+
+
+def estimate(
+    workload: Workload,
+    unit_stage: Sequence[int],
+    stage_workers: Sequence[int],
+    topology: Topology,
+    *,
+    micro_batches: int,
+    schedule: str = "1f1b",
+) -> Estimate:
+    """Predict step time and per-worker peak memory of a placement.
+
+    Args:
+        workload: the costed units.
+        unit_stage: stage index of every unit (stages ``0 .. S-1``, any acyclic assignment).
+        stage_workers: topology worker index of every stage.
+        topology: speeds, memory and links.
+        micro_batches: ``M``.
+        schedule: ``gpipe`` or ``1f1b``.
+
+    Raises:
+        PlanError: the stage graph is cyclic or an index is out of range.
+    """
+    num_stages = len(stage_workers)
+    stage_of = np.asarray(unit_stage, dtype=np.int64)
+    if len(stage_of) != len(workload) or (num_stages and (stage_of.min() < 0 or stage_of.max() >= num_stages)):
+        raise PlanError("unit_stage must give every unit a stage in range")
+    speed = np.array([topology.workers[w].effective_flops for w in stage_workers])
+    scale = workload.reference_flops / speed  # seconds multiplier per stage
+    f = np.bincount(stage_of, weights=workload.fwd_s, minlength=num_stages) * scale
+    b = np.bincount(stage_of, weights=workload.bwd_s, minlength=num_stages) * scale
+    saved = np.bincount(stage_of, weights=workload.saved_bytes, minlength=num_stages)
+    stash_in = np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages)
+
+    # Cut traffic: a value crosses once per (producer, destination stage).
+    act, grad, received = _cut_traffic(workload, stage_of, num_stages)
+    stash_in = stash_in + received  # received inputs stay stashed until backward
+    order = _stage_order(num_stages, act)
+    x = {k: topology.transfer_s(stage_workers[k[0]], stage_workers[k[1]], v) for k, v in act.items()}
+    g = {k: topology.transfer_s(stage_workers[k[1]], stage_workers[k[0]], grad[k]) if grad[k] else 0.0 for k in act}
+
+    # Critical path of one micro-batch: forward then backward.
+    fwd_done = np.zeros(num_stages)
+    for s in order:
+        start = max((fwd_done[a] + x[(a, c)] for (a, c) in act if c == s), default=0.0)
+        fwd_done[s] = start + f[s]
+    bwd_done = np.zeros(num_stages)
+    for s in reversed(order):
+        start = max((bwd_done[c] + g[(a, c)] for (a, c) in act if a == s), default=0.0)
+        bwd_done[s] = max(start, fwd_done[s]) + b[s]
+    critical = float(bwd_done.max()) if num_stages else 0.0
+    link = {k: max(x[k], g[k]) for k in act}
+    period = max(float((f + b).max()) if num_stages else 0.0, max(link.values(), default=0.0))
+
+    depth = [0] * num_stages
+    for s in reversed(order):
+        depth[s] = max((depth[c] + 1 for (a, c) in act if a == s), default=0)
+
+    # Memory per stage, then per worker.
+    param_bytes = [0.0] * num_stages
+    stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
+    for u, unit in enumerate(workload.params):
+        sp = stage_params[stage_of[u]]
+        for pid, size in unit:
+            sp[pid] = size
+    for s in range(num_stages):
+        param_bytes[s] = float(sum(stage_params[s].values()))
+    factor = 2.0 + OPTIMIZER_STATE_FACTOR[workload.optimizer]
+    memory: dict[int, int] = {}
+    for s in range(num_stages):
+        inflight = micro_batches if schedule == "gpipe" else min(depth[s] + 1, micro_batches)
+        stage_mem = factor * param_bytes[s] + inflight * (saved[s] + stash_in[s])
+        w = stage_workers[s]
+        memory[w] = memory.get(w, 0) + int(stage_mem)
+
+    opt_s = workload.step.optimizer_s_per_byte * max(param_bytes[s] * scale[s] for s in range(num_stages)) if num_stages else 0.0
+    step_s = critical + (micro_batches - 1) * period + workload.step.control_s + opt_s
+    return Estimate(
+        step_s=float(step_s),
+        stage_compute_s=tuple(float(v) for v in f + b),
+        link_s=link,
+        link_bytes=dict(act),
+        peak_memory_bytes=memory,
+        bottleneck_s=float(period),
+        depth=tuple(depth),
+    )
+
+
+def _cut_traffic(workload: Workload, stage_of: np.ndarray, num_stages: int) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int], np.ndarray]:
+    """Activation and gradient bytes per (src stage, dst stage), and bytes received per stage."""
+    arrays = workload.edge_arrays()
+    if arrays is None:
+        return {}, {}, np.zeros(num_stages)
+    src, dst, size, gsize = arrays
+    a, c = stage_of[src], stage_of[dst]
+    cross = a != c
+    src, a, c, size, gsize = src[cross], a[cross], c[cross], size[cross], gsize[cross]
+    _, first = np.unique(src * num_stages + c, return_index=True)  # once per (value, dst stage)
+    a, c, size, gsize = a[first], c[first], size[first], gsize[first]
+    pair = a * num_stages + c
+    act_all = np.bincount(pair, weights=size, minlength=num_stages * num_stages)
+    grad_all = np.bincount(pair, weights=gsize, minlength=num_stages * num_stages)
+    present = np.unique(pair)
+    act = {(int(p) // num_stages, int(p) % num_stages): int(act_all[p]) for p in present}
+    grad = {(int(p) // num_stages, int(p) % num_stages): int(grad_all[p]) for p in present}
+    received = np.bincount(c, weights=size, minlength=num_stages)
+    return act, grad, received
+
+
+def _stage_order(num_stages: int, links: dict[tuple[int, int], int]) -> list[int]:
+    indeg = [0] * num_stages
+    succ: dict[int, list[int]] = {s: [] for s in range(num_stages)}
+    for a, c in links:
+        succ[a].append(c)
+        indeg[c] += 1
+    ready = [s for s in range(num_stages) if indeg[s] == 0]
+    order = []
+    while ready:
+        s = ready.pop()
+        order.append(s)
+        for c in succ[s]:
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+    if len(order) != num_stages:
+        raise PlanError("the placement's stage graph is cyclic")
+    return order
+
+
+def memory_violations(est: Estimate, topology: Topology) -> list[str]:
+    """Workers whose predicted peak exceeds their memory cap, as readable strings."""
+    out = []
+    for w, need in sorted(est.peak_memory_bytes.items()):
+        cap = topology.workers[w].memory_bytes
+        if cap is not None and need > cap:
+            out.append(f"{topology.workers[w].name} needs {need / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB")
+    return out
+

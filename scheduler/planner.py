@@ -1,0 +1,122 @@
+"""One entry point for every planning strategy: DAG + topology → :class:`~scheduler.plan.Plan`.
+
+``uniform`` cuts the original DAG into equal node counts over the workers in join order;
+``compute``, ``opfence`` and ``exhaustive`` plan on a coarsened DAG (units along the
+module hierarchy) and map the result back to nodes. Every plan is priced by the same
+estimator on the original DAG, so plans from different strategies compare like with like.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusion.errors import PlanError
+from fusion.graph.ir import OpDag
+from fusion.graph.split import split_stages
+from scheduler.baselines import uniform_assignment
+from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
+from scheduler.partition import compute_placement, exhaustive_placement, opfence_placement
+from scheduler.plan import Plan, plan_from_stages
+from scheduler.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("opfence", "uniform", "compute", "exhaustive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What a planner needs to know about the job besides its DAG."""
+
+    strategy: str = "opfence"
+    """``opfence``, ``uniform``, ``compute`` or ``exhaustive``."""
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    compression: str = "none"
+    """Job compression mode: ``none``, ``topk`` or ``adatopk``."""
+    keep_ratio: float = 0.1
+    """Fixed keep ratio for ``topk``."""
+    min_keep_ratio: float = 0.01
+    """Lower bound of AdaTopK's ratio."""
+    step_costs: StepCosts = field(default_factory=StepCosts)
+    max_units: int = 256
+    """Coarsen the DAG to at most this many units before searching."""
+    time_budget_s: float = 10.0
+    """Local-search budget of OP-Fence."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"unknown plan strategy {self.strategy!r}; choose one of {STRATEGIES}")
+
+
+def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
+    """Plan ``dag`` onto ``topology`` with the requested strategy."""
+    t0 = time.perf_counter()
+    if len(topology) == 0:
+        raise PlanError("no workers to plan onto")
+    extra: dict[str, object] = {}
+    if request.strategy == "uniform":
+        num_stages = min(len(topology), len(dag.compute_nodes()))
+        assignment = uniform_assignment(dag, num_stages)
+        stage_workers = list(range(num_stages))
+    else:
+        coarse = dag.coarsen(request.max_units)
+        wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
+        kwargs = {"micro_batches": request.micro_batches, "schedule": request.schedule}
+        if request.strategy == "opfence":
+            placement, extra = opfence_placement(wl, topology, time_budget_s=request.time_budget_s, **kwargs)
+        elif request.strategy == "compute":
+            placement = compute_placement(wl, topology, **kwargs)
+        else:
+            placement = exhaustive_placement(wl, topology, **kwargs)
+        unit_stage = placement.unit_stage(len(wl))
+        assignment = coarse.expand_assignment({name: int(unit_stage[i]) for i, name in enumerate(wl.names)})
+        stage_workers = list(placement.workers)
+    stages = split_stages(dag, assignment)
+    est = price(dag, stages, stage_workers, topology, request)
+    codecs = compression_marks(est, request)
+    return plan_from_stages(
+        dag,
+        stages,
+        [topology.workers[w].name for w in stage_workers],
+        strategy=request.strategy,
+        micro_batches=request.micro_batches,
+        schedule=request.schedule,
+        planning_s=time.perf_counter() - t0,
+        predicted_step_s=est.step_s,
+        compute_s=est.stage_compute_s,
+        peak_memory_bytes=[est.peak_memory_bytes[w] for w in stage_workers],
+        codecs=codecs,
+        extra=extra,
+    )
+
+
+def price(dag: OpDag, stages: list, stage_workers: list[int], topology: Topology, request: PlanRequest) -> Estimate:
+    """The estimator's verdict on split stages, on the original DAG."""
+    wl = workload_from_dag(dag, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
+    stage_of = {n: s.stage_idx for s in stages for n in s.nodes}
+    unit_stage = np.array([stage_of[name] for name in wl.names], dtype=np.int64)
+    return estimate(wl, unit_stage, stage_workers, topology, micro_batches=request.micro_batches, schedule=request.schedule)
+
+
+def compression_marks(est: Estimate, request: PlanRequest) -> dict[tuple[int, int], tuple[str, float]]:
+    """Cuts whose transfer is slower than the slowest stage's compute get top-k.
+
+    AdaTopK's starting ratio makes the transfer take about as long as that compute
+    (bytes scale with the kept fraction), clamped to ``[min_keep_ratio, 1]``.
+    """
+    if request.compression == "none" or not est.stage_compute_s:
+        return {}
+    compute = max(est.stage_compute_s)
+    marks = {}
+    for cut, link_s in est.link_s.items():
+        if link_s > compute:
+            ratio = request.keep_ratio if request.compression == "topk" else min(1.0, max(request.min_keep_ratio, compute / link_s))
+            marks[cut] = ("topk", float(ratio))
+    return marks
