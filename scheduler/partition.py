@@ -139,41 +139,63 @@ def cut_bytes(workload: Workload, *, grad: bool = False) -> np.ndarray:
 
 def greedy_cover(prefix: _Prefix, workers: Sequence[int], topology: Topology, period: float, *, use_links: bool = True) -> Placement | None:
     """Cover all units with stages on ``workers`` (in order, skipping any that cannot help)
-    so that every stage's compute and every cut's transfer fits in ``period``."""
+    so that every stage's compute and every cut's transfer fits in ``period``.
+
+    Each step is a binary search on the prefix sums (compute and memory grow with the
+    segment) plus one vectorised scan for the farthest cut whose transfer fits.
+    """
     pos = 0
     bounds = [0]
     chosen: list[int] = []
+    n = prefix.n
     for i, w in enumerate(workers):
-        if pos == prefix.n:
+        if pos == n:
             break
         spec = topology.workers[w]
-        nxt = workers[i + 1] if i + 1 < len(workers) else None
-        end = pos
-        best = -1
-        while end < prefix.n:
-            end += 1
-            if prefix.seconds(pos, end, spec.effective_flops) > period:
-                break
-            if spec.memory_bytes is not None and prefix.memory(pos, end) > spec.memory_bytes:
-                break
-            if end == prefix.n:
-                best = end
-                break
-            if nxt is None:
-                continue
-            if use_links:
-                t = max(topology.transfer_s(w, nxt, prefix.cut[end]), topology.transfer_s(nxt, w, prefix.grad_cut[end]))
-                if t > period:
-                    continue
-            best = end
-        if best <= pos:
+        # Farthest end with compute <= period: time[end] <= time[pos] + period * flops / ref.
+        budget = prefix.time[pos] + period * spec.effective_flops / prefix.ref
+        end = int(np.searchsorted(prefix.time, budget, side="right")) - 1
+        if spec.memory_bytes is not None:
+            end = min(end, _memory_end(prefix, pos, spec.memory_bytes))
+        end = min(end, n)
+        if end <= pos:
             continue  # this worker cannot take the next unit within the period: skip it
-        bounds.append(best)
+        if end < n:
+            nxt = workers[i + 1] if i + 1 < len(workers) else None
+            if nxt is None:
+                return None
+            if use_links:
+                fwd_cap = _bytes_within(topology, w, nxt, period)
+                bwd_cap = _bytes_within(topology, nxt, w, period)
+                ok = (prefix.cut[pos + 1 : end + 1] <= fwd_cap) & (prefix.grad_cut[pos + 1 : end + 1] <= bwd_cap)
+                hits = np.nonzero(ok)[0]
+                if len(hits) == 0:
+                    continue
+                end = pos + 1 + int(hits[-1])
+        bounds.append(end)
         chosen.append(w)
-        pos = best
-    if pos != prefix.n:
+        pos = end
+    if pos != n:
         return None
     return Placement(tuple(bounds), tuple(chosen))
+
+
+def _memory_end(prefix: _Prefix, pos: int, cap: float) -> int:
+    """Farthest end whose segment [pos, end) fits in ``cap`` bytes (memory grows with end)."""
+    lo, hi = pos, prefix.n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prefix.memory(pos, mid) <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _bytes_within(topology: Topology, i: int, j: int, period: float) -> float:
+    """Most bytes link ``i -> j`` moves within ``period`` seconds."""
+    lat = topology.latency_s[i][j]
+    return max(period - lat, 0.0) * topology.bandwidth_bytes_per_s[i][j] if period > lat else -1.0
 
 
 def bisect_period(prefix: _Prefix, workers: Sequence[int], topology: Topology, *, use_links: bool = True, iterations: int = 40) -> Placement | None:
@@ -194,62 +216,108 @@ def bisect_period(prefix: _Prefix, workers: Sequence[int], topology: Topology, *
             lo = mid
         else:
             hi, best = mid, got
-        if hi / lo < 1.001:
+        if hi / lo < 1.002:
             break
     return best
 
 
 # ---------------------------------------------------------------- local search
-def neighbours(p: Placement, num_units: int, unused: Sequence[int]) -> list[Placement]:
-    """Every placement one move away."""
+#: Above this many stages, only neighbouring stages swap workers (keeps a round linear).
+ALL_PAIRS_SWAP_LIMIT = 12
+#: Unused workers tried per move (the fastest ones).
+UNUSED_TRIED = 4
+#: A boundary with at most this many positions between its neighbours tries them all.
+BOUNDARY_SCAN_LIMIT = 32
+
+
+def boundary_moves(p: Placement) -> list[Placement]:
+    """Placements with one boundary moved (anywhere between its neighbours, or log-spaced)."""
+    out: list[Placement] = []
+    b = list(p.bounds)
+    for i in range(1, len(p.workers)):
+        lo, hi = b[i - 1] + 1, b[i + 1] - 1
+        if hi - lo <= BOUNDARY_SCAN_LIMIT:
+            positions: Sequence[int] = range(lo, hi + 1)
+        else:  # far apart: ±1, ±2, ±4, … so a round stays cheap
+            steps = [2**k for k in range(int(math.log2(hi - lo)) + 1)]
+            positions = sorted({min(hi, max(lo, b[i] + d)) for k in steps for d in (k, -k)})
+        for nb in positions:
+            if nb != b[i]:
+                out.append(Placement(tuple(b[:i] + [nb] + b[i + 1 :]), p.workers))
+    return out
+
+
+def worker_moves(p: Placement, unused: Sequence[int]) -> list[Placement]:
+    """Placements with the workers changed: swap two stages' workers, move a stage to a spare
+    worker, merge two neighbouring stages, split a stage onto a spare worker."""
     out: list[Placement] = []
     b, w = list(p.bounds), list(p.workers)
     s_count = len(w)
-    for i in range(1, s_count):  # shift a boundary
-        for d in (-1, 1):
-            nb = b[i] + d
-            if b[i - 1] < nb < b[i + 1]:
-                out.append(Placement(tuple(b[:i] + [nb] + b[i + 1 :]), p.workers))
-    for i in range(s_count):  # swap two stages' workers
-        for j in range(i + 1, s_count):
+    unused = list(unused)[:UNUSED_TRIED]
+    for i in range(s_count):
+        for j in range(i + 1, s_count if s_count <= ALL_PAIRS_SWAP_LIMIT else min(i + 2, s_count)):
             nw = w.copy()
             nw[i], nw[j] = nw[j], nw[i]
             out.append(Placement(p.bounds, tuple(nw)))
-    for i in range(s_count):  # move a stage to an unused worker
+    for i in range(s_count):
         for u in unused:
             nw = w.copy()
             nw[i] = u
             out.append(Placement(p.bounds, tuple(nw)))
-    for i in range(1, s_count):  # merge stage i-1 and i, keeping either worker
+    for i in range(1, s_count):
         nb = tuple(b[:i] + b[i + 1 :])
         out.append(Placement(nb, tuple(w[:i] + w[i + 1 :])))
         out.append(Placement(nb, tuple(w[: i - 1] + w[i:])))
-    for i in range(s_count):  # split a stage onto an unused worker (either side)
+    for i in range(s_count):
         if b[i + 1] - b[i] >= 2 and unused:
             mid = (b[i] + b[i + 1]) // 2
             nb = tuple(b[: i + 1] + [mid] + b[i + 1 :])
-            for u in unused[:4]:
+            for u in unused:
                 out.append(Placement(nb, tuple(w[: i + 1] + [u] + w[i + 1 :])))
                 out.append(Placement(nb, tuple(w[:i] + [u] + w[i:])))
     return out
 
 
-def local_search(start: Placement, objective: Objective, all_workers: Sequence[int], *, deadline: float) -> Placement:
-    """Best-improvement descent on the predicted step time until no move helps (or time is up)."""
+def _descend(start: Placement, objective: Objective, moves: Callable[[Placement], list[Placement]], deadline: float) -> Placement:
     current, value = start, objective(start)
-    n = len(objective.workload)
     while time.monotonic() < deadline:
-        unused = [x for x in all_workers if x not in set(current.workers)]
         best, best_value = current, value
-        for cand in neighbours(current, n, unused):
+        for cand in moves(current):
             v = objective(cand)
             if v < best_value - 1e-12:
                 best, best_value = cand, v
+        if best is current:
+            return current
+        current, value = best, best_value
+    return current
+
+
+def local_search(start: Placement, objective: Objective, all_workers: Sequence[int], *, deadline: float) -> Placement:
+    """Iterated descent on the predicted step time.
+
+    Descend with every move; when stuck, try each worker move *followed by* a descent over
+    boundary moves (a swap often only pays once the cuts follow it) and continue from the
+    first that improves. Stops when nothing improves or the time is up.
+    """
+
+    def spare(p: Placement) -> list[int]:
+        used = set(p.workers)
+        return [x for x in all_workers if x not in used]
+
+    current = _descend(start, objective, lambda p: boundary_moves(p) + worker_moves(p, spare(p)), deadline)
+    while time.monotonic() < deadline:
+        value = objective(current)
+        improved = False
+        for cand in worker_moves(current, spare(current)):
             if time.monotonic() > deadline:
                 break
-        if best is current:
+            settled = _descend(cand, objective, boundary_moves, deadline)
+            if objective(settled) < value - 1e-12:
+                current = _descend(settled, objective, lambda p: boundary_moves(p) + worker_moves(p, spare(p)), deadline)
+                improved = True
+                break
+        if not improved:
             break
-        current, value = best, best_value
     return current
 
 
@@ -267,6 +335,34 @@ def worker_chain(topology: Topology, candidates: Sequence[int] | None = None) ->
     return chain, [clusters[c] for c in order]
 
 
+def _reversed_clusters(sequence: list[int], clusters: Sequence[Sequence[int]]) -> list[int]:
+    """The same workers with the cluster chain walked the other way (fast-first inside each)."""
+    member = set(sequence)
+    out: list[int] = []
+    for c in reversed(clusters):
+        out += [w for w in sequence if w in set(c) and w in member]
+    return out
+
+
+def candidate_sizes(clusters: Sequence[Sequence[int]], num_units: int) -> list[int]:
+    """How many workers of the chain to offer the greedy cut: whole-cluster prefixes.
+
+    Up to 16 clusters every prefix is tried; beyond, prefixes whose worker count at least
+    doubles (plus the whole chain), so the number of candidates grows logarithmically.
+    """
+    sizes = [sum(len(c) for c in clusters[: k + 1]) for k in range(len(clusters))]
+    if len(sizes) > 16:
+        picked, last = [], 0
+        for size in sizes:
+            if size >= 2 * last or size == sizes[-1]:
+                picked.append(size)
+                last = size
+        sizes = picked
+    # The greedy skips workers it cannot use, so offering more workers than units still helps
+    # (it may pick faster ones), but long tails beyond that only cost time.
+    return sorted({min(s, max(num_units * 2, 1)) for s in sizes})
+
+
 def opfence_placement(
     workload: Workload,
     topology: Topology,
@@ -281,11 +377,11 @@ def opfence_placement(
     chain, clusters = worker_chain(topology)
     prefix = _Prefix(workload, micro_batches, schedule, len(chain))
     candidates: list[Placement] = []
-    cluster_prefixes = [sum(len(c) for c in clusters[: k + 1]) for k in range(len(clusters))]
-    for size in sorted(set(cluster_prefixes)):
-        p = bisect_period(prefix, chain[:size], topology)
-        if p is not None:
-            candidates.append(p)
+    for size in candidate_sizes(clusters, len(workload)):
+        for sequence in (chain[:size], _reversed_clusters(chain[:size], clusters)):
+            p = bisect_period(prefix, sequence, topology)
+            if p is not None:
+                candidates.append(p)
     # A single stage on the fastest worker that fits is always a candidate too.
     for w in sorted(range(len(topology)), key=lambda w: -topology.workers[w].effective_flops)[:1]:
         candidates.append(Placement((0, len(workload)), (w,)))

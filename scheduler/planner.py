@@ -47,8 +47,8 @@ class PlanRequest:
     step_costs: StepCosts = field(default_factory=StepCosts)
     max_units: int = 256
     """Coarsen the DAG to at most this many units before searching."""
-    time_budget_s: float = 10.0
-    """Local-search budget of OP-Fence."""
+    time_budget_s: float | None = None
+    """Local-search budget of OP-Fence; default ``0.5 s + 4 ms per worker``."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -70,7 +70,8 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
         kwargs = {"micro_batches": request.micro_batches, "schedule": request.schedule}
         if request.strategy == "opfence":
-            placement, extra = opfence_placement(wl, topology, time_budget_s=request.time_budget_s, **kwargs)
+            budget = request.time_budget_s if request.time_budget_s is not None else 0.5 + 0.004 * len(topology)
+            placement, extra = opfence_placement(wl, topology, time_budget_s=budget, **kwargs)
         elif request.strategy == "compute":
             placement = compute_placement(wl, topology, **kwargs)
         else:
