@@ -69,25 +69,12 @@ def build_stage(request: epb.LoadStageRequest, *, allow_code: bool) -> BuiltStag
         ConfigError: the model spec, device or training section is invalid.
         GraphExportError: capture failed, or the graph differs from the coordinator's.
     """
-    from fusion.models import build_model
-
-    model_spec = request.model
-    if ":" in model_spec.name and not allow_code:
-        raise AuthError(
-            f"model {model_spec.name!r} is user code; this worker only runs built-in models. "
-            "Start the worker with --allow-code to import job owners' factories."
-        )
     try:
-        kwargs = json.loads(model_spec.kwargs_json or "{}")
         train = TrainSpec.from_dict(json.loads(request.train_json or "{}"))
     except json.JSONDecodeError as e:
         raise WireError(f"LoadStage carries malformed JSON: {e}") from e
-    if not isinstance(kwargs, dict):
-        raise WireError("LoadStage model.kwargs_json must be a JSON object")
     device = parse_device(request.device)
-    torch.manual_seed(train.seed)
-    model = build_model(model_spec.name, model_spec.preset or None, **kwargs)
-    gm, _ = capture_graph(model, example_inputs(list(request.example_inputs)), leaf_modules=list(model_spec.leaf_modules))
+    gm = build_model_graph(request.model, list(request.example_inputs), seed=train.seed, allow_code=allow_code)
     fingerprint = graph_fingerprint(gm)
     if request.graph_fingerprint and fingerprint != request.graph_fingerprint:
         raise GraphExportError(
@@ -121,5 +108,30 @@ def build_stage(request: epb.LoadStageRequest, *, allow_code: bool) -> BuiltStag
     missing = [n for n in boundary if n not in expected]
     if missing:
         raise WireError(f"LoadStage lacks the expected shapes of boundary values {missing[:5]}")
-    del model, gm
     return BuiltStage(spec=spec, module=module, expected=expected, train=train, device=device)
+
+
+def build_model_graph(model_spec: epb.ModelSpec, inputs: list[epb.ValueSpec], *, seed: int, allow_code: bool) -> torch.fx.GraphModule:
+    """Build the job's model from its spec (seeded) and capture it as the coordinator did.
+
+    Raises:
+        AuthError: the model is a ``module:factory`` and the worker does not allow user code.
+        WireError: the keyword arguments are not a JSON object.
+    """
+    from fusion.models import build_model
+
+    if ":" in model_spec.name and not allow_code:
+        raise AuthError(
+            f"model {model_spec.name!r} is user code; this worker only runs built-in models. "
+            "Start the worker with --allow-code to import job owners' factories."
+        )
+    try:
+        kwargs = json.loads(model_spec.kwargs_json or "{}")
+    except json.JSONDecodeError as e:
+        raise WireError(f"model.kwargs_json is malformed JSON: {e}") from e
+    if not isinstance(kwargs, dict):
+        raise WireError("model.kwargs_json must be a JSON object")
+    torch.manual_seed(seed)
+    model = build_model(model_spec.name, model_spec.preset or None, **kwargs)
+    gm, _ = capture_graph(model, example_inputs(inputs), leaf_modules=list(model_spec.leaf_modules))
+    return gm

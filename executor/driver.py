@@ -56,6 +56,10 @@ class StepStats:
     """Compute seconds per stage."""
     sent_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
     """Bytes sent per (source stage, destination stage) link."""
+    sent_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Seconds spent sending per (source stage, destination stage) link."""
+    peak_memory_bytes: dict[int, int] = field(default_factory=dict)
+    """Peak memory per stage during the step."""
 
 
 def value_spec(name: str, meta: ValueMeta) -> epb.ValueSpec:
@@ -172,13 +176,16 @@ class PipelineDriver:
             logger.info("parameters shared across stages: %s", {k: [s for s, _ in v] for k, v in self._tied.items()})
 
     # ------------------------------------------------------------- steps
-    def forward_backward(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> StepStats:
-        """Run forward and backward of one batch over all stages; returns the step's loss."""
+    def forward_backward(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *, measure_memory: bool = False) -> StepStats:
+        """Run forward and backward of one batch over all stages; returns the step's loss.
+
+        With ``measure_memory`` each stage also counts its activation memory (slower).
+        """
         t0 = time.perf_counter()
         m = self.job.train.micro_batches
         schedule = _SCHEDULES[self.job.train.schedule]
         run_parallel(
-            [lambda s=s: self.clients[s.stage_idx].run_step(self.job_id, s.stage_idx, step, m, schedule) for s in self.stages],
+            [lambda s=s: self.clients[s.stage_idx].run_step(self.job_id, s.stage_idx, step, m, schedule, measure_memory=measure_memory) for s in self.stages],
             name="run-step",
         )
         input_names = self.dag.input_names()
@@ -234,8 +241,11 @@ class PipelineDriver:
         stats = StepStats(step=step, loss=results[self.loss_stage].loss, step_s=time.perf_counter() - t0)
         for s, r in results.items():
             stats.compute_s[s] = r.compute_s
+            stats.peak_memory_bytes[s] = r.peak_memory_bytes
             for dst, size in r.sent_bytes.items():
                 stats.sent_bytes[(s, dst)] = size
+            for dst, seconds in r.sent_s.items():
+                stats.sent_s[(s, dst)] = seconds
         return stats
 
     def _root_cause(self, step: int, errors: list[tuple[int, BaseException]]) -> FusionError:
@@ -280,9 +290,9 @@ class PipelineDriver:
             name="apply",
         )
 
-    def train_step(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> StepStats:
+    def train_step(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *, measure_memory: bool = False) -> StepStats:
         """One full training step: forward, backward, tied-gradient sync, optimizer."""
-        stats = self.forward_backward(step, inputs, target)
+        stats = self.forward_backward(step, inputs, target, measure_memory=measure_memory)
         self.sync_tied_gradients()
         self.apply(step)
         return stats

@@ -17,6 +17,7 @@ ordered background sender per destination, so transfers overlap compute.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -123,10 +124,65 @@ class StepResult:
     loss: float = 0.0
     compute_s: float = 0.0
     sent_bytes: dict[int, int] = field(default_factory=dict)
+    sent_s: dict[int, float] = field(default_factory=dict)
+    peak_memory_bytes: int = 0
 
 
-#: Sends ``(dst_stage, header, tensors, scalars)`` asynchronously; returns bytes sent via the future.
-SendFn = Callable[[int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any]], "Future[int]"]
+#: Sends ``(dst_stage, header, tensors, scalars)`` asynchronously; the future gives (bytes, seconds).
+SendFn = Callable[[int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any]], "Future[tuple[int, float]]"]
+
+
+class MemoryMeter:
+    """Live activation bytes of a stage's micro-batches, and their peak within a step.
+
+    Counts what a stage keeps between a micro-batch's forward and its backward: the
+    tensors autograd saves for backward (via ``saved_tensors_hooks``), the received
+    inputs and the outputs it keeps. Each storage is counted once; parameters are not
+    activations and are skipped.
+    """
+
+    def __init__(self, param_ptrs: set[int]) -> None:
+        self.param_ptrs = param_ptrs
+        self.enabled = False
+        self.live = 0
+        self.peak = 0
+        self._by_mb: dict[int, int] = {}
+        self._ptrs: dict[int, set[int]] = {}
+
+    def charge(self, m: int, t: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        try:
+            storage = t.untyped_storage()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            return
+        seen = self._ptrs.setdefault(m, set())
+        if ptr in self.param_ptrs or ptr in seen:
+            return
+        seen.add(ptr)
+        self._by_mb[m] = self._by_mb.get(m, 0) + size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def hooks(self, m: int) -> contextlib.AbstractContextManager[object]:
+        if not self.enabled:
+            return contextlib.nullcontext()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self.charge(m, t)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def release(self, m: int) -> None:
+        self.live -= self._by_mb.pop(m, 0)
+        self._ptrs.pop(m, None)
+
+    def reset(self) -> None:
+        self.live = self.peak = 0
+        self._by_mb.clear()
+        self._ptrs.clear()
 
 
 class StageRuntime:
@@ -170,6 +226,7 @@ class StageRuntime:
                 self._outputs_to.setdefault(d, []).append(i)
         # Per micro-batch: (input leaves by name, outputs tuple, weighted loss or None).
         self._kept: dict[int, tuple[dict[str, torch.Tensor], tuple[Any, ...], torch.Tensor | None]] = {}
+        self.meter = MemoryMeter({p.untyped_storage().data_ptr() for p in module.parameters()})
 
     # ------------------------------------------------------------- receiving
     def check_transfer(self, header: pb.TransferHeader) -> None:
@@ -222,7 +279,7 @@ class StageRuntime:
         self.mailbox.put((h.kind, h.micro_batch_idx, h.src_stage_idx), payload)
 
     # ------------------------------------------------------------- steps
-    def start_step(self, step: int, num_micro_batches: int, schedule: str) -> None:
+    def start_step(self, step: int, num_micro_batches: int, schedule: str, *, measure_memory: bool = False) -> None:
         """Begin ``step``: reset the mailbox and run the schedule on a compute thread."""
         if num_micro_batches != len(self.micro_batch_weights):
             raise WireError(
@@ -234,6 +291,10 @@ class StageRuntime:
                 raise StateError(f"stage {self.spec.stage_idx} is still running step {self._step.step}")
             self.mailbox.reset()
             self._kept.clear()
+            self.meter.reset()
+            self.meter.enabled = measure_memory
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             self._num_micro_batches = num_micro_batches
             result = StepResult(step=step)
             self._step = result
@@ -254,19 +315,18 @@ class StageRuntime:
         self.mailbox.abort(reason)
 
     def _run(self, result: StepResult, actions: list[Action]) -> None:
-        pending: list[Future[int]] = []
+        pending: list[Future[tuple[int, float]]] = []
         current: Action | None = None
         try:
             for current in actions:
-                t0 = time.perf_counter()
                 if current.kind == "F":
                     pending += self._forward(result, current.micro_batch_idx)
                 else:
                     pending += self._backward(result, current.micro_batch_idx)
-                result.compute_s += time.perf_counter() - t0
             current = None
             for f in pending:
                 f.result(timeout=self.step_timeout_s)
+            result.peak_memory_bytes = self._peak_memory()
         except Aborted as e:
             result.error = str(e)
         except Exception as e:
@@ -288,17 +348,33 @@ class StageRuntime:
             kind=kind,
         )
 
-    def _send_tracked(self, result: StepResult, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[int]:
+    def _peak_memory(self) -> int:
+        """The step's peak: the CUDA allocator's, or parameters + gradients + optimizer
+        state + the activation meter's peak on the CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if not self.meter.enabled:
+            return 0
+        params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.module.parameters()}
+        grads = sum(p.grad.untyped_storage().nbytes() for p in self.module.parameters() if p.grad is not None)
+        state = sum(
+            v.untyped_storage().nbytes() for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        return sum(params.values()) + grads + state + self.meter.peak
+
+    def _send_tracked(self, result: StepResult, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[tuple[int, float]]:
         fut = self._send(dst, header, tensors, scalars)
 
-        def account(f: Future[int]) -> None:
+        def account(f: Future[tuple[int, float]]) -> None:
             if f.exception() is None:
-                result.sent_bytes[dst] = result.sent_bytes.get(dst, 0) + f.result()
+                size, seconds = f.result()
+                result.sent_bytes[dst] = result.sent_bytes.get(dst, 0) + size
+                result.sent_s[dst] = result.sent_s.get(dst, 0.0) + seconds
 
         fut.add_done_callback(account)
         return fut
 
-    def _forward(self, result: StepResult, m: int) -> list[Future[int]]:
+    def _forward(self, result: StepResult, m: int) -> list[Future[tuple[int, float]]]:
         received: dict[int, Payload] = {}
         for src in self._inputs_from:
             received[src] = self.mailbox.take(
@@ -314,15 +390,25 @@ class StageRuntime:
                     value = value.detach().requires_grad_(True)
                     leaves[name] = value
             args.append(value)
-        outs = self.module(*args)
-        loss = None
+        target = None
         if self.spec.is_loss_stage:
-            assert self.loss_fn is not None
             target = self.mailbox.take(
                 (pb.TRANSFER_KIND_TARGET, m, DRIVER), timeout_s=self.step_timeout_s, what=f"targets of micro-batch {m}"
             )[TARGET_NAME].to(self.device, non_blocking=True)
-            loss = self.loss_fn(outs[-1], target) * self.micro_batch_weights[m]
-            result.loss += float(loss.detach())
+        for leaf in leaves.values():
+            self.meter.charge(m, leaf)
+        t0 = time.perf_counter()
+        with self.meter.hooks(m):
+            outs = self.module(*args)
+            loss = None
+            if target is not None:
+                assert self.loss_fn is not None
+                loss = self.loss_fn(outs[-1], target) * self.micro_batch_weights[m]
+                result.loss += float(loss.detach())
+        result.compute_s += time.perf_counter() - t0
+        for out in outs:
+            if isinstance(out, torch.Tensor):
+                self.meter.charge(m, out)
         self._kept[m] = (leaves, outs, loss)
         sends = []
         for dst, idxs in self._outputs_to.items():
@@ -339,7 +425,7 @@ class StageRuntime:
             sends.append(self._send_tracked(result, dst, header, tensors, scalars))
         return sends
 
-    def _backward(self, result: StepResult, m: int) -> list[Future[int]]:
+    def _backward(self, result: StepResult, m: int) -> list[Future[tuple[int, float]]]:
         grads: dict[int, torch.Tensor] = {}
         for dst in self._outputs_to:
             payload = self.mailbox.take(
@@ -351,6 +437,7 @@ class StageRuntime:
                     g = g.to(self.device, non_blocking=True)
                     grads[i] = grads[i] + g if i in grads else g
         leaves, outs, loss = self._kept.pop(m)
+        self.meter.release(m)
         tensors: list[torch.Tensor] = []
         grad_tensors: list[torch.Tensor | None] = []
         for i, g in grads.items():
@@ -362,7 +449,9 @@ class StageRuntime:
             tensors.append(loss)
             grad_tensors.append(None)
         if tensors:
+            t0 = time.perf_counter()
             torch.autograd.backward(tensors, grad_tensors)
+            result.compute_s += time.perf_counter() - t0
         sends = []
         for src, names in self._inputs_from.items():
             if src == DRIVER:

@@ -13,6 +13,7 @@ Run a bare executor (what ``fusion-worker`` wraps, and what the local driver sta
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -32,7 +33,8 @@ from executor.client import ChannelPool, ExecutorClient
 from executor.runtime import StageRuntime
 from executor.status import rpc_errors
 from executor.transport import DEFAULT_CHUNK_BYTES, RawChunk, decode_transfer, encode_transfer_wire, grpc_message_options
-from fusion.errors import NotFoundError, StateError, WireError
+from fusion.errors import FusionError, NotFoundError, StateError, WireError
+from fusion.config import TrainSpec
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.wire import executor_pb2 as epb
@@ -50,6 +52,14 @@ MAX_WAIT_S = 30.0
 _SCHEDULES = {epb.SCHEDULE_GPIPE: "gpipe", epb.SCHEDULE_1F1B: "1f1b"}
 
 
+def train_spec(text: str) -> TrainSpec:
+    """The ``[train]`` section a request carries as JSON."""
+    try:
+        return TrainSpec.from_dict(json.loads(text or "{}"))
+    except json.JSONDecodeError as e:
+        raise WireError(f"malformed train_json: {e}") from e
+
+
 class PeerSender:
     """Ordered, asynchronous sends from one stage to each destination stage."""
 
@@ -60,7 +70,7 @@ class PeerSender:
         self._queues: dict[int, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[int]:
+    def __call__(self, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[tuple[int, float]]:
         address = self.addresses.get(dst)
         if address is None:
             raise NotFoundError(f"no address known for stage {dst}")
@@ -70,7 +80,13 @@ class PeerSender:
                 queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"send-to-stage{dst}")
                 self._queues[dst] = queue
         client = ExecutorClient(address, self.pool)
-        return queue.submit(client.send, header, tensors, scalars)
+
+        def timed() -> tuple[int, float]:
+            t0 = time.perf_counter()
+            size = client.send(header, tensors, scalars)
+            return size, time.perf_counter() - t0
+
+        return queue.submit(timed)
 
     def close(self) -> None:
         with self._lock:
@@ -186,7 +202,7 @@ class ExecutorService:
         schedule = _SCHEDULES.get(request.schedule)
         if schedule is None:
             raise WireError(f"unknown schedule {request.schedule}; use SCHEDULE_GPIPE or SCHEDULE_1F1B")
-        runtime.start_step(request.step, request.num_micro_batches, schedule)
+        runtime.start_step(request.step, request.num_micro_batches, schedule, measure_memory=request.measure_memory)
         return epb.RunStepResponse()
 
     @rpc_errors
@@ -203,6 +219,8 @@ class ExecutorService:
             has_loss=runtime.spec.is_loss_stage,
             compute_s=result.compute_s,
             sent_bytes=result.sent_bytes,
+            sent_s=result.sent_s,
+            peak_memory_bytes=result.peak_memory_bytes,
         )
 
     @rpc_errors
@@ -234,6 +252,50 @@ class ExecutorService:
 
         transfer = decode_transfer(request_iterator, max_bytes=MAX_PROBE_BYTES, check=check)
         return epb.ProbeResponse(received_bytes=transfer.size_bytes, receive_s=time.perf_counter() - t0[0])
+
+    @rpc_errors
+    def ProfileModel(self, request: epb.ProfileModelRequest, context: grpc.ServicerContext) -> epb.ProfileModelResponse:
+        from executor.build import build_model_graph, example_inputs, parse_device
+        from fusion.profiling import measure_device, measure_optimizer_s_per_byte, profile_graph
+
+        device = parse_device(request.device)
+        train = train_spec(request.train_json)
+        gm = build_model_graph(request.model, list(request.example_inputs), seed=train.seed, allow_code=self.allow_code)
+        inputs = tuple(example_inputs(list(request.example_inputs)))
+        profile = profile_graph(gm, inputs, device=str(device), repeats=max(1, request.repeats or 5))
+        measured = measure_device(str(device))
+        from fusion.graph.export import graph_fingerprint
+
+        return epb.ProfileModelResponse(
+            profile_json=json.dumps(profile),
+            matmul_flops=measured.matmul_flops,
+            optimizer_s_per_byte=measure_optimizer_s_per_byte(train.optimizer, device=str(device)),
+            graph_fingerprint=graph_fingerprint(gm),
+            device_name=measured.device_name,
+        )
+
+    @rpc_errors
+    def ProbeLinks(self, request: epb.ProbeLinksRequest, context: grpc.ServicerContext) -> epb.ProbeLinksResponse:
+        from fusion.profiling import fit_link
+
+        sizes = [int(s) for s in request.sizes_bytes] or [16 << 10, 256 << 10, 2 << 20]
+        if any(s <= 0 or s > MAX_PROBE_BYTES for s in sizes):
+            raise WireError(f"probe sizes must be in 1..{MAX_PROBE_BYTES} bytes")
+        repeats = max(1, min(int(request.repeats or 3), 20))
+        out = epb.ProbeLinksResponse()
+        for address in request.addresses:
+            client = ExecutorClient(address, self.pool)
+            try:
+                samples = []
+                client.probe(sizes[0])  # warm the channel: connection set-up is not the link
+                for size in sizes:
+                    best = min(client.probe(size)[0] for _ in range(repeats))
+                    samples.append((size, best))
+                latency, bandwidth = fit_link(samples)
+                out.links.add(address=address, latency_s=latency, bandwidth_bytes_per_s=bandwidth)
+            except (FusionError, ValueError) as e:
+                out.links.add(address=address, error=str(e))
+        return out
 
     @rpc_errors
     def Ping(self, request: epb.PingRequest, context: grpc.ServicerContext) -> epb.PingResponse:

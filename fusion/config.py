@@ -487,7 +487,7 @@ class PlanSpec(_Section):
 
     section: ClassVar[str] = "plan"
 
-    strategy: str = "uniform"
+    strategy: str = "opfence"
     """``"opfence"`` (bandwidth-aware), ``"uniform"`` (equal node counts), ``"compute"``
     (compute-balanced, ignores bandwidth) or ``"exhaustive"`` (optimal, small instances)."""
 

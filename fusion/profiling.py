@@ -163,6 +163,7 @@ def profile_graph(
     node_times: list[dict[str, float]] = []
     saved: dict[str, int] = {}
     try:
+        # Whole-graph timings first, back to back, as training runs them.
         for i in range(warmup + repeats):
             _sync_all(dev)
             t0 = time.perf_counter()
@@ -173,13 +174,17 @@ def profile_graph(
             _sync_all(dev)
             t2 = time.perf_counter()
             module.zero_grad(set_to_none=True)
+            del out
+            if i >= warmup:
+                fwd_total.append(t1 - t0)
+                bwd_total.append(t2 - t1)
+        # Then node by node, for the shares and the saved activations.
+        for i in range(warmup + repeats):
             timer = _NodeTimer(module, dev, param_ptrs)
             with torch.autograd.graph.saved_tensors_hooks(timer.pack, lambda t: t):
                 out = timer.run(*inputs)
             del out
             if i >= warmup:
-                fwd_total.append(t1 - t0)
-                bwd_total.append(t2 - t1)
                 node_times.append(timer.times)
                 saved = timer.saved
     finally:

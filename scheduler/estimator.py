@@ -46,12 +46,18 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0.0, "sgd-momentum": 1.0, "adamw": 2.0}
 
 @dataclass(frozen=True, kw_only=True)
 class StepCosts:
-    """Fixed per-step costs measured by the profiler (zero when unknown)."""
+    """Executor overheads measured by the profiler (zero when unknown)."""
 
     control_s: float = 0.0
-    """Driver round trips per step (start, wait, apply), seconds."""
+    """Fixed seconds per step: the driver's start/feed/wait/apply round trips."""
+    micro_batch_s: float = 0.0
+    """Executor bookkeeping per micro-batch on a stage (mailbox, leaves, hand-offs), seconds."""
     optimizer_s_per_byte: float = 0.0
     """Optimizer update seconds per parameter byte on the reference device."""
+    driver_round_trip_s: float = 0.0
+    """One control round trip from the driver to a worker (tied-gradient sync uses several)."""
+    driver_bandwidth_bytes_per_s: float = float("inf")
+    """Driver ↔ worker bandwidth, for gradients of tied parameters that the driver sums."""
 
 
 @dataclass
@@ -81,6 +87,11 @@ class Workload:
     """``sgd``, ``sgd-momentum`` or ``adamw`` (sets the optimizer-state factor)."""
     input_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per unit: bytes of model inputs it reads (kept in its stash)."""
+    output_unit: int = -1
+    """Unit that produces the model output (its stage computes the loss)."""
+    output_bytes: int = 0
+    """Bytes of the model output per micro-batch; the loss stage keeps it and the loss's own
+    saved tensors (about as large, e.g. cross-entropy's log-probabilities) until backward."""
     _edge_arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -150,7 +161,10 @@ def workload_from_dag(dag: OpDag, *, optimizer: str = "adamw", momentum: float =
         opt = "sgd-momentum"
     if opt not in OPTIMIZER_STATE_FACTOR:
         raise PlanError(f"unknown optimizer {optimizer!r} for memory estimation")
+    out_node = dag.node(dag.output)
     return Workload(
+        output_unit=index.get(dag.output, len(units) - 1),
+        output_bytes=out_node.out_bytes,
         names=[n.name for n in units],
         fwd_s=fwd,
         bwd_s=bwd,
@@ -213,14 +227,19 @@ def estimate(
         raise PlanError("unit_stage must give every unit a stage in range")
     speed = np.array([topology.workers[w].effective_flops for w in stage_workers])
     scale = workload.reference_flops / speed  # seconds multiplier per stage
-    f = np.bincount(stage_of, weights=workload.fwd_s, minlength=num_stages) * scale
-    b = np.bincount(stage_of, weights=workload.bwd_s, minlength=num_stages) * scale
+    overhead = workload.step.micro_batch_s / 2  # half with each of forward and backward
+    f = np.bincount(stage_of, weights=workload.fwd_s, minlength=num_stages) * scale + overhead
+    b = np.bincount(stage_of, weights=workload.bwd_s, minlength=num_stages) * scale + overhead
     saved = np.bincount(stage_of, weights=workload.saved_bytes, minlength=num_stages)
     stash_in = np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages)
 
     # Cut traffic: a value crosses once per (producer, destination stage).
     act, grad, received = _cut_traffic(workload, stage_of, num_stages)
     stash_in = stash_in + received  # received inputs stay stashed until backward
+    for (a, _), size in act.items():
+        stash_in[a] += size  # so do the outputs a stage sent
+    if workload.output_unit >= 0:
+        stash_in[stage_of[workload.output_unit]] += 2 * workload.output_bytes
     order = _stage_order(num_stages, act)
     x = {k: topology.transfer_s(stage_workers[k[0]], stage_workers[k[1]], v) for k, v in act.items()}
     g = {k: topology.transfer_s(stage_workers[k[1]], stage_workers[k[0]], grad[k]) if grad[k] else 0.0 for k in act}
@@ -260,7 +279,7 @@ def estimate(
         memory[w] = memory.get(w, 0) + int(stage_mem)
 
     opt_s = workload.step.optimizer_s_per_byte * max(param_bytes[s] * scale[s] for s in range(num_stages)) if num_stages else 0.0
-    step_s = critical + (micro_batches - 1) * period + workload.step.control_s + opt_s
+    step_s = critical + (micro_batches - 1) * period + workload.step.control_s + opt_s + _tied_sync_s(workload, stage_params)
     return Estimate(
         step_s=float(step_s),
         stage_compute_s=tuple(float(v) for v in f + b),
@@ -270,6 +289,23 @@ def estimate(
         bottleneck_s=float(period),
         depth=tuple(depth),
     )
+
+
+def _tied_sync_s(workload: Workload, stage_params: list[dict[int, int]]) -> float:
+    """The driver sums the gradients of parameters several stages hold: per holder one
+    fetch and one push, one after another."""
+    holders: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for sp in stage_params:
+        for pid, size in sp.items():
+            holders[pid] = holders.get(pid, 0) + 1
+            sizes[pid] = size
+    step = workload.step
+    total = 0.0
+    for pid, count in holders.items():
+        if count > 1:
+            total += 2 * count * (step.driver_round_trip_s + sizes[pid] / step.driver_bandwidth_bytes_per_s)
+    return total
 
 
 def _cut_traffic(workload: Workload, stage_of: np.ndarray, num_stages: int) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int], np.ndarray]:

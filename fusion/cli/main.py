@@ -22,6 +22,7 @@ from typing import Any
 
 from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
 from fusion.config import JobSpec, OutputSpec, load_job
+from fusion.errors import ConfigError, FusionError
 from fusion.coordinator.client import CoordinatorClient
 
 
@@ -133,23 +134,97 @@ def cmd_workers(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan offline: the model is captured on the meta device (no weights are allocated)."""
+    import torch
+
     from fusion.graph.export import capture
-    from fusion.graph.split import split_stages
+    from fusion.training import build_job_dataset, example_micro_batch
+    from scheduler.planner import PlanRequest, make_plan
+    from scheduler.topology import Topology, WorkerSpec
+
+    job_path = args.job_opt or args.job
+    if not job_path:
+        raise ConfigError("give the job file: fusion plan --job JOB.toml --topology TOPO.toml")
+    spec = load_job(job_path)
+    if args.topology:
+        topology = Topology.load(args.topology)
+    else:
+        n = args.workers
+        workers = [WorkerSpec(name=f"worker-{i}", cluster="local") for i in range(n)]
+        topology = Topology.from_measurements(workers, [[0.0] * n for _ in range(n)], [[1.25e9] * n for _ in range(n)])
+    from fusion.models import build_model
+
+    torch.manual_seed(spec.train.seed)
+    with torch.device("meta"):
+        model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
+    x, _ = example_micro_batch(spec, build_job_dataset(spec))
+    dag = capture(model, (x.to("meta"),)).dag
+    request = PlanRequest(
+        strategy=args.strategy or spec.plan.strategy,
+        micro_batches=spec.train.micro_batches,
+        schedule=spec.train.schedule,
+        optimizer=spec.train.optimizer,
+        momentum=spec.train.momentum,
+        compression=spec.compression.mode,
+        keep_ratio=spec.compression.keep_ratio,
+        min_keep_ratio=spec.compression.min_keep_ratio,
+    )
+    plan = make_plan(dag, topology, request)
+    print(plan.to_json() if args.json else plan.table())
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure a job on the coordinator's idle workers; with --check, run plans and compare."""
+    from executor.client import ChannelPool
+    from fusion.coordinator.planning import Endpoint, measure
+    from fusion.coordinator.profile_check import check_estimator, format_rows, summarize
+    from fusion.graph.export import capture
     from fusion.training import build_job_dataset, build_job_model, example_micro_batch
-    from scheduler.baselines import uniform_assignment
-    from scheduler.plan import plan_from_stages
 
     spec = load_job(args.job)
-    t0 = time.perf_counter()
-    model = build_job_model(spec)
-    x, _ = example_micro_batch(spec, build_job_dataset(spec))
-    dag = capture(model, (x,)).dag
-    stages = split_stages(dag, uniform_assignment(dag, args.workers))
-    plan = plan_from_stages(
-        dag, stages, [f"worker-{i}" for i in range(len(stages))], strategy="uniform",
-        micro_batches=spec.train.micro_batches, schedule=spec.train.schedule, planning_s=time.perf_counter() - t0,
-    )
-    print(plan.to_json() if args.json else plan.table())
+    with _client(args) as c:
+        infos = [w for w in c.workers() if w.state == "idle"]
+    if args.workers:
+        infos = infos[: args.workers]
+    if not infos:
+        raise FusionError("no idle workers: start some with fusion-worker, or wait for running jobs to end")
+    endpoints = [
+        Endpoint(name=w.name, address=w.address, matmul_flops=w.resources.matmul_flops or 1e12,
+                 memory_bytes=w.resources.device_memory_bytes or None, device_name=w.resources.device_name)
+        for w in infos
+    ]
+    pool = ChannelPool()
+    try:
+        if args.check:
+            rows, _ = check_estimator(
+                spec, endpoints, pool=pool, steps=args.steps, device=args.device,
+                progress=lambda r: print(f"  ran {r.label}: predicted {r.predicted_step_s:.4f}s, measured {r.measured_step_s:.4f}s", file=sys.stderr),
+            )
+            if args.json:
+                print(json.dumps({"plans": [r.to_dict() for r in rows], **summarize(rows)}, indent=2))
+            else:
+                print(format_rows(rows))
+            return 0
+        model = build_job_model(spec)
+        dataset = build_job_dataset(spec)
+        x, _ = example_micro_batch(spec, dataset)
+        captured = capture(model, (x,))
+        m = measure(spec, model, captured, dataset, endpoints, pool, device=args.device)
+    finally:
+        pool.close()
+    graph = m.profile.nodes.get("__graph__", {})
+    print(f"model {spec.model.name} ({spec.model.preset}): {len(captured.dag.compute_nodes())} nodes, profiled on {endpoints[0].name} ({m.profile.device_name})")
+    print(f"  forward {graph.get('fwd_time_s', 0) * 1e3:.2f} ms, backward {graph.get('bwd_time_s', 0) * 1e3:.2f} ms per micro-batch; matmul {m.profile.matmul_flops / 1e9:.1f} GFLOP/s")
+    print(f"  executor overhead: {m.overhead.step_s * 1e3:.2f} ms per step, {m.overhead.micro_batch_s * 1e3:.2f} ms per micro-batch")
+    top = sorted(((v["fwd_time_s"] + v["bwd_time_s"], k) for k, v in m.profile.nodes.items() if not k.startswith("__")), reverse=True)[:8]
+    for t, name in top:
+        print(f"    {name:<40} {t * 1e3:8.3f} ms")
+    names = m.topology.names()
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            if i != j:
+                print(f"  link {a} -> {b}: {m.topology.latency_s[i][j] * 1e3:.2f} ms + bytes / {m.topology.bandwidth_bytes_per_s[i][j] / 1e6:.1f} MB/s")
     return 0
 
 
@@ -183,11 +258,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_logs)
     sp = command("workers", "list the workers that joined")
     sp.set_defaults(func=cmd_workers)
-    sp = command("plan", "show how a job would be split over N workers (offline)", connect=False)
-    sp.add_argument("job", help="path to the job file")
-    sp.add_argument("--workers", type=int, default=2, help="number of workers (default: %(default)s)")
+    sp = command("plan", "plan a job offline on a topology file (or N equal workers)", connect=False)
+    sp.add_argument("job", nargs="?", help="path to the job file (or --job)")
+    sp.add_argument("--job", dest="job_opt", default=None, help="path to the job file")
+    sp.add_argument("--topology", default=None, help="topology file (TOML, as in testbeds/topologies/)")
+    sp.add_argument("--workers", type=int, default=2, help="without --topology: N equal workers on 10 Gbps (default: %(default)s)")
+    sp.add_argument("--strategy", default=None, choices=["opfence", "uniform", "compute", "exhaustive"], help="override [plan] strategy")
     sp.add_argument("--json", action="store_true", help="print the plan as JSON")
     sp.set_defaults(func=cmd_plan)
+    sp = command("profile", "measure a job on the idle workers (model, links, executor overhead)")
+    sp.add_argument("--job", required=True, help="path to the job file")
+    sp.add_argument("--check", action="store_true", help="run several plans for real and compare with the estimator")
+    sp.add_argument("--steps", type=int, default=5, help="timed steps per plan with --check (default: %(default)s)")
+    sp.add_argument("--workers", type=int, default=0, help="use at most this many idle workers (default: all)")
+    sp.add_argument("--device", default="cpu", help="device of the stages (cpu, cuda, cuda:N)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=cmd_profile)
     from fusion.cli.demo import add_demo_parser
 
     add_demo_parser(sub)

@@ -26,8 +26,8 @@ from fusion.errors import FusionError, StateError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
 from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
-from scheduler.baselines import uniform_assignment
-from scheduler.plan import Plan, plan_from_stages
+from fusion.coordinator.planning import Endpoint, LinkTable, ProfileCache, measure, plan_job
+from scheduler.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class JobRunner(threading.Thread):
         output_dir: str,
         pool: ChannelPool,
         on_done: Callable[[JobRunner], None],
+        profiles: ProfileCache,
+        links: LinkTable,
         device: str = "cpu",
     ) -> None:
         super().__init__(name=f"job-{job_id}", daemon=True)
@@ -56,6 +58,9 @@ class JobRunner(threading.Thread):
         self.pool = pool
         self.on_done = on_done
         self.device = device
+        self.profiles = profiles
+        self.links = links
+        self.plan_workers: dict[str, WorkerRow] = {}
         self._stop_state: tuple[str, str] | None = None
         self._lock = threading.Lock()
         self._driver: PipelineDriver | None = None
@@ -97,6 +102,7 @@ class JobRunner(threading.Thread):
                     break
                 x, y = job_batch(self.spec, dataset, step)
                 stats = driver.train_step(step, (x,), y)
+                self._refresh_links(stats, plan)
                 record = self._record(stats, x, plan)
                 outputs.append_metrics(record)
                 self.store.log(self.job_id, "metric", record)
@@ -149,41 +155,62 @@ class JobRunner(threading.Thread):
         return reason
 
     def _plan(self, outputs: JobOutputs) -> tuple[PipelineDriver, Plan, Any]:
-        t0 = time.perf_counter()
+        """Measure (profile, links, executor overhead), plan with the job's strategy, build the driver."""
         spec = self.spec
         model = build_job_model(spec)
         dataset = build_job_dataset(spec)
         example_x, example_y = example_micro_batch(spec, dataset)
         captured = capture(model, (example_x,))
-        num_stages = min(len(self.workers), len(captured.dag.compute_nodes()))
-        workers = self.workers[:num_stages]
-        stages = split_stages(captured.dag, uniform_assignment(captured.dag, num_stages))
-        plan = plan_from_stages(
-            captured.dag,
-            stages,
-            [w.name for w in workers],
-            strategy="uniform",
-            micro_batches=spec.train.micro_batches,
-            schedule=spec.train.schedule,
-            planning_s=time.perf_counter() - t0,
-        )
-        if spec.plan.strategy != "uniform":
-            self.store.log(self.job_id, "event", {"event": "plan", "message": f"strategy {spec.plan.strategy!r} is not available yet; using an even split"})
-        self.store.set_plan(self.job_id, plan.to_dict(), [w.name for w in workers])
+        endpoints = [
+            Endpoint(
+                name=w.name,
+                address=w.address,
+                matmul_flops=float(w.resources.get("matmul_flops") or 1.0e12),
+                memory_bytes=int(w.resources["device_memory_bytes"]) if w.resources.get("device_memory_bytes") else None,
+                device_name=str(w.resources.get("device_name", "")),
+            )
+            for w in self.workers
+        ]
+        t0 = time.perf_counter()
+        measurements = measure(spec, model, captured, dataset, endpoints, self.pool, device=self.device, cache=self.profiles)
+        for i, a in enumerate(endpoints):
+            for j, b in enumerate(endpoints):
+                if i != j:
+                    self.links.set(a.address, b.address, measurements.topology.latency_s[i][j], measurements.topology.bandwidth_bytes_per_s[i][j])
+        self.store.log(self.job_id, "event", {"event": "measured", "message": f"profiled the model and {len(endpoints)} workers' links in {time.perf_counter() - t0:.1f}s"})
+        plan = plan_job(spec, measurements)
+        self.plan_workers = {w.name: w for w in self.workers}
+        used = [self.plan_workers[s.worker] for s in plan.stages]
+        stages = split_stages(captured.dag, plan.assignment())
+        self.store.set_plan(self.job_id, plan.to_dict(), [w.name for w in used])
         outputs.write_plan(plan.to_dict())
-        self.store.log(self.job_id, "event", {"event": "planned", "message": f"{num_stages} stages on {', '.join(w.name for w in workers)}"})
+        predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
+        self.store.log(
+            self.job_id,
+            "event",
+            {"event": "planned", "message": f"{plan.strategy}: {len(stages)} stage(s) on {', '.join(w.name for w in used)}{predicted} ({plan.planning_s:.2f}s)"},
+        )
         driver = PipelineDriver(
             job_id=self.job_id,
             job=spec,
             model=model,
             captured=captured,
             stages=stages,
-            addresses=[w.address for w in workers],
+            addresses=[w.address for w in used],
             example_target=example_y,
             device=self.device,
             pool=self.pool,
         )
         return driver, plan, dataset
+
+    def _refresh_links(self, stats: StepStats, plan: Plan) -> None:
+        """Fold the step's transfers into the link estimates (one message per micro-batch)."""
+        m = self.spec.train.micro_batches
+        for (s, d), size in stats.sent_bytes.items():
+            seconds = stats.sent_s.get((s, d), 0.0)
+            a, b = self.plan_workers[plan.stages[s].worker].address, self.plan_workers[plan.stages[d].worker].address
+            if seconds > 0 and size > 0:
+                self.links.observe(a, b, size // m, seconds / m)
 
     def _record(self, stats: StepStats, x: Any, plan: Plan) -> dict[str, Any]:
         batch = int(x.shape[0])
@@ -199,6 +226,15 @@ class JobRunner(threading.Thread):
             f"{plan.stages[s].worker}->{plan.stages[d].worker}": size for (s, d), size in sorted(stats.sent_bytes.items())
         }
         record["compute_s"] = {plan.stages[s].worker: round(c, 6) for s, c in sorted(stats.compute_s.items())}
+        links = {}
+        for s, d in sorted(stats.sent_bytes):
+            a, b = self.plan_workers[plan.stages[s].worker], self.plan_workers[plan.stages[d].worker]
+            fit = self.links.get(a.address, b.address)
+            if fit is not None:
+                links[f"{a.name}->{b.name}"] = round(fit[1], 1)
+        record["link_bandwidth_bytes_per_s"] = links
+        if plan.predicted_step_s is not None:
+            record["predicted_step_s"] = round(plan.predicted_step_s, 6)
         return record
 
     def _summary(self, state: str, reason: str | None, steps: list[int], losses: list[float], t_start: float) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import grpc
 from executor.client import ChannelPool
 from executor.status import rpc_errors
 from fusion.config import JobSpec
+from fusion.coordinator.planning import LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store
 from fusion.errors import AuthError, ConfigError, WireError
@@ -96,6 +97,8 @@ class CoordinatorService:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.device = device
         self.pool = ChannelPool()
+        self.profiles = ProfileCache(load=store.get_profile, store=store.put_profile)
+        self.links = LinkTable()
         self._runners: dict[str, JobRunner] = {}
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -306,7 +309,7 @@ class CoordinatorService:
                     self.store.set_worker_state(w.worker_id, "busy", job.job_id)
                 runner = JobRunner(
                     store=self.store, job_id=job.job_id, spec=spec, workers=idle, output_dir=job.output_dir,
-                    pool=self.pool, on_done=self._job_done, device=self.device,
+                    pool=self.pool, on_done=self._job_done, device=self.device, profiles=self.profiles, links=self.links,
                 )
                 self._runners[job.job_id] = runner
                 runner.start()

@@ -79,6 +79,11 @@ CREATE TABLE IF NOT EXISTS log (
     record_json TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS log_by_job ON log (job_id, seq);
+CREATE TABLE IF NOT EXISTS profiles (
+    key TEXT PRIMARY KEY,
+    profile_json TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
 """
 
 
@@ -257,6 +262,21 @@ class Store:
                 "SELECT seq, ts, kind, record_json FROM log WHERE job_id = ? AND seq > ? ORDER BY seq", (job_id, after_seq)
             ).fetchall()
         return [(r["seq"], r["ts"], r["kind"], json.loads(r["record_json"])) for r in rows if kind is None or r["kind"] == kind]
+
+    # ------------------------------------------------------------- profiles
+    def get_profile(self, key: str) -> str | None:
+        """A cached model profile (JSON), by (model fingerprint, shapes, device) key."""
+        with self._lock:
+            row = self._db.execute("SELECT profile_json FROM profiles WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row["profile_json"])
+
+    def put_profile(self, key: str, profile_json: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO profiles (key, profile_json, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET profile_json = excluded.profile_json, updated_at = excluded.updated_at",
+                (key, profile_json, time.time()),
+            )
 
     # ------------------------------------------------------------- restart
     def recover(self) -> list[str]:

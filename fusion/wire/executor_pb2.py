@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fusion.wire import tensor_pb2 as fusion_dot_wire_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66usion/wire/executor.proto\x12\x0b\x66usion.wire\x1a\x18\x66usion/wire/tensor.proto\"T\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06preset\x18\x02 \x01(\t\x12\x13\n\x0bkwargs_json\x18\x03 \x01(\t\x12\x14\n\x0cleaf_modules\x18\x04 \x03(\t\"1\n\nStageInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsrc_stage_idx\x18\x02 \x01(\x05\"2\n\x0bStageOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rdst_stage_idx\x18\x02 \x03(\r\"Y\n\tValueSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.fusion.wire.DType\x12\r\n\x05shape\x18\x04 \x03(\x03\"\xcd\x04\n\x10LoadStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12%\n\x05model\x18\x03 \x01(\x0b\x32\x16.fusion.wire.ModelSpec\x12.\n\x0e\x65xample_inputs\x18\x04 \x03(\x0b\x32\x16.fusion.wire.ValueSpec\x12\r\n\x05nodes\x18\x05 \x03(\t\x12\'\n\x06inputs\x18\x06 \x03(\x0b\x32\x17.fusion.wire.StageInput\x12)\n\x07outputs\x18\x07 \x03(\x0b\x32\x18.fusion.wire.StageOutput\x12&\n\x06values\x18\x08 \x03(\x0b\x32\x16.fusion.wire.ValueSpec\x12\x15\n\ris_loss_stage\x18\t \x01(\x08\x12\x0c\n\x04loss\x18\n \x01(\t\x12J\n\x0fstage_addresses\x18\x0b \x03(\x0b\x32\x31.fusion.wire.LoadStageRequest.StageAddressesEntry\x12\r\n\x05\x64\x65pth\x18\x0c \x01(\r\x12\x12\n\ntrain_json\x18\r \x01(\t\x12\x19\n\x11graph_fingerprint\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x10 \x01(\x04\x12\x1b\n\x13micro_batch_weights\x18\x11 \x03(\x01\x12\x0c\n\x04\x61uth\x18\x12 \x01(\t\x1a\x35\n\x13StageAddressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\x11LoadStageResponse\x12\x17\n\x0fparameter_names\x18\x01 \x03(\t\x12\x14\n\x0c\x62uffer_names\x18\x02 \x03(\t\x12\x17\n\x0fparameter_bytes\x18\x03 \x01(\x04\"\'\n\x10SetStateResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\"w\n\x0fGetStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12$\n\x04kind\x18\x03 \x01(\x0e\x32\x16.fusion.wire.StateKind\x12\r\n\x05names\x18\x04 \x03(\t\x12\x0c\n\x04\x61uth\x18\x05 \x01(\t\"&\n\x0cSendResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"\x93\x01\n\x0eRunStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x04 \x01(\r\x12\'\n\x08schedule\x18\x05 \x01(\x0e\x32\x15.fusion.wire.Schedule\x12\x0c\n\x04\x61uth\x18\x06 \x01(\t\"\x11\n\x0fRunStepResponse\"c\n\x0fWaitStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x61uth\x18\x05 \x01(\t\"\xc7\x01\n\x10WaitStepResponse\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08has_loss\x18\x03 \x01(\x08\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12@\n\nsent_bytes\x18\x05 \x03(\x0b\x32,.fusion.wire.WaitStepResponse.SentBytesEntry\x1a\x30\n\x0eSentBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"i\n\x10\x41pplyStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0eoptimizer_step\x18\x04 \x01(\x08\x12\x0c\n\x04\x61uth\x18\x05 \x01(\t\"\x13\n\x11\x41pplyStepResponse\"<\n\x0c\x41\x62ortRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x61uth\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"0\n\x10UnloadJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61uth\x18\x02 \x01(\t\"\x13\n\x11UnloadJobResponse\":\n\rProbeResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x11\n\treceive_s\x18\x02 \x01(\x01\"\r\n\x0bPingRequest\"1\n\x0cPingResponse\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x0c\n\x04jobs\x18\x02 \x03(\t*\\\n\tStateKind\x12\x1a\n\x16STATE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15STATE_KIND_PARAMETERS\x10\x01\x12\x18\n\x14STATE_KIND_GRADIENTS\x10\x02*K\n\x08Schedule\x12\x18\n\x14SCHEDULE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSCHEDULE_GPIPE\x10\x01\x12\x11\n\rSCHEDULE_1F1B\x10\x02\x32\x87\x06\n\x08\x45xecutor\x12J\n\tLoadStage\x12\x1d.fusion.wire.LoadStageRequest\x1a\x1e.fusion.wire.LoadStageResponse\x12\x45\n\x08SetState\x12\x18.fusion.wire.TensorChunk\x1a\x1d.fusion.wire.SetStateResponse(\x01\x12\x44\n\x08GetState\x12\x1c.fusion.wire.GetStateRequest\x1a\x18.fusion.wire.TensorChunk0\x01\x12=\n\x04Send\x12\x18.fusion.wire.TensorChunk\x1a\x19.fusion.wire.SendResponse(\x01\x12\x44\n\x07RunStep\x12\x1b.fusion.wire.RunStepRequest\x1a\x1c.fusion.wire.RunStepResponse\x12G\n\x08WaitStep\x12\x1c.fusion.wire.WaitStepRequest\x1a\x1d.fusion.wire.WaitStepResponse\x12J\n\tApplyStep\x12\x1d.fusion.wire.ApplyStepRequest\x1a\x1e.fusion.wire.ApplyStepResponse\x12>\n\x05\x41\x62ort\x12\x19.fusion.wire.AbortRequest\x1a\x1a.fusion.wire.AbortResponse\x12J\n\tUnloadJob\x12\x1d.fusion.wire.UnloadJobRequest\x1a\x1e.fusion.wire.UnloadJobResponse\x12;\n\x04Ping\x12\x18.fusion.wire.PingRequest\x1a\x19.fusion.wire.PingResponse\x12?\n\x05Probe\x12\x18.fusion.wire.TensorChunk\x1a\x1a.fusion.wire.ProbeResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66usion/wire/executor.proto\x12\x0b\x66usion.wire\x1a\x18\x66usion/wire/tensor.proto\"T\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06preset\x18\x02 \x01(\t\x12\x13\n\x0bkwargs_json\x18\x03 \x01(\t\x12\x14\n\x0cleaf_modules\x18\x04 \x03(\t\"1\n\nStageInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsrc_stage_idx\x18\x02 \x01(\x05\"2\n\x0bStageOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rdst_stage_idx\x18\x02 \x03(\r\"Y\n\tValueSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.fusion.wire.DType\x12\r\n\x05shape\x18\x04 \x03(\x03\"\xcd\x04\n\x10LoadStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12%\n\x05model\x18\x03 \x01(\x0b\x32\x16.fusion.wire.ModelSpec\x12.\n\x0e\x65xample_inputs\x18\x04 \x03(\x0b\x32\x16.fusion.wire.ValueSpec\x12\r\n\x05nodes\x18\x05 \x03(\t\x12\'\n\x06inputs\x18\x06 \x03(\x0b\x32\x17.fusion.wire.StageInput\x12)\n\x07outputs\x18\x07 \x03(\x0b\x32\x18.fusion.wire.StageOutput\x12&\n\x06values\x18\x08 \x03(\x0b\x32\x16.fusion.wire.ValueSpec\x12\x15\n\ris_loss_stage\x18\t \x01(\x08\x12\x0c\n\x04loss\x18\n \x01(\t\x12J\n\x0fstage_addresses\x18\x0b \x03(\x0b\x32\x31.fusion.wire.LoadStageRequest.StageAddressesEntry\x12\r\n\x05\x64\x65pth\x18\x0c \x01(\r\x12\x12\n\ntrain_json\x18\r \x01(\t\x12\x19\n\x11graph_fingerprint\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x10 \x01(\x04\x12\x1b\n\x13micro_batch_weights\x18\x11 \x03(\x01\x12\x0c\n\x04\x61uth\x18\x12 \x01(\t\x1a\x35\n\x13StageAddressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\x11LoadStageResponse\x12\x17\n\x0fparameter_names\x18\x01 \x03(\t\x12\x14\n\x0c\x62uffer_names\x18\x02 \x03(\t\x12\x17\n\x0fparameter_bytes\x18\x03 \x01(\x04\"\'\n\x10SetStateResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\"w\n\x0fGetStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12$\n\x04kind\x18\x03 \x01(\x0e\x32\x16.fusion.wire.StateKind\x12\r\n\x05names\x18\x04 \x03(\t\x12\x0c\n\x04\x61uth\x18\x05 \x01(\t\"&\n\x0cSendResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"\xab\x01\n\x0eRunStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x04 \x01(\r\x12\'\n\x08schedule\x18\x05 \x01(\x0e\x32\x15.fusion.wire.Schedule\x12\x0c\n\x04\x61uth\x18\x06 \x01(\t\x12\x16\n\x0emeasure_memory\x18\x07 \x01(\x08\"\x11\n\x0fRunStepResponse\"c\n\x0fWaitStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x61uth\x18\x05 \x01(\t\"\xca\x02\n\x10WaitStepResponse\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08has_loss\x18\x03 \x01(\x08\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12@\n\nsent_bytes\x18\x05 \x03(\x0b\x32,.fusion.wire.WaitStepResponse.SentBytesEntry\x12\x38\n\x06sent_s\x18\x06 \x03(\x0b\x32(.fusion.wire.WaitStepResponse.SentSEntry\x12\x19\n\x11peak_memory_bytes\x18\x07 \x01(\x04\x1a\x30\n\x0eSentBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a,\n\nSentSEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"i\n\x10\x41pplyStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tstage_idx\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0eoptimizer_step\x18\x04 \x01(\x08\x12\x0c\n\x04\x61uth\x18\x05 \x01(\t\"\x13\n\x11\x41pplyStepResponse\"<\n\x0c\x41\x62ortRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x61uth\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"0\n\x10UnloadJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61uth\x18\x02 \x01(\t\"\x13\n\x11UnloadJobResponse\":\n\rProbeResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x11\n\treceive_s\x18\x02 \x01(\x01\"\xaf\x01\n\x13ProfileModelRequest\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.fusion.wire.ModelSpec\x12.\n\x0e\x65xample_inputs\x18\x02 \x03(\x0b\x32\x16.fusion.wire.ValueSpec\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\ntrain_json\x18\x04 \x01(\t\x12\x0f\n\x07repeats\x18\x05 \x01(\r\x12\x0c\n\x04\x61uth\x18\x06 \x01(\t\"\x90\x01\n\x14ProfileModelResponse\x12\x14\n\x0cprofile_json\x18\x01 \x01(\t\x12\x14\n\x0cmatmul_flops\x18\x02 \x01(\x01\x12\x1c\n\x14optimizer_s_per_byte\x18\x03 \x01(\x01\x12\x19\n\x11graph_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\"Z\n\x11ProbeLinksRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x13\n\x0bsizes_bytes\x18\x02 \x03(\x04\x12\x0f\n\x07repeats\x18\x03 \x01(\r\x12\x0c\n\x04\x61uth\x18\x04 \x01(\t\"[\n\x07LinkFit\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"9\n\x12ProbeLinksResponse\x12#\n\x05links\x18\x01 \x03(\x0b\x32\x14.fusion.wire.LinkFit\"\r\n\x0bPingRequest\"1\n\x0cPingResponse\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x0c\n\x04jobs\x18\x02 \x03(\t*\\\n\tStateKind\x12\x1a\n\x16STATE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15STATE_KIND_PARAMETERS\x10\x01\x12\x18\n\x14STATE_KIND_GRADIENTS\x10\x02*K\n\x08Schedule\x12\x18\n\x14SCHEDULE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSCHEDULE_GPIPE\x10\x01\x12\x11\n\rSCHEDULE_1F1B\x10\x02\x32\xab\x07\n\x08\x45xecutor\x12J\n\tLoadStage\x12\x1d.fusion.wire.LoadStageRequest\x1a\x1e.fusion.wire.LoadStageResponse\x12\x45\n\x08SetState\x12\x18.fusion.wire.TensorChunk\x1a\x1d.fusion.wire.SetStateResponse(\x01\x12\x44\n\x08GetState\x12\x1c.fusion.wire.GetStateRequest\x1a\x18.fusion.wire.TensorChunk0\x01\x12=\n\x04Send\x12\x18.fusion.wire.TensorChunk\x1a\x19.fusion.wire.SendResponse(\x01\x12\x44\n\x07RunStep\x12\x1b.fusion.wire.RunStepRequest\x1a\x1c.fusion.wire.RunStepResponse\x12G\n\x08WaitStep\x12\x1c.fusion.wire.WaitStepRequest\x1a\x1d.fusion.wire.WaitStepResponse\x12J\n\tApplyStep\x12\x1d.fusion.wire.ApplyStepRequest\x1a\x1e.fusion.wire.ApplyStepResponse\x12>\n\x05\x41\x62ort\x12\x19.fusion.wire.AbortRequest\x1a\x1a.fusion.wire.AbortResponse\x12J\n\tUnloadJob\x12\x1d.fusion.wire.UnloadJobRequest\x1a\x1e.fusion.wire.UnloadJobResponse\x12;\n\x04Ping\x12\x18.fusion.wire.PingRequest\x1a\x19.fusion.wire.PingResponse\x12?\n\x05Probe\x12\x18.fusion.wire.TensorChunk\x1a\x1a.fusion.wire.ProbeResponse(\x01\x12S\n\x0cProfileModel\x12 .fusion.wire.ProfileModelRequest\x1a!.fusion.wire.ProfileModelResponse\x12M\n\nProbeLinks\x12\x1e.fusion.wire.ProbeLinksRequest\x1a\x1f.fusion.wire.ProbeLinksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADSTAGEREQUEST_STAGEADDRESSESENTRY']._serialized_options = b'8\001'
   _globals['_WAITSTEPRESPONSE_SENTBYTESENTRY']._loaded_options = None
   _globals['_WAITSTEPRESPONSE_SENTBYTESENTRY']._serialized_options = b'8\001'
-  _globals['_STATEKIND']._serialized_start=2112
-  _globals['_STATEKIND']._serialized_end=2204
-  _globals['_SCHEDULE']._serialized_start=2206
-  _globals['_SCHEDULE']._serialized_end=2281
+  _globals['_WAITSTEPRESPONSE_SENTSENTRY']._loaded_options = None
+  _globals['_WAITSTEPRESPONSE_SENTSENTRY']._serialized_options = b'8\001'
+  _globals['_STATEKIND']._serialized_start=2836
+  _globals['_STATEKIND']._serialized_end=2928
+  _globals['_SCHEDULE']._serialized_start=2930
+  _globals['_SCHEDULE']._serialized_end=3005
   _globals['_MODELSPEC']._serialized_start=69
   _globals['_MODELSPEC']._serialized_end=153
   _globals['_STAGEINPUT']._serialized_start=155
@@ -61,33 +63,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SENDRESPONSE']._serialized_start=1196
   _globals['_SENDRESPONSE']._serialized_end=1234
   _globals['_RUNSTEPREQUEST']._serialized_start=1237
-  _globals['_RUNSTEPREQUEST']._serialized_end=1384
-  _globals['_RUNSTEPRESPONSE']._serialized_start=1386
-  _globals['_RUNSTEPRESPONSE']._serialized_end=1403
-  _globals['_WAITSTEPREQUEST']._serialized_start=1405
-  _globals['_WAITSTEPREQUEST']._serialized_end=1504
-  _globals['_WAITSTEPRESPONSE']._serialized_start=1507
-  _globals['_WAITSTEPRESPONSE']._serialized_end=1706
-  _globals['_WAITSTEPRESPONSE_SENTBYTESENTRY']._serialized_start=1658
-  _globals['_WAITSTEPRESPONSE_SENTBYTESENTRY']._serialized_end=1706
-  _globals['_APPLYSTEPREQUEST']._serialized_start=1708
-  _globals['_APPLYSTEPREQUEST']._serialized_end=1813
-  _globals['_APPLYSTEPRESPONSE']._serialized_start=1815
-  _globals['_APPLYSTEPRESPONSE']._serialized_end=1834
-  _globals['_ABORTREQUEST']._serialized_start=1836
-  _globals['_ABORTREQUEST']._serialized_end=1896
-  _globals['_ABORTRESPONSE']._serialized_start=1898
-  _globals['_ABORTRESPONSE']._serialized_end=1913
-  _globals['_UNLOADJOBREQUEST']._serialized_start=1915
-  _globals['_UNLOADJOBREQUEST']._serialized_end=1963
-  _globals['_UNLOADJOBRESPONSE']._serialized_start=1965
-  _globals['_UNLOADJOBRESPONSE']._serialized_end=1984
-  _globals['_PROBERESPONSE']._serialized_start=1986
-  _globals['_PROBERESPONSE']._serialized_end=2044
-  _globals['_PINGREQUEST']._serialized_start=2046
-  _globals['_PINGREQUEST']._serialized_end=2059
-  _globals['_PINGRESPONSE']._serialized_start=2061
-  _globals['_PINGRESPONSE']._serialized_end=2110
-  _globals['_EXECUTOR']._serialized_start=2284
-  _globals['_EXECUTOR']._serialized_end=3059
+  _globals['_RUNSTEPREQUEST']._serialized_end=1408
+  _globals['_RUNSTEPRESPONSE']._serialized_start=1410
+  _globals['_RUNSTEPRESPONSE']._serialized_end=1427
+  _globals['_WAITSTEPREQUEST']._serialized_start=1429
+  _globals['_WAITSTEPREQUEST']._serialized_end=1528
+  _globals['_WAITSTEPRESPONSE']._serialized_start=1531
+  _globals['_WAITSTEPRESPONSE']._serialized_end=1861
+  _globals['_WAITSTEPRESPONSE_SENTBYTESENTRY']._serialized_start=1767
+  _globals['_WAITSTEPRESPONSE_SENTBYTESENTRY']._serialized_end=1815
+  _globals['_WAITSTEPRESPONSE_SENTSENTRY']._serialized_start=1817
+  _globals['_WAITSTEPRESPONSE_SENTSENTRY']._serialized_end=1861
+  _globals['_APPLYSTEPREQUEST']._serialized_start=1863
+  _globals['_APPLYSTEPREQUEST']._serialized_end=1968
+  _globals['_APPLYSTEPRESPONSE']._serialized_start=1970
+  _globals['_APPLYSTEPRESPONSE']._serialized_end=1989
+  _globals['_ABORTREQUEST']._serialized_start=1991
+  _globals['_ABORTREQUEST']._serialized_end=2051
+  _globals['_ABORTRESPONSE']._serialized_start=2053
+  _globals['_ABORTRESPONSE']._serialized_end=2068
+  _globals['_UNLOADJOBREQUEST']._serialized_start=2070
+  _globals['_UNLOADJOBREQUEST']._serialized_end=2118
+  _globals['_UNLOADJOBRESPONSE']._serialized_start=2120
+  _globals['_UNLOADJOBRESPONSE']._serialized_end=2139
+  _globals['_PROBERESPONSE']._serialized_start=2141
+  _globals['_PROBERESPONSE']._serialized_end=2199
+  _globals['_PROFILEMODELREQUEST']._serialized_start=2202
+  _globals['_PROFILEMODELREQUEST']._serialized_end=2377
+  _globals['_PROFILEMODELRESPONSE']._serialized_start=2380
+  _globals['_PROFILEMODELRESPONSE']._serialized_end=2524
+  _globals['_PROBELINKSREQUEST']._serialized_start=2526
+  _globals['_PROBELINKSREQUEST']._serialized_end=2616
+  _globals['_LINKFIT']._serialized_start=2618
+  _globals['_LINKFIT']._serialized_end=2709
+  _globals['_PROBELINKSRESPONSE']._serialized_start=2711
+  _globals['_PROBELINKSRESPONSE']._serialized_end=2768
+  _globals['_PINGREQUEST']._serialized_start=2770
+  _globals['_PINGREQUEST']._serialized_end=2783
+  _globals['_PINGRESPONSE']._serialized_start=2785
+  _globals['_PINGRESPONSE']._serialized_end=2834
+  _globals['_EXECUTOR']._serialized_start=3008
+  _globals['_EXECUTOR']._serialized_end=3947
 # @@protoc_insertion_point(module_scope)

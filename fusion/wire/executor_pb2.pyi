@@ -150,20 +150,22 @@ class SendResponse(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class RunStepRequest(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth")
+    __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth", "measure_memory")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     step: int
     num_micro_batches: int
     schedule: Schedule
     auth: str
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., auth: _Optional[str] = ...) -> None: ...
+    measure_memory: bool
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., auth: _Optional[str] = ..., measure_memory: _Optional[bool] = ...) -> None: ...
 
 class RunStepResponse(_message.Message):
     __slots__ = ()
@@ -184,7 +186,7 @@ class WaitStepRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., timeout_s: _Optional[float] = ..., auth: _Optional[str] = ...) -> None: ...
 
 class WaitStepResponse(_message.Message):
-    __slots__ = ("done", "loss", "has_loss", "compute_s", "sent_bytes")
+    __slots__ = ("done", "loss", "has_loss", "compute_s", "sent_bytes", "sent_s", "peak_memory_bytes")
     class SentBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -192,17 +194,28 @@ class WaitStepResponse(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class SentSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     DONE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     done: bool
     loss: float
     has_loss: bool
     compute_s: float
     sent_bytes: _containers.ScalarMap[int, int]
-    def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    sent_s: _containers.ScalarMap[int, float]
+    peak_memory_bytes: int
+    def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ..., sent_s: _Optional[_Mapping[int, float]] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ApplyStepRequest(_message.Message):
     __slots__ = ("job_id", "stage_idx", "step", "optimizer_step", "auth")
@@ -255,6 +268,66 @@ class ProbeResponse(_message.Message):
     received_bytes: int
     receive_s: float
     def __init__(self, received_bytes: _Optional[int] = ..., receive_s: _Optional[float] = ...) -> None: ...
+
+class ProfileModelRequest(_message.Message):
+    __slots__ = ("model", "example_inputs", "device", "train_json", "repeats", "auth")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_JSON_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSpec
+    example_inputs: _containers.RepeatedCompositeFieldContainer[ValueSpec]
+    device: str
+    train_json: str
+    repeats: int
+    auth: str
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., device: _Optional[str] = ..., train_json: _Optional[str] = ..., repeats: _Optional[int] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class ProfileModelResponse(_message.Message):
+    __slots__ = ("profile_json", "matmul_flops", "optimizer_s_per_byte", "graph_fingerprint", "device_name")
+    PROFILE_JSON_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_S_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    profile_json: str
+    matmul_flops: float
+    optimizer_s_per_byte: float
+    graph_fingerprint: str
+    device_name: str
+    def __init__(self, profile_json: _Optional[str] = ..., matmul_flops: _Optional[float] = ..., optimizer_s_per_byte: _Optional[float] = ..., graph_fingerprint: _Optional[str] = ..., device_name: _Optional[str] = ...) -> None: ...
+
+class ProbeLinksRequest(_message.Message):
+    __slots__ = ("addresses", "sizes_bytes", "repeats", "auth")
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
+    repeats: int
+    auth: str
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., repeats: _Optional[int] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class LinkFit(_message.Message):
+    __slots__ = ("address", "latency_s", "bandwidth_bytes_per_s", "error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    error: str
+    def __init__(self, address: _Optional[str] = ..., latency_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ProbeLinksResponse(_message.Message):
+    __slots__ = ("links",)
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[LinkFit]
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkFit, _Mapping]]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

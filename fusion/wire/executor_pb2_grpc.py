@@ -90,6 +90,16 @@ class ExecutorStub:
                 request_serializer=fusion_dot_wire_dot_tensor__pb2.TensorChunk.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_executor__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.ProfileModel = channel.unary_unary(
+                '/fusion.wire.Executor/ProfileModel',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.ProfileModelRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.ProfileModelResponse.FromString,
+                _registered_method=True)
+        self.ProbeLinks = channel.unary_unary(
+                '/fusion.wire.Executor/ProbeLinks',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -171,6 +181,22 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProfileModel(self, request, context):
+        """Measure the model on this worker's device: per-node forward/backward seconds and saved
+        activation bytes, the device's matmul speed and the optimizer's cost per byte.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProbeLinks(self, request, context):
+        """Probe the links from this worker to others (through their Probe RPC) and fit
+        latency and bandwidth.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +254,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=fusion_dot_wire_dot_tensor__pb2.TensorChunk.FromString,
                     response_serializer=fusion_dot_wire_dot_executor__pb2.ProbeResponse.SerializeToString,
+            ),
+            'ProfileModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileModel,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.ProfileModelRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.ProfileModelResponse.SerializeToString,
+            ),
+            'ProbeLinks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLinks,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +563,60 @@ class Executor:
             '/fusion.wire.Executor/Probe',
             fusion_dot_wire_dot_tensor__pb2.TensorChunk.SerializeToString,
             fusion_dot_wire_dot_executor__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Executor/ProfileModel',
+            fusion_dot_wire_dot_executor__pb2.ProfileModelRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.ProfileModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLinks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Executor/ProbeLinks',
+            fusion_dot_wire_dot_executor__pb2.ProbeLinksRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.ProbeLinksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -109,7 +109,7 @@ def test_defaults_of_a_minimal_job() -> None:
     assert (t.lr, t.weight_decay, t.momentum, t.betas, t.eps) == (1e-3, None, 0.0, None, None)
     assert (t.seed, t.loss) == (0, "cross_entropy")
     assert spec.cluster.min_workers == 1
-    assert spec.plan.strategy == "uniform"
+    assert spec.plan.strategy == "opfence"
     c = spec.compression
     assert (c.mode, c.keep_ratio, c.min_keep_ratio) == ("none", 0.1, 0.01)
     assert c.directions == ("activations", "gradients")

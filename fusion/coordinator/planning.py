@@ -1,0 +1,360 @@
+"""Measure what planning needs on live workers, then plan: the coordinator's and
+``fusion profile``'s shared path from a job to a :class:`~scheduler.plan.Plan`.
+
+1. **Profile the model** on one worker (``ProfileModel``): per-node forward/backward
+   seconds and saved activation bytes on that worker's device, the device's matmul speed,
+   the optimizer's cost per byte. Cached per (graph fingerprint, device), so a second job
+   with the same model does not pay again. Node times are scaled to other workers by the
+   ratio of measured matmul speeds.
+2. **Probe the links** between every pair of workers (``ProbeLinks``, both directions, over
+   the real gRPC tensor path) and from the driver to each worker, fitted as
+   ``latency_s + bytes / bandwidth_bytes_per_s``.
+3. Build a :class:`~scheduler.topology.Topology` from the measurements and call the
+   planner.
+
+:class:`LinkTable` keeps the link fits and refreshes them from the transfers training
+makes (bytes and seconds each stage reports per destination).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from executor.client import ChannelPool, ExecutorClient, run_parallel
+from executor.driver import value_spec
+from fusion.config import JobSpec
+from fusion.errors import FusionError, RemoteError
+from fusion.graph.ir import OpDag
+from fusion.wire import executor_pb2 as epb
+from scheduler.estimator import StepCosts
+from scheduler.planner import PlanRequest, make_plan
+from scheduler.plan import Plan
+from scheduler.topology import Topology, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+#: Probe sizes: small ones pin the latency, large ones the bandwidth.
+PROBE_SIZES = (1 << 10, 64 << 10, 512 << 10, 4 << 20)
+#: Weight of a new observation when refreshing a link's bandwidth from training traffic.
+REFRESH_WEIGHT = 0.2
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A worker as planning sees it."""
+
+    name: str
+    address: str
+    matmul_flops: float
+    memory_bytes: int | None = None
+    device_name: str = ""
+
+
+@dataclass
+class ModelProfile:
+    """What ``ProfileModel`` measured on one device."""
+
+    nodes: dict[str, dict[str, float]]
+    matmul_flops: float
+    optimizer_s_per_byte: float
+    device_name: str
+    overhead_step_s: float | None = None
+    """Executor overhead per step, once calibrated (see :func:`calibrate_executor`)."""
+    overhead_micro_batch_s: float | None = None
+    """Executor overhead per micro-batch, once calibrated."""
+    cache_key: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @staticmethod
+    def from_json(text: str) -> ModelProfile:
+        return ModelProfile(**json.loads(text))
+
+
+class ProfileCache:
+    """In-memory cache of model profiles keyed by (fingerprint, device); the coordinator
+    backs it with SQLite through ``load``/``store`` callables."""
+
+    def __init__(self, load: Callable[[str], str | None] | None = None, store: Callable[[str, str], None] | None = None) -> None:
+        self._mem: dict[str, ModelProfile] = {}
+        self._load = load
+        self._store = store
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> ModelProfile | None:
+        with self._lock:
+            if key in self._mem:
+                return self._mem[key]
+        text = self._load(key) if self._load else None
+        if text is None:
+            return None
+        profile = ModelProfile.from_json(text)
+        with self._lock:
+            self._mem[key] = profile
+        return profile
+
+    def put(self, key: str, profile: ModelProfile) -> None:
+        with self._lock:
+            self._mem[key] = profile
+        if self._store:
+            self._store(key, profile.to_json())
+
+
+def profile_model(
+    spec: JobSpec, dag: OpDag, worker: Endpoint, pool: ChannelPool, *, device: str = "cpu", cache: ProfileCache | None = None, repeats: int = 5
+) -> ModelProfile:
+    """Profile the job's model on ``worker`` (or take it from the cache)."""
+    shapes = ";".join(f"{dag.node(n).value.dtype}{list(dag.node(n).value.shape or ())}" for n in dag.input_names())
+    key = f"{dag.fingerprint}|{shapes}|{device}|{worker.device_name}|{spec.train.optimizer}"
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            logger.info("profile of %s taken from the cache", dag.fingerprint)
+            return hit
+    request = epb.ProfileModelRequest(
+        model=epb.ModelSpec(name=spec.model.name, preset=spec.model.preset or "", kwargs_json=json.dumps(spec.model.kwargs)),
+        example_inputs=[value_spec(n, dag.node(n).value) for n in dag.input_names()],
+        device=device,
+        train_json=json.dumps(spec.train.to_dict()),
+        repeats=repeats,
+    )
+    client = ExecutorClient(worker.address, pool)
+    response = client._call(client.stub.ProfileModel, request, "ProfileModel", 600.0)
+    if response.graph_fingerprint != dag.fingerprint:
+        raise FusionError(f"worker {worker.name} captured a different graph than the coordinator; check torch versions")
+    profile = ModelProfile(
+        nodes=json.loads(response.profile_json),
+        matmul_flops=response.matmul_flops,
+        optimizer_s_per_byte=response.optimizer_s_per_byte,
+        device_name=response.device_name,
+    )
+    profile.cache_key = key
+    if cache is not None:
+        cache.put(key, profile)
+    return profile
+
+
+def costed_dag(dag: OpDag, profile: ModelProfile) -> OpDag:
+    """The DAG with the profiled node costs."""
+    nodes = {k: v for k, v in profile.nodes.items() if not k.startswith("__")}
+    return dag.with_profile(nodes, reference_flops=profile.matmul_flops)
+
+
+def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = PROBE_SIZES) -> tuple[list[list[float]], list[list[float]]]:
+    """(latency_s, bandwidth_bytes_per_s) matrices between ``workers``, measured both ways."""
+    n = len(workers)
+    lat = [[0.0] * n for _ in range(n)]
+    bw = [[float("inf")] * n for _ in range(n)]
+
+    def probe_from(i: int) -> None:
+        others = [w.address for j, w in enumerate(workers) if j != i]
+        if not others:
+            return
+        client = ExecutorClient(workers[i].address, pool)
+        request = epb.ProbeLinksRequest(addresses=others, sizes_bytes=list(sizes), repeats=5)
+        response = client._call(client.stub.ProbeLinks, request, "ProbeLinks", 120.0 + 5.0 * len(others))
+        by_address = {f.address: f for f in response.links}
+        for j, w in enumerate(workers):
+            if j == i:
+                continue
+            fit = by_address.get(w.address)
+            if fit is None or fit.error:
+                raise RemoteError(f"worker {workers[i].name} cannot reach {w.name} ({w.address}): {fit.error if fit else 'no answer'}")
+            lat[i][j] = fit.latency_s
+            bw[i][j] = fit.bandwidth_bytes_per_s
+
+    run_parallel([lambda i=i: probe_from(i) for i in range(n)], name="probe-links")
+    return lat, bw
+
+
+def driver_round_trip_s(workers: Sequence[Endpoint], pool: ChannelPool, *, repeats: int = 5) -> float:
+    """Median round trip of a control call from here to the workers."""
+    times = []
+    for w in workers:
+        client = ExecutorClient(w.address, pool)
+        client.ping()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            client.ping()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) if times else 0.0
+
+
+def measured_topology(workers: Sequence[Endpoint], latency: list[list[float]], bandwidth: list[list[float]]) -> Topology:
+    """A topology from profiled numbers (each worker is its own cluster label; OP-Fence
+    finds the real clusters from the bandwidths)."""
+    specs = [WorkerSpec(name=w.name, cluster=w.name, flops=w.matmul_flops, memory_bytes=w.memory_bytes) for w in workers]
+    return Topology.from_measurements(specs, latency, bandwidth)
+
+
+@dataclass(frozen=True)
+class ExecutorOverhead:
+    """Executor costs beyond compute and links, measured by :func:`calibrate_executor`."""
+
+    step_s: float = 0.0
+    """Fixed seconds per step."""
+    micro_batch_s: float = 0.0
+    """Seconds per micro-batch on a stage."""
+
+
+def calibrate_executor(
+    spec: JobSpec, model: Any, captured: Any, dataset: Any, worker: Endpoint, pool: ChannelPool, profile: ModelProfile, *, device: str = "cpu", steps: int = 3
+) -> ExecutorOverhead:
+    """Time the whole model as one stage on ``worker`` with 1 and with ``M`` micro-batches.
+
+    A step then takes ``step_s + M · (compute + micro_batch_s) + optimizer``; two micro-batch
+    counts separate the fixed part from the per-micro-batch part. Compute comes from the
+    profile, so what is left is the executor's own overhead (driver round trips, feeding,
+    mailboxes, hand-offs), which the estimator adds to every plan.
+    """
+    from executor.driver import PipelineDriver
+    from fusion.graph.split import split_stages
+    from fusion.training import example_micro_batch, job_batch
+
+    mb = spec.micro_batch_size
+    counts = sorted({1, max(2, spec.train.micro_batches)})
+    graph = profile.nodes.get("__graph__", {})
+    compute = float(graph.get("fwd_time_s", 0.0)) + float(graph.get("bwd_time_s", 0.0))
+    stages = split_stages(captured.dag, {n.name: 0 for n in captured.dag.compute_nodes()})
+    medians = []
+    for count in counts:
+        job = spec.replace(data={"batch_size": mb * count}, train={"micro_batches": count})
+        _, example_y = example_micro_batch(job, dataset)
+        driver = PipelineDriver(
+            job_id=f"calibrate-{count}-{time.monotonic_ns()}", job=job, model=model, captured=captured, stages=stages,
+            addresses=[worker.address], example_target=example_y, device=device, pool=pool,
+        )
+        try:
+            driver.load()
+            times = []
+            for step in range(steps + 1):
+                x, y = job_batch(job, dataset, step)
+                stats = driver.train_step(step, (x,), y)
+                if step:
+                    times.append(stats.step_s)
+            medians.append(statistics.median(times))
+        finally:
+            driver.close()
+    slope = (medians[1] - medians[0]) / (counts[1] - counts[0])
+    per_mb = max(slope - compute, 0.0)
+    fixed = max(medians[0] - slope, 0.0)
+    return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb)
+
+
+def plan_request(spec: JobSpec, profile: ModelProfile, round_trip_s: float, *, strategy: str | None = None, overhead: ExecutorOverhead | None = None, driver_bandwidth: float = float("inf")) -> PlanRequest:
+    """The planner's view of the job."""
+    overhead = overhead or ExecutorOverhead(step_s=3 * round_trip_s)
+    return PlanRequest(
+        strategy=strategy or spec.plan.strategy,
+        micro_batches=spec.train.micro_batches,
+        schedule=spec.train.schedule,
+        optimizer=spec.train.optimizer,
+        momentum=spec.train.momentum,
+        compression=spec.compression.mode,
+        keep_ratio=spec.compression.keep_ratio,
+        min_keep_ratio=spec.compression.min_keep_ratio,
+        step_costs=StepCosts(
+            control_s=overhead.step_s,
+            micro_batch_s=overhead.micro_batch_s,
+            optimizer_s_per_byte=profile.optimizer_s_per_byte,
+            driver_round_trip_s=round_trip_s,
+            driver_bandwidth_bytes_per_s=driver_bandwidth,
+        ),
+    )
+
+
+@dataclass
+class Measurements:
+    """Everything measured for planning one job."""
+
+    dag: OpDag
+    profile: ModelProfile
+    topology: Topology
+    round_trip_s: float
+    overhead: ExecutorOverhead
+    driver_bandwidth_bytes_per_s: float = float("inf")
+
+    def subset(self, indices: Sequence[int]) -> Measurements:
+        """The same measurements restricted to some workers."""
+        from dataclasses import replace
+
+        return replace(self, topology=self.topology.subset(list(indices)))
+
+
+def measure(
+    spec: JobSpec,
+    model: Any,
+    captured: Any,
+    dataset: Any,
+    workers: Sequence[Endpoint],
+    pool: ChannelPool,
+    *,
+    device: str = "cpu",
+    cache: ProfileCache | None = None,
+) -> Measurements:
+    """Profile the model, probe the links, time the control path, calibrate the executor."""
+    profile = profile_model(spec, captured.dag, workers[0], pool, device=device, cache=cache)
+    lat, bw = probe_links(workers, pool)
+    topology = measured_topology(workers, lat, bw)
+    if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None:
+        calibrated = calibrate_executor(spec, model, captured, dataset, workers[0], pool, profile, device=device)
+        profile.overhead_step_s, profile.overhead_micro_batch_s = calibrated.step_s, calibrated.micro_batch_s
+        if cache is not None:
+            cache.put(profile.cache_key, profile)
+    overhead = ExecutorOverhead(step_s=profile.overhead_step_s, micro_batch_s=profile.overhead_micro_batch_s)
+    finite = [v for row in bw for v in row if v != float("inf")]
+    return Measurements(
+        dag=costed_dag(captured.dag, profile),
+        profile=profile,
+        topology=topology,
+        round_trip_s=driver_round_trip_s(workers, pool),
+        overhead=overhead,
+        driver_bandwidth_bytes_per_s=statistics.median(finite) if finite else float("inf"),
+    )
+
+
+def plan_job(spec: JobSpec, m: Measurements, *, strategy: str | None = None) -> Plan:
+    """Plan the job over the measured topology."""
+    request = plan_request(spec, m.profile, m.round_trip_s, strategy=strategy, overhead=m.overhead, driver_bandwidth=m.driver_bandwidth_bytes_per_s)
+    return make_plan(m.dag, m.topology, request)
+
+
+class LinkTable:
+    """Link fits between worker addresses, refreshed from training transfers."""
+
+    def __init__(self) -> None:
+        self._links: dict[tuple[str, str], tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def set(self, a: str, b: str, latency_s: float, bandwidth_bytes_per_s: float) -> None:
+        with self._lock:
+            self._links[(a, b)] = (latency_s, bandwidth_bytes_per_s)
+
+    def get(self, a: str, b: str) -> tuple[float, float] | None:
+        with self._lock:
+            return self._links.get((a, b))
+
+    def observe(self, a: str, b: str, size_bytes: int, seconds: float) -> None:
+        """Fold one observed transfer into the link's bandwidth (exponential average)."""
+        with self._lock:
+            current = self._links.get((a, b))
+            if current is None or size_bytes <= 0:
+                return
+            latency, bandwidth = current
+            moving = seconds - latency
+            if moving <= 0:
+                return
+            observed = size_bytes / moving
+            self._links[(a, b)] = (latency, (1 - REFRESH_WEIGHT) * bandwidth + REFRESH_WEIGHT * observed)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {f"{a}->{b}": {"latency_s": lat, "bandwidth_bytes_per_s": bw} for (a, b), (lat, bw) in self._links.items()}

@@ -1,0 +1,156 @@
+"""``fusion profile --check``: run plans for real and hold the estimator to its predictions.
+
+For a job and a set of live workers: measure (profile the model, probe the links), plan
+with several strategies and worker counts, run each plan for a few steps through the
+executor, and compare the predicted step time and per-worker peak memory with what the
+runs measured. The result is a table per plan and the mean absolute percentage error
+(MAPE) over all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from executor.client import ChannelPool
+from executor.driver import PipelineDriver
+from fusion.config import JobSpec
+from fusion.graph.export import capture
+from fusion.graph.split import split_stages
+from fusion.coordinator.planning import Endpoint, Measurements, measure, plan_job
+from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+from scheduler.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckRow:
+    """Predicted against measured for one plan."""
+
+    label: str
+    stages: int
+    predicted_step_s: float
+    measured_step_s: float
+    predicted_memory: list[int] = field(default_factory=list)
+    measured_memory: list[int] = field(default_factory=list)
+
+    @property
+    def time_error(self) -> float:
+        return abs(self.predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    def memory_errors(self) -> list[float]:
+        return [abs(p - m) / m for p, m in zip(self.predicted_memory, self.measured_memory) if m > 0]
+
+    def memory_under(self) -> float:
+        """Worst under-prediction of memory as a fraction (0 if never under)."""
+        return max((max(0.0, (m - p) / m) for p, m in zip(self.predicted_memory, self.measured_memory) if m > 0), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.label,
+            "stages": self.stages,
+            "predicted_step_s": self.predicted_step_s,
+            "measured_step_s": self.measured_step_s,
+            "time_error": self.time_error,
+            "predicted_memory_bytes": self.predicted_memory,
+            "measured_memory_bytes": self.measured_memory,
+            "memory_errors": self.memory_errors(),
+        }
+
+
+def run_plan(spec: JobSpec, model: Any, captured: Any, dataset: Any, plan: Plan, workers: dict[str, str], pool: ChannelPool, *, steps: int, device: str) -> tuple[float, list[int]]:
+    """Run ``plan`` for ``steps`` timed steps after a warm-up step, then one more step that
+    counts memory (its hooks would slow the timed steps); median step seconds and the peak
+    memory per stage."""
+    stages = split_stages(captured.dag, plan.assignment())
+    _, example_y = example_micro_batch(spec, dataset)
+    driver = PipelineDriver(
+        job_id=f"check-{uuid.uuid4().hex[:8]}", job=spec, model=model, captured=captured, stages=stages,
+        addresses=[workers[s.worker] for s in plan.stages], example_target=example_y, device=device, pool=pool,
+    )
+    times: list[float] = []
+    peaks = [0] * len(stages)
+    try:
+        driver.load()
+        for step in range(steps + 2):
+            x, y = job_batch(spec, dataset, step)
+            memory_step = step == steps + 1
+            stats = driver.train_step(step, (x,), y, measure_memory=memory_step)
+            if memory_step:
+                for s, peak in stats.peak_memory_bytes.items():
+                    peaks[s] = max(peaks[s], peak)
+            elif step > 0:  # step 0 warms up: first-touch allocations, channel set-up
+                times.append(stats.step_s)
+    finally:
+        driver.close()
+    return statistics.median(times), peaks
+
+
+def check_estimator(
+    spec: JobSpec,
+    endpoints: Sequence[Endpoint],
+    *,
+    pool: ChannelPool,
+    steps: int = 5,
+    device: str = "cpu",
+    strategies: Sequence[str] = ("uniform", "compute", "opfence"),
+    progress: Any = None,
+) -> tuple[list[CheckRow], Measurements]:
+    """Plan with each strategy (and ``uniform`` on every worker count), run, compare."""
+    model = build_job_model(spec)
+    dataset = build_job_dataset(spec)
+    example_x, _ = example_micro_batch(spec, dataset)
+    captured = capture(model, (example_x,))
+    m = measure(spec, model, captured, dataset, endpoints, pool, device=device)
+    by_name = {e.name: e.address for e in endpoints}
+    configs: list[tuple[str, Measurements]] = []
+    for k in range(1, len(endpoints) + 1):
+        configs.append((f"uniform/{k}", m.subset(range(k))))
+    for strategy in strategies:
+        if strategy != "uniform":
+            configs.append((strategy, m))
+    rows = []
+    for label, meas in configs:
+        plan = plan_job(spec, meas, strategy=label.split("/")[0])
+        measured_s, measured_mem = run_plan(spec, model, captured, dataset, plan, by_name, pool, steps=steps, device=device)
+        row = CheckRow(
+            label=label,
+            stages=len(plan.stages),
+            predicted_step_s=float(plan.predicted_step_s or 0.0),
+            measured_step_s=measured_s,
+            predicted_memory=[int(s.peak_memory_bytes or 0) for s in plan.stages],
+            measured_memory=measured_mem,
+        )
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows, m
+
+
+def summarize(rows: Sequence[CheckRow]) -> dict[str, float]:
+    """MAPE of step time and memory, and the worst memory under-prediction."""
+    mem = [e for r in rows for e in r.memory_errors()]
+    return {
+        "time_mape": statistics.mean(r.time_error for r in rows) if rows else 0.0,
+        "memory_mape": statistics.mean(mem) if mem else 0.0,
+        "memory_worst_under": max((r.memory_under() for r in rows), default=0.0),
+    }
+
+
+def format_rows(rows: Sequence[CheckRow]) -> str:
+    lines = [f"{'plan':<12} {'stages':>6} {'pred s':>9} {'meas s':>9} {'err':>6}  {'pred MB':>18} {'meas MB':>18}"]
+    for r in rows:
+        pm = "/".join(f"{b / 1e6:.1f}" for b in r.predicted_memory)
+        mm = "/".join(f"{b / 1e6:.1f}" for b in r.measured_memory)
+        lines.append(f"{r.label:<12} {r.stages:>6} {r.predicted_step_s:>9.4f} {r.measured_step_s:>9.4f} {100 * r.time_error:>5.1f}%  {pm:>18} {mm:>18}")
+    s = summarize(rows)
+    lines.append(
+        f"time MAPE {100 * s['time_mape']:.1f}%  memory MAPE {100 * s['memory_mape']:.1f}%  "
+        f"worst memory under-prediction {100 * s['memory_worst_under']:.1f}%"
+    )
+    return "\n".join(lines)
