@@ -55,6 +55,11 @@ seed = 0
 
 [cluster]
 min_workers = 3
+
+[plan]
+# Split over every worker so the demo shows the pipeline at work. On one small machine
+# OP-Fence (the default) would keep a model this small on a single worker.
+strategy = "uniform"
 """
 
 

@@ -147,6 +147,8 @@ def test_gpt2_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
         lr = 0.5
         [cluster]
         min_workers = 3
+        [plan]
+        strategy = "uniform"
         [output]
         dir = "{tmp_path / 'out'}"
     """)
@@ -160,6 +162,38 @@ def test_gpt2_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
     assert job_id in {j["id"] for j in json.loads(listed.stdout)}
     logs = cli.run("logs", job_id)
     assert "step 11" in logs.stdout and "succeeded" in logs.stdout
+
+
+def test_opfence_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
+    job = write_job(tmp_path / "opfence.toml", f"""
+        [model]
+        name = "gpt2"
+        preset = "tiny"
+        [data]
+        batch_size = 8
+        seq_len = 32
+        [train]
+        steps = 8
+        micro_batches = 4
+        optimizer = "adamw"
+        lr = 3e-3
+        [plan]
+        strategy = "opfence"
+        [output]
+        dir = "{tmp_path / 'out'}"
+    """)
+    job_id = cli.submit(job)
+    s = cli.wait(job_id)
+    assert s["state"] == "succeeded", s
+    job_dir = Path(s["output_dir"])
+    check_outputs(job_dir, job, 8)
+    plan = json.loads((job_dir / "plan.json").read_text())
+    assert plan["strategy"] == "opfence" and plan["predicted_step_s"] > 0
+    assert all(st["compute_s"] is not None and st["peak_memory_bytes"] > 0 for st in plan["stages"])
+    metrics = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("predicted_step_s" in m for m in metrics)
+    events = " ".join(e["message"] for e in s["events"])
+    assert "measured" in events or "profiled" in events
 
 
 def test_resnet_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
@@ -253,6 +287,8 @@ def test_job_waits_for_workers_then_runs(fleet: Fleet, cli: Cli, tmp_path: Path)
         steps = 3
         [cluster]
         min_workers = 4
+        [plan]
+        strategy = "uniform"
         [output]
         dir = "{tmp_path / 'out'}"
     """)
