@@ -245,7 +245,9 @@ def calibrate_executor(
             driver.close()
     slope = (medians[1] - medians[0]) / (counts[1] - counts[0])
     per_mb = max(slope - compute, 0.0)
-    fixed = max(medians[0] - slope, 0.0)
+    # The optimizer update is priced separately (per parameter byte): leave it out here.
+    optimizer_s = profile.optimizer_s_per_byte * captured.dag.total_param_bytes
+    fixed = max(medians[0] - slope - optimizer_s, 0.0)
     return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb)
 
 
