@@ -267,21 +267,22 @@ class PipelineDriver:
         """Give every holder of a shared parameter the sum of all holders' gradients."""
         if not self._tied:
             return
-        grads: dict[str, list[torch.Tensor]] = {}
-        for canonical, holders in self._tied.items():
-            for stage_idx, name in holders:
-                got = self.clients[stage_idx].get_state(self.job_id, stage_idx, epb.STATE_KIND_GRADIENTS, [name])
-                if name in got:
-                    grads.setdefault(canonical, []).append(got[name])
-        for canonical, holders in self._tied.items():
-            parts = grads.get(canonical)
+        for holders in self._tied.values():
+            # Fetch from every holder at once, sum, push to every holder at once.
+            fetched = run_parallel(
+                [lambda s=s, n=n: self.clients[s].get_state(self.job_id, s, epb.STATE_KIND_GRADIENTS, [n]).get(n) for s, n in holders],
+                name="tied-fetch",
+            )
+            parts = [g for g in fetched if g is not None]
             if not parts:
                 continue
             total = parts[0].clone()
             for g in parts[1:]:
                 total += g
-            for stage_idx, name in holders:
-                self.clients[stage_idx].set_state(self.job_id, stage_idx, pb.TRANSFER_KIND_PARAMETER_GRADIENT, {name: total})
+            run_parallel(
+                [lambda s=s, n=n: self.clients[s].set_state(self.job_id, s, pb.TRANSFER_KIND_PARAMETER_GRADIENT, {n: total}) for s, n in holders],
+                name="tied-push",
+            )
 
     def apply(self, step: int, *, optimizer_step: bool = True) -> None:
         """Run the optimizer on every stage (or only zero the gradients)."""

@@ -292,8 +292,9 @@ def estimate(
 
 
 def _tied_sync_s(workload: Workload, stage_params: list[dict[int, int]]) -> float:
-    """The driver sums the gradients of parameters several stages hold: per holder one
-    fetch and one push, one after another."""
+    """The driver sums the gradients of parameters several stages hold: it fetches from
+    all holders at once, then pushes the sum to all at once (the driver's link carries
+    each holder's copy)."""
     holders: dict[int, int] = {}
     sizes: dict[int, int] = {}
     for sp in stage_params:
@@ -304,7 +305,7 @@ def _tied_sync_s(workload: Workload, stage_params: list[dict[int, int]]) -> floa
     total = 0.0
     for pid, count in holders.items():
         if count > 1:
-            total += 2 * count * (step.driver_round_trip_s + sizes[pid] / step.driver_bandwidth_bytes_per_s)
+            total += 2 * (step.driver_round_trip_s + count * sizes[pid] / step.driver_bandwidth_bytes_per_s)
     return total
 
 
