@@ -97,6 +97,10 @@ class Workload:
     def __len__(self) -> int:
         return len(self.names)
 
+    def __post_init__(self) -> None:
+        if len(self.input_bytes) != len(self.names):
+            self.input_bytes = np.zeros(len(self.names))
+
     def edge_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(src, dst, bytes, grad bytes) as arrays, cached."""
         if not self.edges:

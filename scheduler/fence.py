@@ -5,9 +5,8 @@ drops sharply. Single linkage equals cutting the *maximum spanning tree* of the
 bandwidth graph: a cluster is a set of workers joined by a chain of fast links. The tree
 is built with Prim's algorithm on the (symmetrised, ``min(bw_ij, bw_ji)``) bandwidth
 matrix — O(n²) with numpy, so 1,024 workers take milliseconds — and held in a
-``networkx`` graph; a cluster's weakest tree edge is cut when it is at least
-``min_gap_ratio`` times slower than the next faster tree edge in that cluster, and the
-split recurses into the parts. Equal links give one cluster; a lab on 10 Gbps, a site on
+``networkx`` graph; the slowest tree edges of a cluster are cut when the next faster tree
+edge is at least ``min_gap_ratio`` times faster, and the split recurses into the parts. Equal links give one cluster; a lab on 10 Gbps, a site on
 1 Gbps and a continent on 100 Mbps joined by 8 Mbps come apart into three.
 
 **Ordering** chooses the chain of clusters that maximises the slowest link it uses
@@ -77,22 +76,40 @@ def cluster_workers(topology: Topology, *, min_gap_ratio: float = MIN_GAP_RATIO)
 
 
 def _split(tree: nx.Graph, nodes: set[int], min_gap_ratio: float) -> list[set[int]]:
+    """Split off along the weakest tree edges when they are much slower than the rest.
+
+    Scanning the cluster's tree edges from the slowest up, the first jump of at least
+    ``min_gap_ratio`` between consecutive speeds separates the "between clusters" edges
+    (all below the jump, cut) from the "inside clusters" ones; each part is then split the
+    same way. A cluster whose edges have no such jump stays whole (jitter between equal
+    links, or one link speed only).
+    """
     sub = tree.subgraph(nodes)
-    weights = sorted({d["bandwidth"] for _, _, d in sub.edges(data=True)}, reverse=True)
-    if len(weights) < 2:  # one link speed: nothing to compare it with
+    weights = sorted(d["bandwidth"] for _, _, d in sub.edges(data=True))
+    threshold = None
+    for slow, fast in zip(weights, weights[1:]):
+        if slow <= 0 or fast / slow >= min_gap_ratio:
+            threshold = slow
+            break
+    if threshold is None:
         return [nodes]
-    gaps = [(math.log(weights[i] / weights[i + 1]) if weights[i + 1] > 0 else math.inf, i) for i in range(len(weights) - 1)]
-    gap, i = max(gaps)
-    if gap < math.log(min_gap_ratio):
-        return [nodes]
-    threshold = weights[i + 1]
     kept = nx.Graph()
     kept.add_nodes_from(nodes)
     kept.add_edges_from((a, b) for a, b, d in sub.edges(data=True) if d["bandwidth"] > threshold)
     parts = [set(c) for c in nx.connected_components(kept)]
+    # Workers left alone by the cut only had slow links; those slow links among themselves
+    # are their fastest, so they form their own (slower) clusters: rejoin them.
+    alone = {next(iter(p)) for p in parts if len(p) == 1}
+    if len(alone) > 1:
+        slow = nx.Graph()
+        slow.add_nodes_from(alone)
+        slow.add_edges_from((a, b) for a, b in sub.edges() if a in alone and b in alone)
+        parts = [p for p in parts if len(p) > 1] + [set(c) for c in nx.connected_components(slow)]
+    if len(parts) == 1:
+        return parts
     out: list[set[int]] = []
     for part in parts:
-        out.extend(_split(tree, part, min_gap_ratio) if len(part) > 2 else [part])
+        out.extend(_split(tree, part, min_gap_ratio))
     return out
 
 

@@ -43,6 +43,10 @@ from scheduler.topology import Topology
 logger = logging.getLogger(__name__)
 
 
+#: Seconds of penalty per fraction of a memory cap a placement exceeds.
+MEMORY_PENALTY_S = 1.0e6
+
+
 @dataclass(frozen=True)
 class Placement:
     """Stages as unit ranges ``[bounds[s], bounds[s+1])`` and the worker of each stage."""
@@ -73,6 +77,7 @@ class Objective:
         self.schedule = schedule
         self.evaluations = 0
         self._cache: dict[Placement, float] = {}
+        self._feasible: dict[Placement, bool] = {}
 
     def estimate(self, p: Placement) -> Estimate:
         return estimate(
@@ -81,19 +86,27 @@ class Objective:
         )
 
     def __call__(self, p: Placement) -> float:
+        """Predicted step seconds, plus a penalty far above any step time per fraction of a
+        memory cap exceeded (so the search can walk out of infeasible placements)."""
         cached = self._cache.get(p)
         if cached is not None:
             return cached
         self.evaluations += 1
         est = self.estimate(p)
-        value = est.step_s
+        over = 0.0
         for w, need in est.peak_memory_bytes.items():
             cap = self.topology.workers[w].memory_bytes
             if cap is not None and need > cap:
-                value = math.inf
-                break
+                over += (need - cap) / cap
+        value = est.step_s + MEMORY_PENALTY_S * over
         self._cache[p] = value
+        self._feasible[p] = over == 0.0
         return value
+
+    def feasible(self, p: Placement) -> bool:
+        """Whether every worker's predicted peak fits its memory cap."""
+        self(p)
+        return self._feasible[p]
 
 
 # ---------------------------------------------------------------- greedy cover
@@ -112,14 +125,20 @@ class _Prefix:
         self.factor = 2.0 + OPTIMIZER_STATE_FACTOR[workload.optimizer]
         self.inflight = micro_batches if schedule == "gpipe" else min(micro_batches, num_workers)
         self.ref = workload.reference_flops
+        self.output_unit = workload.output_unit if workload.output_unit >= 0 else n - 1
+        self.output_bytes = workload.output_bytes
 
     def seconds(self, start: int, end: int, flops: float) -> float:
         return float(self.time[end] - self.time[start]) * self.ref / flops
 
     def memory(self, start: int, end: int) -> float:
-        return self.factor * float(self.params[end] - self.params[start]) + self.inflight * (
-            float(self.saved[end] - self.saved[start]) + float(self.cut[start])
-        )
+        """Parameters with gradients and optimizer state, plus per micro-batch in flight the
+        saved activations, the received inputs, the sent outputs and (loss stage) the model
+        output with the loss's own saved tensors — as :func:`scheduler.estimator.estimate`."""
+        stash = float(self.saved[end] - self.saved[start]) + float(self.cut[start]) + float(self.cut[end])
+        if start <= self.output_unit < end:
+            stash += 2 * self.output_bytes
+        return self.factor * float(self.params[end] - self.params[start]) + self.inflight * stash
 
 
 def cut_bytes(workload: Workload, *, grad: bool = False) -> np.ndarray:
@@ -385,15 +404,19 @@ def opfence_placement(
     # A single stage on the fastest worker that fits is always a candidate too.
     for w in sorted(range(len(topology)), key=lambda w: -topology.workers[w].effective_flops)[:1]:
         candidates.append(Placement((0, len(workload)), (w,)))
-    feasible = [c for c in candidates if math.isfinite(objective(c))]
-    if not feasible:
-        raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
-    feasible.sort(key=objective)
-    best = feasible[0]
-    for cand in feasible[:3]:
+    candidates.sort(key=objective)
+    best = candidates[0]
+    for cand in candidates[:3]:
         refined = local_search(cand, objective, chain, deadline=deadline)
         if objective(refined) < objective(best):
             best = refined
+    if not objective.feasible(best) and exhaustive_size(len(workload), len(topology)) <= SMALL_INSTANCE:
+        try:  # small enough to settle exactly whether anything fits
+            best = exhaustive_placement(workload, topology, micro_batches=micro_batches, schedule=schedule)
+        except PlanError:
+            pass
+    if not objective.feasible(best):
+        raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
     details = {
         "clusters": [[topology.workers[w].name for w in c] for c in clusters],
         "evaluations": objective.evaluations,
@@ -407,7 +430,7 @@ def compute_placement(workload: Workload, topology: Topology, *, micro_batches: 
     workers = list(range(len(topology)))
     prefix = _Prefix(workload, micro_batches, schedule, len(workers))
     best = bisect_period(prefix, workers, topology, use_links=False)
-    if best is None or not math.isfinite(Objective(workload, topology, micro_batches=micro_batches, schedule=schedule)(best)):
+    if best is None or not Objective(workload, topology, micro_batches=micro_batches, schedule=schedule).feasible(best):
         raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
     return best
 
@@ -420,7 +443,7 @@ def exhaustive_placement(
     Only for small instances: the space has ``Σ_k C(n-1, k-1)·P(W, k)`` placements.
     """
     n, num_workers = len(workload), len(topology)
-    size = sum(math.comb(n - 1, k - 1) * math.perm(num_workers, k) for k in range(1, min(n, num_workers) + 1))
+    size = exhaustive_size(n, num_workers)
     if size > max_evaluations:
         raise PlanError(f"exhaustive search over {size} placements is too large (limit {max_evaluations}); use opfence")
     objective = Objective(workload, topology, micro_batches=micro_batches, schedule=schedule)
@@ -434,9 +457,18 @@ def exhaustive_placement(
                 v = objective(p)
                 if v < best_value:
                     best, best_value = p, v
-    if best is None or not math.isfinite(best_value):
+    if best is None or not objective.feasible(best):
         raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
     return best
+
+
+#: Up to this many placements, OP-Fence settles an infeasible search exactly.
+SMALL_INSTANCE = 200_000
+
+
+def exhaustive_size(num_units: int, num_workers: int) -> int:
+    """Placements the exhaustive planner enumerates: ``Σ_k C(n-1, k-1)·P(W, k)``."""
+    return sum(math.comb(num_units - 1, k - 1) * math.perm(num_workers, k) for k in range(1, min(num_units, num_workers) + 1))
 
 
 def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: int, schedule: str) -> str:
@@ -456,10 +488,19 @@ def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: 
             f"the model cannot fit: unit {workload.names[worst]!r} alone needs {unit_need[worst] / gib:.2f} GiB "
             f"(parameters, gradients, optimizer state and activations) but the largest worker has {biggest / gib:.2f} GiB"
         )
+    activations = float(np.sum(workload.saved_bytes)) * (micro_batches if schedule == "gpipe" else 1)
+    if state + activations > total_cap:
+        return (
+            f"the model cannot fit: parameters, gradients and {workload.optimizer} state need {state / gib:.2f} GiB "
+            f"plus at least {activations / gib:.2f} GiB of activations ({micro_batches} micro-batches, {schedule}), "
+            f"but the {len(caps)} workers have {total_cap / gib:.2f} GiB in total; add workers, use fewer "
+            "micro-batches or a smaller model"
+        )
     return (
-        f"the model cannot fit: parameters, gradients and {workload.optimizer} state need {state / gib:.2f} GiB "
-        f"plus activations for {micro_batches} micro-batches ({schedule}), but the {len(caps)} workers have "
-        f"{total_cap / gib:.2f} GiB in total; add workers, use fewer micro-batches or a smaller model"
+        f"no placement found that fits every worker's memory: the model needs {state / gib:.2f} GiB for parameters, "
+        f"gradients and {workload.optimizer} state plus activations and stashed transfers per micro-batch in flight; "
+        f"the {len(caps)} workers have {total_cap / gib:.2f} GiB in total (largest {biggest / gib:.2f} GiB), too "
+        "fragmented for the cuts; add workers with more memory or use fewer micro-batches"
     )
 
 

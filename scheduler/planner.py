@@ -53,6 +53,10 @@ class PlanRequest:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise PlanError(f"unknown plan strategy {self.strategy!r}; choose one of {STRATEGIES}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise PlanError(f"unknown schedule {self.schedule!r}; choose gpipe or 1f1b")
+        if self.micro_batches < 1:
+            raise PlanError("micro_batches must be >= 1")
 
 
 def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:

@@ -1,6 +1,6 @@
 """Scheduler benchmark: how good OP-Fence's plans are, and how fast it makes them.
 
-    python -m testbeds.bench_scheduler                  # all three parts, ~1 minute
+    python -m testbeds.bench_scheduler                  # all three parts, about 30 s on 2 cores
     python -m testbeds.bench_scheduler --instances 20 --skip-xl --json
 
 Everything here is *predicted* by the workload estimator (:mod:`scheduler.estimator`);
@@ -11,7 +11,10 @@ nothing is trained. The numbers mean:
   OP-Fence's predicted step time divided by the optimum under the same estimator, found by
   :func:`~scheduler.partition.exhaustive_placement`. ``1.0`` is optimal; the median, 90th
   percentile and worst ratio are printed with how many instances were solved optimally
-  (ratio <= 1.0001). Targets: median <= 1.01, worst <= 1.05.
+  (ratio <= 1.0001). Targets: median <= 1.01, worst <= 1.05. ``no plan`` (JSON ``null``)
+  means OP-Fence raised ``PlanError`` on an instance the exhaustive search solved. The
+  worst instances are listed by index ``i``: the ``i``-th draw (0-based) of
+  :func:`random_instance` from ``numpy.random.default_rng(seed)`` replays one.
 - **Shipped topologies** (part b): predicted seconds per training step of GPT-2 small
   (micro-batch 4 × 1024 tokens) and GPT-2 XL (1 × 1024) with 8 micro-batches (1F1B, AdamW)
   on every ``testbeds/topologies/*.toml``, planned by ``opfence``, ``uniform`` (equal node
@@ -36,7 +39,6 @@ import argparse
 import json
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,9 @@ TARGET_PLANNING_S = {48: 1.0, 256: 5.0, 1024: 30.0}
 
 #: Part b jobs: (label, GPT-2 preset, micro-batch size, sequence length).
 JOBS = (("gpt2-small", "small", 4, 1024), ("gpt2-xl", "xl", 1, 1024))
+#: Part c job and topology sizes.
+PLANNING_JOB = ("gpt2-xl", "xl", 1, 1024)
+PLANNING_SIZES = (48, 256, 1024)
 MICRO_BATCHES = 8
 STRATEGIES = ("opfence", "uniform", "compute")
 
@@ -213,17 +218,26 @@ def optimality(num_instances: int, seed: int) -> dict[str, Any]:
         opfence_s.append(time.perf_counter() - t0)
         best = exhaustive_placement(inst.workload, inst.topology, micro_batches=inst.micro_batches, schedule=inst.schedule)
         ratios.append(found / obj(best))
+    worst_misses = sorted((i for i, r in enumerate(ratios) if r > OPTIMAL_RATIO), key=lambda i: -ratios[i])[:5]
     return {
         "instances": num_instances,
         "seed": seed,
-        "ratios": ratios,
-        "median": float(np.median(ratios)),
-        "p90": float(np.quantile(ratios, 0.9)),
-        "worst": float(max(ratios)),
+        # null: OP-Fence raised PlanError although the exhaustive search found a plan that fits.
+        "ratios": [_finite(r) for r in ratios],
+        "median": _finite(float(np.median(ratios))),
+        "p90": _finite(float(np.quantile(ratios, 0.9))),
+        "worst": _finite(float(max(ratios))),
         "num_optimal": sum(r <= OPTIMAL_RATIO for r in ratios),
+        "num_no_plan": sum(math.isinf(r) for r in ratios),
+        "worst_instances": worst_misses,
         "opfence_s_median": float(np.median(opfence_s)),
         "targets": {"median": TARGET_MEDIAN_RATIO, "worst": TARGET_WORST_RATIO},
     }
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: a missing plan is null."""
+    return x if math.isfinite(x) else None
 
 
 # ---------------------------------------------------------------- part b
@@ -233,11 +247,12 @@ def capture_gpt2(preset: str, micro_batch_size: int, seq_len: int) -> Any:
 
     from fusion.graph.export import capture
     from fusion.models import build_model
+    from fusion.models.gpt2 import PRESETS
 
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build_model("gpt2", preset)
-    x = torch.randint(0, 50257, (micro_batch_size, seq_len)).to("meta")  # (B, T)
+    x = torch.randint(0, PRESETS[preset]["vocab_size"], (micro_batch_size, seq_len)).to("meta")  # (B, T)
     return capture(model, (x,)).dag
 
 
@@ -246,13 +261,16 @@ def _fits(plan: Any, topology: Topology) -> bool:
     return all(caps[s.worker] is None or (s.peak_memory_bytes or 0) <= caps[s.worker] for s in plan.stages)
 
 
-def shipped_topologies(*, skip_xl: bool = False, topology_dir: Path = TOPOLOGY_DIR) -> dict[str, Any]:
-    """Predicted step time of every strategy for each job on each shipped topology."""
+def shipped_topologies(
+    *, skip_xl: bool = False, jobs: tuple[tuple[str, str, int, int], ...] | None = None, topology_dir: Path = TOPOLOGY_DIR
+) -> dict[str, Any]:
+    """Predicted step time of every strategy for each job (default :data:`JOBS`) on each shipped topology."""
     from scheduler.planner import PlanRequest, make_plan
 
+    jobs = JOBS if jobs is None else jobs
     rows: list[dict[str, Any]] = []
     paths = sorted(topology_dir.glob("*.toml"))
-    for label, preset, mb, seq_len in JOBS:
+    for label, preset, mb, seq_len in jobs:
         if skip_xl and preset == "xl":
             continue
         dag = capture_gpt2(preset, mb, seq_len)
@@ -276,7 +294,7 @@ def shipped_topologies(*, skip_xl: bool = False, topology_dir: Path = TOPOLOGY_D
                 b: (row["step_s"][b] / ours if ours and row["step_s"][b] is not None else None) for b in ("uniform", "compute")
             }
             rows.append(row)
-    return {"micro_batches": MICRO_BATCHES, "schedule": "1f1b", "optimizer": "adamw", "jobs": [list(j) for j in JOBS], "rows": rows}
+    return {"micro_batches": MICRO_BATCHES, "schedule": "1f1b", "optimizer": "adamw", "jobs": [list(j) for j in jobs], "rows": rows}
 
 
 # ---------------------------------------------------------------- part c
@@ -301,12 +319,14 @@ def synthetic_topology(num_workers: int, seed: int = 0) -> tuple[Topology, int]:
     return topology, len(np.unique(cluster_of))
 
 
-def planning_time(sizes: tuple[int, ...] = (48, 256, 1024), *, seed: int = 0, dag: Any = None) -> list[dict[str, Any]]:
-    """Wall time of OP-Fence planning GPT-2 XL on synthetic topologies of each size."""
+def planning_time(
+    sizes: tuple[int, ...] = PLANNING_SIZES, *, seed: int = 0, job: tuple[str, str, int, int] = PLANNING_JOB
+) -> dict[str, Any]:
+    """Wall time of OP-Fence planning ``job`` (GPT-2 XL) on synthetic topologies of each size."""
     from scheduler.planner import PlanRequest, make_plan
 
-    if dag is None:
-        dag = capture_gpt2("xl", 1, 1024)
+    label, preset, mb, seq_len = job
+    dag = capture_gpt2(preset, mb, seq_len)
     out = []
     for n in sizes:
         t0 = time.perf_counter()
@@ -329,21 +349,37 @@ def planning_time(sizes: tuple[int, ...] = (48, 256, 1024), *, seed: int = 0, da
                 "fits_memory": _fits(plan, topology),
             }
         )
-    return out
+    return {"model": label, "micro_batches": MICRO_BATCHES, "rows": out}
 
 
 # ---------------------------------------------------------------- report
-def run(*, instances: int = 50, seed: int = 0, skip_xl: bool = False) -> dict[str, Any]:
-    """All three parts, as one JSON-able document."""
+def run(
+    *,
+    instances: int = 50,
+    seed: int = 0,
+    skip_xl: bool = False,
+    jobs: tuple[tuple[str, str, int, int], ...] | None = None,
+    planning_job: tuple[str, str, int, int] = PLANNING_JOB,
+    planning_sizes: tuple[int, ...] = PLANNING_SIZES,
+) -> dict[str, Any]:
+    """All three parts, as one JSON-able document (``planning_time`` is null with ``skip_xl``)."""
     return {
         "optimality": optimality(instances, seed),
-        "topologies": shipped_topologies(skip_xl=skip_xl),
-        "planning_time": None if skip_xl else planning_time(seed=seed),
+        "topologies": shipped_topologies(skip_xl=skip_xl, jobs=jobs),
+        "planning_time": None if skip_xl else planning_time(planning_sizes, seed=seed, job=planning_job),
     }
 
 
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "no plan" if x is None else f"{x:.4f}"
+
+
+def _meets(x: float | None, target: float) -> bool:
+    return x is not None and x <= target
 
 
 def _ok(good: bool) -> str:
@@ -355,10 +391,12 @@ def format_report(doc: dict[str, Any]) -> str:
     a = doc["optimality"]
     lines = [
         f"a. OP-Fence / exhaustive optimum, {a['instances']} random small instances (seed {a['seed']})",
-        f"   median {a['median']:.4f}  (target <= {a['targets']['median']}: {_ok(a['median'] <= a['targets']['median'])})",
-        f"   p90    {a['p90']:.4f}",
-        f"   worst  {a['worst']:.4f}  (target <= {a['targets']['worst']}: {_ok(a['worst'] <= a['targets']['worst'])})",
-        f"   optimal on {a['num_optimal']}/{a['instances']}; OP-Fence median planning time {a['opfence_s_median'] * 1e3:.1f} ms",
+        f"   median {_ratio(a['median'])}  (target <= {a['targets']['median']}: {_ok(_meets(a['median'], a['targets']['median']))})",
+        f"   p90    {_ratio(a['p90'])}",
+        f"   worst  {_ratio(a['worst'])}  (target <= {a['targets']['worst']}: {_ok(_meets(a['worst'], a['targets']['worst']))})",
+        f"   optimal on {a['num_optimal']}/{a['instances']}, no plan found on {a['num_no_plan']} "
+        f"(instances {a['worst_instances']} are the worst, 0-based); "
+        f"OP-Fence median planning time {a['opfence_s_median'] * 1e3:.1f} ms",
         "",
         f"b. predicted step time (s), {doc['topologies']['micro_batches']} micro-batches, 1F1B, AdamW "
         "(* exceeds a worker's memory, - no plan fits)",
@@ -378,10 +416,11 @@ def format_report(doc: dict[str, Any]) -> str:
     if doc["planning_time"] is not None:
         lines += [
             "",
-            "c. OP-Fence planning time, GPT-2 XL on synthetic clustered topologies",
+            f"c. OP-Fence planning time, {doc['planning_time']['model']} on synthetic clustered topologies "
+            "(* exceeds a worker's memory)",
             f"   {'workers':>7} {'topology s':>10} {'plan s':>8} {'target':>8} {'step s':>8} {'stages':>6} {'clusters found/planted':>22} {'evals':>6}",
         ]
-        for r in doc["planning_time"]:
+        for r in doc["planning_time"]["rows"]:
             target = r["target_s"]
             verdict = "" if target is None else f"<={target:g} {_ok(r['planning_s'] <= target)}"
             lines.append(

@@ -300,7 +300,8 @@ class OpDag:
                     fwd_time_s=_sum_or_none(n.fwd_time_s for n in run),
                     bwd_time_s=_sum_or_none(n.bwd_time_s for n in run),
                     peak_memory_bytes=_max_or_none(n.peak_memory_bytes for n in run),
-                    saved_bytes=_sum_or_none(n.saved_bytes for n in run),
+                    # Unprofiled members count their output, as the estimator does for nodes.
+                    saved_bytes=sum(n.saved_bytes if n.saved_bytes is not None else n.out_bytes for n in run),
                 )
             )
         keep = [n for n in self.nodes if n.op in ("placeholder", "output")]
