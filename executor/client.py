@@ -135,10 +135,13 @@ class ExecutorClient:
             raise remote_error(e, peer=self.address, what=what) from None
         return {k: v.clone() for k, v in transfer.tensors().items()}
 
-    def run_step(self, job_id: str, stage_idx: int, step: int, num_micro_batches: int, schedule: int, *, measure_memory: bool = False) -> None:
+    def run_step(
+        self, job_id: str, stage_idx: int, step: int, num_micro_batches: int, schedule: int, *,
+        measure_memory: bool = False, cut_codecs: list[epb.CutCodec] | None = None,
+    ) -> None:
         request = epb.RunStepRequest(
             job_id=job_id, stage_idx=stage_idx, step=step, num_micro_batches=num_micro_batches, schedule=schedule,
-            measure_memory=measure_memory,
+            measure_memory=measure_memory, cut_codecs=cut_codecs or [],
         )
         self._call(self.stub.RunStep, request, f"RunStep(stage {stage_idx}, step {step})")
 

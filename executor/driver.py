@@ -21,12 +21,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
+from executor.compression import CutSetting, RatioController
 from executor.runtime import TARGET_NAME
 from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
 from fusion.config import JobSpec
@@ -60,6 +61,10 @@ class StepStats:
     """Seconds spent sending per (source stage, destination stage) link."""
     peak_memory_bytes: dict[int, int] = field(default_factory=dict)
     """Peak memory per stage during the step."""
+    dense_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Bytes per link before compression (``sent_bytes`` is after)."""
+    keep_ratios: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Keep ratio used on each compressed cut during the step."""
 
 
 def value_spec(name: str, meta: ValueMeta) -> epb.ValueSpec:
@@ -93,6 +98,8 @@ class PipelineDriver:
         device: str = "cpu",
         pool: ChannelPool | None = None,
         step_timeout_s: float = 600.0,
+        cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
+        ratio_controller: RatioController | None = None,
     ) -> None:
         if len(addresses) != len(stages):
             raise ValueError(f"need one worker address per stage: {len(stages)} stages, {len(addresses)} addresses")
@@ -114,6 +121,8 @@ class PipelineDriver:
         self._param_names: list[list[str]] = [[] for _ in self.stages]
         self._state_names: list[set[str]] = [set() for _ in self.stages]
         self._tied: dict[str, list[tuple[int, str]]] = {}
+        self.cut_settings = {k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()}
+        self.ratio_controller = ratio_controller
 
     # ------------------------------------------------------------- loading
     def load_request(self, spec: StageSpec) -> epb.LoadStageRequest:
@@ -147,7 +156,15 @@ class PipelineDriver:
             device=self.device,
             chunk_bytes=self.pool.chunk_bytes,
             micro_batch_weights=[1.0 / m] * m,
+            cut_codecs=self._cut_codecs(spec.stage_idx),
         )
+
+    def _cut_codecs(self, stage_idx: int | None = None) -> list[epb.CutCodec]:
+        return [
+            epb.CutCodec(src_stage_idx=a, dst_stage_idx=b, codec=c.codec, keep_ratio=c.keep_ratio, activations=c.activations, gradients=c.gradients)
+            for (a, b), c in sorted(self.cut_settings.items())
+            if stage_idx is None or stage_idx in (a, b)
+        ]
 
     def load(self) -> None:
         """Build every stage on its worker and send it its initial parameters and buffers."""
@@ -185,7 +202,12 @@ class PipelineDriver:
         m = self.job.train.micro_batches
         schedule = _SCHEDULES[self.job.train.schedule]
         run_parallel(
-            [lambda s=s: self.clients[s.stage_idx].run_step(self.job_id, s.stage_idx, step, m, schedule, measure_memory=measure_memory) for s in self.stages],
+            [
+                lambda s=s: self.clients[s.stage_idx].run_step(
+                    self.job_id, s.stage_idx, step, m, schedule, measure_memory=measure_memory, cut_codecs=self._cut_codecs(s.stage_idx)
+                )
+                for s in self.stages
+            ],
             name="run-step",
         )
         input_names = self.dag.input_names()
@@ -246,6 +268,13 @@ class PipelineDriver:
                 stats.sent_bytes[(s, dst)] = size
             for dst, seconds in r.sent_s.items():
                 stats.sent_s[(s, dst)] = seconds
+            for dst, size in r.dense_bytes.items():
+                stats.dense_bytes[(s, dst)] = size
+        stats.keep_ratios = {k: c.keep_ratio for k, c in self.cut_settings.items() if c.active}
+        if self.ratio_controller is not None and self.cut_settings:
+            for cut, ratio in self.ratio_controller.update(stats, m).items():
+                if cut in self.cut_settings:
+                    self.cut_settings[cut].keep_ratio = ratio
         return stats
 
     def _root_cause(self, step: int, errors: list[tuple[int, BaseException]]) -> FusionError:

@@ -24,6 +24,7 @@ from types import TracebackType
 import torch
 
 from executor.client import ChannelPool, ExecutorClient
+from executor.compression import CutSetting, RatioController
 from executor.driver import PipelineDriver, StepStats
 from executor.server import READY_PREFIX
 from fusion.config import JobSpec
@@ -157,6 +158,8 @@ def train_distributed(
     collect_gradients: bool = False,
     pool: ChannelPool | None = None,
     on_step: Callable[[StepStats], None] | None = None,
+    cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
+    ratio_controller: RatioController | None = None,
 ) -> DistributedResult:
     """Train ``job`` with its model split over the executors at ``addresses``.
 
@@ -172,6 +175,8 @@ def train_distributed(
         collect_gradients: also return the last step's gradients (costs one fetch per step).
         pool: gRPC channels to reuse.
         on_step: called after every step with its statistics.
+        cut_settings: codecs of compressed cuts, by (src stage, dst stage).
+        ratio_controller: AdaTopK's per-step ratio updates for those cuts.
     """
     model = build_job_model(job)
     dataset = build_job_dataset(job)
@@ -194,6 +199,8 @@ def train_distributed(
         leaf_modules=leaf_modules,
         device=device,
         pool=pool,
+        cut_settings=cut_settings,
+        ratio_controller=ratio_controller,
     )
     result = DistributedResult(dag=captured.dag, stages=stages)
     try:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from executor.compression import CutCompression
 from executor.schedule import Action, stage_actions
 from executor.transport import Transfer, dtype_from_wire, scalar_kind
 from fusion.errors import NotFoundError, StageError, StateError, WireError
@@ -125,11 +126,16 @@ class StepResult:
     compute_s: float = 0.0
     sent_bytes: dict[int, int] = field(default_factory=dict)
     sent_s: dict[int, float] = field(default_factory=dict)
+    dense_bytes: dict[int, int] = field(default_factory=dict)
     peak_memory_bytes: int = 0
 
 
-#: Sends ``(dst_stage, header, tensors, scalars)`` asynchronously; the future gives (bytes, seconds).
-SendFn = Callable[[int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any]], "Future[tuple[int, float]]"]
+#: Sends ``(dst_stage, header, tensors, scalars, encoded)`` asynchronously; the future gives
+#: (bytes, seconds).
+SendFn = Callable[
+    [int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, tuple[pb.TensorMeta, bytes]]],
+    "Future[tuple[int, float]]",
+]
 
 
 class MemoryMeter:
@@ -201,6 +207,7 @@ class StageRuntime:
         send: SendFn,
         micro_batch_weights: list[float],
         step_timeout_s: float = 600.0,
+        compression: CutCompression | None = None,
     ) -> None:
         self.job_id = job_id
         self.spec = spec
@@ -212,6 +219,7 @@ class StageRuntime:
         self._send = send
         self.micro_batch_weights = list(micro_batch_weights)
         self.step_timeout_s = step_timeout_s
+        self.compression = compression or CutCompression(spec.stage_idx, {})
         self.mailbox = Mailbox()
         self._lock = threading.Lock()
         self._step: StepResult | None = None
@@ -279,7 +287,15 @@ class StageRuntime:
         self.mailbox.put((h.kind, h.micro_batch_idx, h.src_stage_idx), payload)
 
     # ------------------------------------------------------------- steps
-    def start_step(self, step: int, num_micro_batches: int, schedule: str, *, measure_memory: bool = False) -> None:
+    def start_step(
+        self,
+        step: int,
+        num_micro_batches: int,
+        schedule: str,
+        *,
+        measure_memory: bool = False,
+        keep_ratios: Mapping[tuple[int, int], float] | None = None,
+    ) -> None:
         """Begin ``step``: reset the mailbox and run the schedule on a compute thread."""
         if num_micro_batches != len(self.micro_batch_weights):
             raise WireError(
@@ -293,6 +309,8 @@ class StageRuntime:
             self._kept.clear()
             self.meter.reset()
             self.meter.enabled = measure_memory
+            self.compression.reset_step()
+            self.compression.set_ratios(keep_ratios or {})
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             self._num_micro_batches = num_micro_batches
@@ -362,8 +380,18 @@ class StageRuntime:
         )
         return sum(params.values()) + grads + state + self.meter.peak
 
-    def _send_tracked(self, result: StepResult, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[tuple[int, float]]:
-        fut = self._send(dst, header, tensors, scalars)
+    def _send_tracked(
+        self,
+        result: StepResult,
+        dst: int,
+        header: pb.TransferHeader,
+        tensors: Mapping[str, torch.Tensor],
+        scalars: Mapping[str, Any],
+        encoded: Mapping[str, tuple[pb.TensorMeta, bytes]],
+        dense_bytes: int,
+    ) -> Future[tuple[int, float]]:
+        fut = self._send(dst, header, tensors, scalars, encoded)
+        result.dense_bytes[dst] = result.dense_bytes.get(dst, 0) + dense_bytes
 
         def account(f: Future[tuple[int, float]]) -> None:
             if f.exception() is None:
@@ -422,7 +450,8 @@ class StageRuntime:
                 else:
                     scalars[name] = value
             header = self._header(result, pb.TRANSFER_KIND_ACTIVATION, m, dst)
-            sends.append(self._send_tracked(result, dst, header, tensors, scalars))
+            raw, encoded, dense = self.compression.encode_activations(dst, m, tensors)
+            sends.append(self._send_tracked(result, dst, header, raw, scalars, encoded, dense))
         return sends
 
     def _backward(self, result: StepResult, m: int) -> list[Future[tuple[int, float]]]:
@@ -432,9 +461,10 @@ class StageRuntime:
                 (pb.TRANSFER_KIND_GRADIENT, m, dst), timeout_s=self.step_timeout_s, what=f"gradients of micro-batch {m} from stage {dst}"
             )
             for i in self._outputs_to[dst]:
-                g = payload.get(self.spec.outputs[i][0])
+                name = self.spec.outputs[i][0]
+                g = payload.get(name)
                 if g is not None:
-                    g = g.to(self.device, non_blocking=True)
+                    g = self.compression.mask_gradient(dst, m, name, g.to(self.device, non_blocking=True))
                     grads[i] = grads[i] + g if i in grads else g
         leaves, outs, loss = self._kept.pop(m)
         self.meter.release(m)
@@ -458,7 +488,8 @@ class StageRuntime:
                 continue
             tensors_out = {n: leaves[n].grad for n in names if n in leaves and leaves[n].grad is not None}
             header = self._header(result, pb.TRANSFER_KIND_GRADIENT, m, src)
-            sends.append(self._send_tracked(result, src, header, tensors_out, {}))
+            raw, encoded, dense = self.compression.encode_gradients(src, m, tensors_out)
+            sends.append(self._send_tracked(result, src, header, raw, {}, encoded, dense))
         return sends
 
     def apply_step(self, step: int, *, optimizer_step: bool) -> None:
@@ -486,6 +517,8 @@ class StageRuntime:
             available = {
                 k: p.grad.detach() for k, p in self.module.named_parameters(remove_duplicate=False) if p.grad is not None
             }
+        elif kind == epb.STATE_KIND_RESIDUALS:
+            available = self.compression.feedback.state_dict()
         else:
             raise WireError(f"unknown state kind {kind}")
         if not names:

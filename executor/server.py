@@ -29,6 +29,7 @@ import torch
 
 from executor.binding import executor_handler
 from executor.build import build_stage
+from executor.compression import CutCompression, CutSetting, decode_tensor
 from executor.client import ChannelPool, ExecutorClient
 from executor.runtime import StageRuntime
 from executor.status import rpc_errors
@@ -70,7 +71,14 @@ class PeerSender:
         self._queues: dict[int, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, dst: int, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> Future[tuple[int, float]]:
+    def __call__(
+        self,
+        dst: int,
+        header: pb.TransferHeader,
+        tensors: Mapping[str, torch.Tensor],
+        scalars: Mapping[str, Any],
+        encoded: Mapping[str, tuple[pb.TensorMeta, bytes]],
+    ) -> Future[tuple[int, float]]:
         address = self.addresses.get(dst)
         if address is None:
             raise NotFoundError(f"no address known for stage {dst}")
@@ -83,7 +91,7 @@ class PeerSender:
 
         def timed() -> tuple[int, float]:
             t0 = time.perf_counter()
-            size = client.send(header, tensors, scalars)
+            size = client.send(header, tensors, scalars, encoded=encoded)
             return size, time.perf_counter() - t0
 
         return queue.submit(timed)
@@ -130,6 +138,14 @@ class ExecutorService:
         optimizer = build_optimizer(built.train, params)
         sender = PeerSender(request.job_id, dict(request.stage_addresses), self.pool)
         weights = list(request.micro_batch_weights) or [1.0]
+        compression = CutCompression(
+            request.stage_idx,
+            {
+                (c.src_stage_idx, c.dst_stage_idx): CutSetting(codec=c.codec, keep_ratio=c.keep_ratio or 1.0, activations=c.activations, gradients=c.gradients)
+                for c in request.cut_codecs
+                if request.stage_idx in (c.src_stage_idx, c.dst_stage_idx)
+            },
+        )
         runtime = StageRuntime(
             job_id=request.job_id,
             spec=built.spec,
@@ -140,6 +156,7 @@ class ExecutorService:
             device=built.device,
             send=sender,
             micro_batch_weights=weights,
+            compression=compression,
         )
         key = (request.job_id, request.stage_idx)
         with self._lock:
@@ -178,7 +195,7 @@ class ExecutorService:
     def GetState(self, request: epb.GetStateRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         runtime = self.stage(request.job_id, request.stage_idx)
         tensors = runtime.get_state(request.kind, list(request.names))
-        kind = pb.TRANSFER_KIND_PARAMETER if request.kind == epb.STATE_KIND_PARAMETERS else pb.TRANSFER_KIND_PARAMETER_GRADIENT
+        kind = pb.TRANSFER_KIND_PARAMETER if request.kind != epb.STATE_KIND_GRADIENTS else pb.TRANSFER_KIND_PARAMETER_GRADIENT
         header = pb.TransferHeader(job_id=request.job_id, stage_idx=request.stage_idx, kind=kind)
         # Materialise here so errors surface inside the handler, not mid-stream.
         return iter(list(encode_transfer_wire(header, tensors, chunk_bytes=self.pool.chunk_bytes)))
@@ -193,7 +210,7 @@ class ExecutorService:
             holder["rt"] = runtime
 
         transfer = decode_transfer(request_iterator, max_bytes=MAX_TRANSFER_BYTES, check=check)
-        holder["rt"].deliver(transfer, transfer.tensors())
+        holder["rt"].deliver(transfer, transfer.tensors(decode=decode_tensor))
         return epb.SendResponse(received_bytes=transfer.size_bytes)
 
     @rpc_errors
@@ -202,7 +219,8 @@ class ExecutorService:
         schedule = _SCHEDULES.get(request.schedule)
         if schedule is None:
             raise WireError(f"unknown schedule {request.schedule}; use SCHEDULE_GPIPE or SCHEDULE_1F1B")
-        runtime.start_step(request.step, request.num_micro_batches, schedule, measure_memory=request.measure_memory)
+        ratios = {(c.src_stage_idx, c.dst_stage_idx): c.keep_ratio for c in request.cut_codecs}
+        runtime.start_step(request.step, request.num_micro_batches, schedule, measure_memory=request.measure_memory, keep_ratios=ratios)
         return epb.RunStepResponse()
 
     @rpc_errors
@@ -220,6 +238,7 @@ class ExecutorService:
             compute_s=result.compute_s,
             sent_bytes=result.sent_bytes,
             sent_s=result.sent_s,
+            dense_bytes=result.dense_bytes,
             peak_memory_bytes=result.peak_memory_bytes,
         )
 

@@ -48,6 +48,9 @@ _DTYPES: dict[torch.dtype, int] = {
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _DTYPES}
 
+#: Headroom for an encoded tensor above its dense size (headers of tiny tensors).
+ENCODED_SLACK_BYTES = 4096
+
 #: Largest number of dimensions accepted on the wire.
 MAX_DIMS = 16
 #: Largest element count (and dimension) accepted on the wire: 2**40 (4 TiB of fp32).
@@ -411,6 +414,10 @@ def check_header_shape(header: pb.TransferHeader) -> int:
         if meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) and meta.size_bytes != expected_raw_bytes(meta):
             raise WireError(
                 f"tensor {meta.name!r} declares {meta.size_bytes} bytes but dtype and shape need {expected_raw_bytes(meta)}"
+            )
+        if meta.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) and meta.size_bytes > 2 * expected_raw_bytes(meta) + ENCODED_SLACK_BYTES:
+            raise WireError(
+                f"encoded tensor {meta.name!r} declares {meta.size_bytes} bytes, more than twice its dense size; refusing it"
             )
         total += meta.size_bytes
     for v in header.values:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from executor.client import ChannelPool
+from compress import AdaTopK
+from executor.compression import RatioController, cut_settings
 from executor.driver import PipelineDriver, StepStats
 from fusion.config import JobSpec
 from fusion.coordinator.outputs import JobOutputs
@@ -190,6 +192,14 @@ class JobRunner(threading.Thread):
             "event",
             {"event": "planned", "message": f"{plan.strategy}: {len(stages)} stage(s) on {', '.join(w.name for w in used)}{predicted} ({plan.planning_s:.2f}s)"},
         )
+        settings = cut_settings([(c.src_stage, c.dst_stage, c.codec, c.keep_ratio) for c in plan.cuts], directions=spec.compression.directions)
+        controller = None
+        if spec.compression.mode == "adatopk" and settings:
+            addresses = [w.address for w in used]
+            controller = RatioController(
+                AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
+                link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
+            )
         driver = PipelineDriver(
             job_id=self.job_id,
             job=spec,
@@ -200,6 +210,8 @@ class JobRunner(threading.Thread):
             example_target=example_y,
             device=self.device,
             pool=self.pool,
+            cut_settings=settings,
+            ratio_controller=controller,
         )
         return driver, plan, dataset
 
@@ -233,6 +245,15 @@ class JobRunner(threading.Thread):
             if fit is not None:
                 links[f"{a.name}->{b.name}"] = round(fit[1], 1)
         record["link_bandwidth_bytes_per_s"] = links
+        if stats.keep_ratios:
+            record["compression"] = {
+                f"{plan.stages[s].worker}->{plan.stages[d].worker}": {
+                    "keep_ratio": round(ratio, 5),
+                    "dense_bytes": stats.dense_bytes.get((s, d), 0),
+                    "sent_bytes": stats.sent_bytes.get((s, d), 0),
+                }
+                for (s, d), ratio in sorted(stats.keep_ratios.items())
+            }
         if plan.predicted_step_s is not None:
             record["predicted_step_s"] = round(plan.predicted_step_s, 6)
         return record

@@ -13,6 +13,7 @@ class StateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_KIND_UNSPECIFIED: _ClassVar[StateKind]
     STATE_KIND_PARAMETERS: _ClassVar[StateKind]
     STATE_KIND_GRADIENTS: _ClassVar[StateKind]
+    STATE_KIND_RESIDUALS: _ClassVar[StateKind]
 
 class Schedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -22,6 +23,7 @@ class Schedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 STATE_KIND_UNSPECIFIED: StateKind
 STATE_KIND_PARAMETERS: StateKind
 STATE_KIND_GRADIENTS: StateKind
+STATE_KIND_RESIDUALS: StateKind
 SCHEDULE_UNSPECIFIED: Schedule
 SCHEDULE_GPIPE: Schedule
 SCHEDULE_1F1B: Schedule
@@ -66,8 +68,24 @@ class ValueSpec(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class CutCodec(_message.Message):
+    __slots__ = ("src_stage_idx", "dst_stage_idx", "codec", "keep_ratio", "activations", "gradients")
+    SRC_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    DST_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    KEEP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    src_stage_idx: int
+    dst_stage_idx: int
+    codec: _tensor_pb2.Codec
+    keep_ratio: float
+    activations: bool
+    gradients: bool
+    def __init__(self, src_stage_idx: _Optional[int] = ..., dst_stage_idx: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., keep_ratio: _Optional[float] = ..., activations: _Optional[bool] = ..., gradients: _Optional[bool] = ...) -> None: ...
+
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth")
+    __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth", "cut_codecs")
     class StageAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +111,7 @@ class LoadStageRequest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    CUT_CODECS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     model: ModelSpec
@@ -111,7 +130,8 @@ class LoadStageRequest(_message.Message):
     chunk_bytes: int
     micro_batch_weights: _containers.RepeatedScalarFieldContainer[float]
     auth: str
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[StageInput, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., is_loss_stage: _Optional[bool] = ..., loss: _Optional[str] = ..., stage_addresses: _Optional[_Mapping[int, str]] = ..., depth: _Optional[int] = ..., train_json: _Optional[str] = ..., graph_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., micro_batch_weights: _Optional[_Iterable[float]] = ..., auth: _Optional[str] = ...) -> None: ...
+    cut_codecs: _containers.RepeatedCompositeFieldContainer[CutCodec]
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[StageInput, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., is_loss_stage: _Optional[bool] = ..., loss: _Optional[str] = ..., stage_addresses: _Optional[_Mapping[int, str]] = ..., depth: _Optional[int] = ..., train_json: _Optional[str] = ..., graph_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., micro_batch_weights: _Optional[_Iterable[float]] = ..., auth: _Optional[str] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("parameter_names", "buffer_names", "parameter_bytes")
@@ -150,7 +170,7 @@ class SendResponse(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class RunStepRequest(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth", "measure_memory")
+    __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth", "measure_memory", "cut_codecs")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +178,7 @@ class RunStepRequest(_message.Message):
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     MEASURE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CUT_CODECS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     step: int
@@ -165,7 +186,8 @@ class RunStepRequest(_message.Message):
     schedule: Schedule
     auth: str
     measure_memory: bool
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., auth: _Optional[str] = ..., measure_memory: _Optional[bool] = ...) -> None: ...
+    cut_codecs: _containers.RepeatedCompositeFieldContainer[CutCodec]
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., auth: _Optional[str] = ..., measure_memory: _Optional[bool] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ...) -> None: ...
 
 class RunStepResponse(_message.Message):
     __slots__ = ()
@@ -186,7 +208,7 @@ class WaitStepRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., timeout_s: _Optional[float] = ..., auth: _Optional[str] = ...) -> None: ...
 
 class WaitStepResponse(_message.Message):
-    __slots__ = ("done", "loss", "has_loss", "compute_s", "sent_bytes", "sent_s", "peak_memory_bytes")
+    __slots__ = ("done", "loss", "has_loss", "compute_s", "sent_bytes", "sent_s", "peak_memory_bytes", "dense_bytes")
     class SentBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +223,13 @@ class WaitStepResponse(_message.Message):
         key: int
         value: float
         def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class DenseBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     DONE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +237,7 @@ class WaitStepResponse(_message.Message):
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENT_S_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     done: bool
     loss: float
     has_loss: bool
@@ -215,7 +245,8 @@ class WaitStepResponse(_message.Message):
     sent_bytes: _containers.ScalarMap[int, int]
     sent_s: _containers.ScalarMap[int, float]
     peak_memory_bytes: int
-    def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ..., sent_s: _Optional[_Mapping[int, float]] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
+    dense_bytes: _containers.ScalarMap[int, int]
+    def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ..., sent_s: _Optional[_Mapping[int, float]] = ..., peak_memory_bytes: _Optional[int] = ..., dense_bytes: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class ApplyStepRequest(_message.Message):
     __slots__ = ("job_id", "stage_idx", "step", "optimizer_step", "auth")

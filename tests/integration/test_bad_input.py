@@ -180,6 +180,27 @@ def test_malformed_bytes(driver: PipelineDriver) -> None:
     assert "declared" in info.value.details()
 
 
+def test_malformed_compressed_tensor(driver: PipelineDriver) -> None:
+    """Garbage under a top-k codec is refused as a compression error; nothing crashes."""
+    channel = driver.pool.get(driver.addresses[1])
+    send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
+    header = activation_header(driver)
+    payload = b""
+    for n, t in full_activation(driver).items():
+        meta = tensor_meta(n, t)
+        if t.is_floating_point():
+            meta.codec = pb.CODEC_TOPK
+            meta.size_bytes = 64
+            payload += bytes(range(64))
+        else:
+            payload += t.numpy().tobytes()
+        header.tensors.append(meta)
+    with pytest.raises(grpc.RpcError) as info:
+        send(iter([pb.TensorChunk(header=header, data=payload)]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "CompressionError" in info.value.details()
+
+
 def test_bad_state_and_load_requests(driver: PipelineDriver) -> None:
     client = driver.clients[0]
     expect_code(lambda: client.set_state(driver.job_id, 0, pb.TRANSFER_KIND_PARAMETER, {"no.such.weight": torch.zeros(2)}), grpc.StatusCode.NOT_FOUND, "no.such.weight")

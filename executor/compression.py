@@ -1,0 +1,192 @@
+"""Compression on a stage's cuts: which codec each cut uses, in which direction, with what ratio.
+
+The plan marks cuts (producer stage → consumer stage) with a codec and a keep ratio; the
+codecs themselves live in :mod:`compress`. On a compressed cut:
+
+- **Forward activations** are sparsified by the sender (top-k keeps the largest
+  magnitudes); the receiver computes with the sparse tensor. The sender keeps the mask of
+  kept positions per (consumer, micro-batch, value), and when that consumer's gradient
+  comes back it passes gradient only where values were kept — the exact gradient of the
+  sparsified forward.
+- **Backward gradients** are sparsified by the consumer before it sends them upstream, with
+  error feedback: the part top-k dropped is kept per (cut, value, micro-batch slot) and
+  added to the next gradient for that slot, so over steps nothing is lost for good.
+
+Integer tensors and non-tensor values always travel dense. Lossy dense codecs (``fp16``)
+pass gradients straight through. The residuals are stage state (``state_dict``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compress import AdaTopK, ErrorFeedback, get_compressor
+from executor.transport import dtype_to_wire
+from fusion.errors import CompressionError
+from fusion.wire import tensor_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+#: Wire codec enum → codec name, for the plan's codec names.
+CODEC_NAMES = {pb.CODEC_NONE: "none", pb.CODEC_ZSTD: "zstd", pb.CODEC_FP16: "fp16", pb.CODEC_TOPK: "topk"}
+CODEC_VALUES = {v: k for k, v in CODEC_NAMES.items()}
+
+
+@dataclass
+class CutSetting:
+    """How one cut is encoded."""
+
+    codec: int
+    """A ``fusion.wire.tensor_pb2.Codec`` value."""
+    keep_ratio: float = 1.0
+    activations: bool = True
+    gradients: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
+
+
+Encoded = dict[str, tuple[pb.TensorMeta, bytes]]
+
+
+class CutCompression:
+    """One stage's view of the compressed cuts it sends or receives on."""
+
+    def __init__(self, stage_idx: int, settings: Mapping[tuple[int, int], CutSetting]) -> None:
+        self.stage_idx = stage_idx
+        self.settings = dict(settings)
+        self.feedback = ErrorFeedback()
+        self._masks: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def set_ratios(self, ratios: Mapping[tuple[int, int], float]) -> None:
+        """New keep ratios for known cuts (AdaTopK's per-step update)."""
+        for cut, ratio in ratios.items():
+            setting = self.settings.get(cut)
+            if setting is None:
+                continue
+            if not 0.0 < ratio <= 1.0:
+                raise CompressionError(f"keep ratio {ratio} for cut {cut} is outside (0, 1]")
+            setting.keep_ratio = ratio
+
+    def reset_step(self) -> None:
+        """Forget masks of the previous step (residuals carry over)."""
+        self._masks.clear()
+
+    def _encode(self, setting: CutSetting, name: str, t: torch.Tensor) -> tuple[pb.TensorMeta, bytes, torch.Tensor | None, torch.Tensor]:
+        """Encode one tensor; returns its header entry, bytes, mask and the decoded value
+        (what the receiver will compute with)."""
+        codec = get_compressor(setting.codec)
+        enc = codec.encode(t.detach(), keep_ratio=setting.keep_ratio)
+        meta = pb.TensorMeta(name=name, dtype=dtype_to_wire(t.dtype), shape=list(t.shape), size_bytes=len(enc.data), codec=setting.codec)
+        sent = codec.decode(enc.data, dtype=t.dtype, shape=tuple(t.shape)).to(t.device)
+        return meta, enc.data, enc.mask, sent
+
+    def encode_activations(self, dst: int, m: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Encoded, int]:
+        """Split outgoing activations into (dense tensors, encoded tensors, dense bytes)."""
+        dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        setting = self.settings.get((self.stage_idx, dst))
+        if setting is None or not setting.active or not setting.activations:
+            return dict(tensors), {}, dense_bytes
+        raw: dict[str, torch.Tensor] = {}
+        encoded: Encoded = {}
+        for name, t in tensors.items():
+            if not t.is_floating_point() or t.numel() == 0 or (setting.codec == pb.CODEC_TOPK and t.numel() < 2):
+                raw[name] = t
+                continue
+            meta, data, mask, _ = self._encode(setting, name, t)
+            encoded[name] = (meta, data)
+            if mask is not None:
+                self._masks[(dst, m, name)] = mask.view(t.shape)
+        return raw, encoded, dense_bytes
+
+    def mask_gradient(self, dst: int, m: int, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Gradient of a sparsified activation: only where the value was kept."""
+        mask = self._masks.pop((dst, m, name), None)
+        return grad if mask is None else grad * mask.to(grad.device, grad.dtype)
+
+    def encode_gradients(self, src: int, m: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Encoded, int]:
+        """Split outgoing gradients (to producer ``src``) into dense and encoded, with error feedback."""
+        dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        setting = self.settings.get((src, self.stage_idx))
+        if setting is None or not setting.active or not setting.gradients:
+            return dict(tensors), {}, dense_bytes
+        raw: dict[str, torch.Tensor] = {}
+        encoded: Encoded = {}
+        for name, g in tensors.items():
+            if not g.is_floating_point() or g.numel() < 2:
+                raw[name] = g
+                continue
+            key = (src, self.stage_idx, name, m)
+            compensated = self.feedback.compensate(key, g.detach())
+            meta, data, _, sent = self._encode(setting, name, compensated)
+            self.feedback.update(key, compensated, sent)
+            encoded[name] = (meta, data)
+        return raw, encoded, dense_bytes
+
+
+def decode_tensor(meta: pb.TensorMeta, raw: memoryview) -> torch.Tensor:
+    """Decode a received tensor that uses a codec (``CompressionError`` when malformed)."""
+    from executor.transport import dtype_from_wire
+
+    codec = get_compressor(meta.codec)
+    return codec.decode(raw, dtype=dtype_from_wire(meta.dtype), shape=tuple(meta.shape))
+
+
+def cut_settings(cuts: list[tuple[int, int, str, float]], *, directions: tuple[str, ...]) -> dict[tuple[int, int], CutSetting]:
+    """Settings from a plan's cuts ``(src, dst, codec name, keep ratio)`` and the job's directions."""
+    out = {}
+    for src, dst, codec, ratio in cuts:
+        if codec == "none":
+            continue
+        if codec not in CODEC_VALUES:
+            raise CompressionError(f"cut {src}->{dst} names unknown codec {codec!r}; use one of {sorted(CODEC_VALUES)}")
+        out[(src, dst)] = CutSetting(
+            codec=CODEC_VALUES[codec], keep_ratio=ratio, activations="activations" in directions, gradients="gradients" in directions
+        )
+    return out
+
+
+LinkEstimate = Callable[[int, int], "tuple[float, float] | None"]
+
+
+class RatioController:
+    """AdaTopK in the driver: after every step, a new keep ratio per compressed cut.
+
+    The target is the pipeline's bottleneck compute per micro-batch (the slowest stage's
+    compute seconds divided by the micro-batches): a cut whose transfer takes about that
+    long no longer slows the pipeline, and keeping more would only add error. The link's
+    latency and bandwidth come from ``link_of`` (the coordinator's measured, refreshed
+    link table), else from the step's own transfers.
+    """
+
+    def __init__(self, controller: AdaTopK, *, link_of: LinkEstimate | None = None) -> None:
+        self.controller = controller
+        self.link_of = link_of
+
+    def update(self, stats: Any, micro_batches: int) -> dict[tuple[int, int], float]:
+        if not stats.compute_s:
+            return {}
+        target = max(stats.compute_s.values()) / micro_batches
+        ratios = {}
+        for cut in stats.keep_ratios:
+            dense = stats.dense_bytes.get(cut, 0) / micro_batches
+            if dense <= 0:
+                continue
+            link = self.link_of(*cut) if self.link_of is not None else None
+            if link is None:
+                seconds = stats.sent_s.get(cut, 0.0) / micro_batches
+                sent = stats.sent_bytes.get(cut, 0) / micro_batches
+                if seconds <= 0 or sent <= 0:
+                    continue
+                link = (0.0, sent / seconds)
+            latency, bandwidth = link
+            ratios[cut] = self.controller.ratio(
+                cut, numel=int(dense // 4), dense_bytes=int(dense), bandwidth_bytes_per_s=bandwidth, latency_s=latency, target_s=target
+            )
+        return ratios
