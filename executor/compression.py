@@ -185,8 +185,10 @@ class RatioController:
                 if seconds <= 0 or sent <= 0:
                     continue
                 link = (0.0, sent / seconds)
-            latency, bandwidth = link
+            _, bandwidth = link
+            # Sends are asynchronous and overlap: a link's latency delays the first
+            # micro-batch once per step but does not limit the rate, which the bytes do.
             ratios[cut] = self.controller.ratio(
-                cut, numel=int(dense // 4), dense_bytes=int(dense), bandwidth_bytes_per_s=bandwidth, latency_s=latency, target_s=target
+                cut, numel=int(dense // 4), dense_bytes=int(dense), bandwidth_bytes_per_s=bandwidth, latency_s=0.0, target_s=target
             )
         return ratios

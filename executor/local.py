@@ -23,12 +23,12 @@ from types import TracebackType
 
 import torch
 
-from executor.client import ChannelPool, ExecutorClient
+from executor.client import ChannelPool
 from executor.compression import CutSetting, RatioController
 from executor.driver import PipelineDriver, StepStats
 from executor.server import READY_PREFIX
 from fusion.config import JobSpec
-from fusion.errors import FusionError, RemoteError
+from fusion.errors import FusionError
 from fusion.graph.export import capture
 from fusion.graph.ir import OpDag
 from fusion.graph.split import StageSpec, split_stages
@@ -221,13 +221,3 @@ def train_distributed(
         driver.close()
     return result
 
-
-def ping_all(addresses: Sequence[str], pool: ChannelPool) -> list[str]:
-    """Names of the workers at ``addresses`` (raises ``RemoteError`` if one is down)."""
-    names = []
-    for a in addresses:
-        try:
-            names.append(ExecutorClient(a, pool).ping().worker_name)
-        except RemoteError:
-            raise
-    return names

@@ -353,13 +353,3 @@ def _stage_order(num_stages: int, links: dict[tuple[int, int], int]) -> list[int
         raise PlanError("the placement's stage graph is cyclic")
     return order
 
-
-def memory_violations(est: Estimate, topology: Topology) -> list[str]:
-    """Workers whose predicted peak exceeds their memory cap, as readable strings."""
-    out = []
-    for w, need in sorted(est.peak_memory_bytes.items()):
-        cap = topology.workers[w].memory_bytes
-        if cap is not None and need > cap:
-            out.append(f"{topology.workers[w].name} needs {need / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB")
-    return out
-

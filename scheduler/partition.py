@@ -503,5 +503,3 @@ def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: 
         "fragmented for the cuts; add workers with more memory or use fewer micro-batches"
     )
 
-
-PlacementFn = Callable[..., Placement]

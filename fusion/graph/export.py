@@ -14,7 +14,6 @@ deterministic: :func:`graph_fingerprint` hashes the structure and both sides com
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import math
@@ -363,7 +362,3 @@ def _describe(
         tied_params=tied,
     )
 
-
-def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A deep copy (own parameters), keeping ties inside the copy."""
-    return copy.deepcopy(gm)

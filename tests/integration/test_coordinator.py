@@ -8,7 +8,6 @@ processes; jobs go in through ``fusion submit`` and are watched with
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -29,7 +29,7 @@ from compress import (
     topk_encoded_size,
 )
 from compress.base import flat_bytes
-from compress.topk import FORMAT_VERSION, HEADER, MAGIC, IndexKind, select_topk
+from compress.topk import FORMAT_VERSION, HEADER, IndexKind, select_topk
 from fusion.errors import CompressionError
 from fusion.wire import tensor_pb2 as pb
 
