@@ -44,9 +44,9 @@ JOBS = {
         "train": {"micro_batches": 2, "optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.0},
     },
     "resnet-tiny": {
-        "model": {"name": "resnet", "preset": "tiny", "num_classes": 8},
+        "model": {"name": "resnet", "preset": "tiny", "num_classes": 16},
         # Noisy enough that the loss does not collapse to zero in 300 steps.
-        "data": {"batch_size": 32, "image_size": 16, "num_classes": 8, "num_samples": 4096, "noise": 1.5, "shuffle": True},
+        "data": {"batch_size": 32, "image_size": 16, "num_classes": 16, "num_samples": 4096, "noise": 5.0, "shuffle": True},
         "train": {"micro_batches": 1, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9},
     },
 }

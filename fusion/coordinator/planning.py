@@ -24,7 +24,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
@@ -286,8 +286,6 @@ class Measurements:
 
     def subset(self, indices: Sequence[int]) -> Measurements:
         """The same measurements restricted to some workers."""
-        from dataclasses import replace
-
         return replace(self, topology=self.topology.subset(list(indices)))
 
 
@@ -305,7 +303,12 @@ def measure(
     """Profile the model, probe the links, time the control path, calibrate the executor."""
     profile = profile_model(spec, captured.dag, workers[0], pool, device=device, cache=cache)
     lat, bw = probe_links(workers, pool)
-    topology = measured_topology(workers, lat, bw)
+    # Node times were measured on workers[0] at profile.matmul_flops; other workers run at
+    # their speed *relative to it* (the speeds workers report at join were measured under
+    # different load, so only their ratios are trusted).
+    base = workers[0].matmul_flops or profile.matmul_flops
+    scaled = [replace(w, matmul_flops=profile.matmul_flops * (w.matmul_flops or base) / base) for w in workers]
+    topology = measured_topology(scaled, lat, bw)
     if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None:
         calibrated = calibrate_executor(spec, model, captured, dataset, workers[0], pool, profile, device=device)
         profile.overhead_step_s, profile.overhead_micro_batch_s = calibrated.step_s, calibrated.micro_batch_s
