@@ -225,7 +225,9 @@ class OpDag:
         """Serialise to JSON (see Contracts in DESIGN.md)."""
         doc = {
             "nodes": [n.to_dict() for n in self.nodes],
-            "edges": [asdict(e) for e in self.edges],
+            "edges": [{"src": e.src, "dst": e.dst, "bytes": e.bytes} for e in self.edges],
+            # Parallel to "edges" (kept out of the edge objects, whose keys are a contract).
+            "edge_grad_bytes": [e.grad_bytes for e in self.edges],
             "output": self.output,
             "capture": self.capture,
             "fingerprint": self.fingerprint,
@@ -241,7 +243,7 @@ class OpDag:
             doc = json.loads(text)
             return OpDag(
                 nodes=[OpNode.from_dict(n) for n in doc["nodes"]],
-                edges=[OpEdge(**e) for e in doc["edges"]],
+                edges=[OpEdge(**e, grad_bytes=_item(doc.get("edge_grad_bytes"), i)) for i, e in enumerate(doc["edges"])],
                 output=doc["output"],
                 capture=doc.get("capture", "fx"),
                 fingerprint=doc.get("fingerprint", ""),
@@ -386,6 +388,11 @@ class OpDag:
                 )
             )
         return replace(self, nodes=nodes, reference_flops=reference_flops)
+
+
+def _item(values: list[int] | None, i: int) -> int:
+    """``values[i]``, or 0 when the list is absent or shorter (documents from older versions)."""
+    return int(values[i]) if values is not None and i < len(values) else 0
 
 
 def _runs_by_prefix(nodes: list[OpNode], depth: int) -> list[list[OpNode]]:
