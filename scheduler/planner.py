@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fusion.config import JobSpec
 from fusion.errors import PlanError
 from fusion.graph.ir import OpDag
 from fusion.graph.split import split_stages
@@ -57,6 +58,21 @@ class PlanRequest:
             raise PlanError(f"unknown schedule {self.schedule!r}; choose gpipe or 1f1b")
         if self.micro_batches < 1:
             raise PlanError("micro_batches must be >= 1")
+
+
+def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: StepCosts | None = None) -> PlanRequest:
+    """The planner's view of a job: its ``[train]``, ``[plan]`` and ``[compression]``."""
+    return PlanRequest(
+        strategy=strategy or spec.plan.strategy,
+        micro_batches=spec.train.micro_batches,
+        schedule=spec.train.schedule,
+        optimizer=spec.train.optimizer,
+        momentum=spec.train.momentum,
+        compression=spec.compression.mode,
+        keep_ratio=spec.compression.keep_ratio,
+        min_keep_ratio=spec.compression.min_keep_ratio,
+        step_costs=step_costs or StepCosts(),
+    )
 
 
 def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:

@@ -65,7 +65,7 @@ def run_one(addresses: list[str], job: JobSpec, mode: Any) -> dict[str, Any]:
     controller = None
     if mode is not None:
         adaptive = mode in LINKS
-        start = 0.1 if adaptive else float(mode)
+        start = 1.0 if adaptive else float(mode)  # AdaTopK starts dense, then follows the link
         settings = {SLOW_CUT: CutSetting(codec=pb.CODEC_TOPK, keep_ratio=start, activations=True, gradients=True)}
         if adaptive:
             link = LINKS[mode]

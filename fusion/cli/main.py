@@ -139,7 +139,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from fusion.graph.export import capture
     from fusion.training import build_job_dataset, example_micro_batch
-    from scheduler.planner import PlanRequest, make_plan
+    from scheduler.planner import make_plan, request_for_job
     from scheduler.topology import Topology, WorkerSpec
 
     job_path = args.job_opt or args.job
@@ -159,17 +159,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
     x, _ = example_micro_batch(spec, build_job_dataset(spec))
     dag = capture(model, (x.to("meta"),)).dag
-    request = PlanRequest(
-        strategy=args.strategy or spec.plan.strategy,
-        micro_batches=spec.train.micro_batches,
-        schedule=spec.train.schedule,
-        optimizer=spec.train.optimizer,
-        momentum=spec.train.momentum,
-        compression=spec.compression.mode,
-        keep_ratio=spec.compression.keep_ratio,
-        min_keep_ratio=spec.compression.min_keep_ratio,
-    )
-    plan = make_plan(dag, topology, request)
+    plan = make_plan(dag, topology, request_for_job(spec, strategy=args.strategy))
     print(plan.to_json() if args.json else plan.table())
     return 0
 

@@ -34,7 +34,7 @@ from fusion.errors import FusionError, RemoteError
 from fusion.graph.ir import OpDag
 from fusion.wire import executor_pb2 as epb
 from scheduler.estimator import StepCosts
-from scheduler.planner import PlanRequest, make_plan
+from scheduler.planner import PlanRequest, make_plan, request_for_job
 from scheduler.plan import Plan
 from scheduler.topology import Topology, WorkerSpec
 
@@ -254,23 +254,14 @@ def calibrate_executor(
 def plan_request(spec: JobSpec, profile: ModelProfile, round_trip_s: float, *, strategy: str | None = None, overhead: ExecutorOverhead | None = None, driver_bandwidth: float = float("inf")) -> PlanRequest:
     """The planner's view of the job."""
     overhead = overhead or ExecutorOverhead(step_s=3 * round_trip_s)
-    return PlanRequest(
-        strategy=strategy or spec.plan.strategy,
-        micro_batches=spec.train.micro_batches,
-        schedule=spec.train.schedule,
-        optimizer=spec.train.optimizer,
-        momentum=spec.train.momentum,
-        compression=spec.compression.mode,
-        keep_ratio=spec.compression.keep_ratio,
-        min_keep_ratio=spec.compression.min_keep_ratio,
-        step_costs=StepCosts(
-            control_s=overhead.step_s,
-            micro_batch_s=overhead.micro_batch_s,
-            optimizer_s_per_byte=profile.optimizer_s_per_byte,
-            driver_round_trip_s=round_trip_s,
-            driver_bandwidth_bytes_per_s=driver_bandwidth,
-        ),
+    costs = StepCosts(
+        control_s=overhead.step_s,
+        micro_batch_s=overhead.micro_batch_s,
+        optimizer_s_per_byte=profile.optimizer_s_per_byte,
+        driver_round_trip_s=round_trip_s,
+        driver_bandwidth_bytes_per_s=driver_bandwidth,
     )
+    return request_for_job(spec, strategy=strategy, step_costs=costs)
 
 
 @dataclass
