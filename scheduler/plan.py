@@ -110,7 +110,7 @@ class Plan:
         """A human-readable summary."""
         lines = [f"plan: {self.strategy}, {len(self.stages)} stages, {self.micro_batches} micro-batches ({self.schedule})"]
         if self.predicted_step_s is not None:
-            lines.append(f"predicted step time: {self.predicted_step_s:.3f}s")
+            lines.append(f"predicted step time: {self.predicted_step_s:.4g}s")
         lines.append(f"{'stage':>5}  {'worker':<16} {'nodes':>6} {'params MB':>10} {'GFLOP/mb':>9} {'compute s':>9} {'peak MB':>9}")
         for i, s in enumerate(self.stages):
             compute = f"{s.compute_s:.4f}" if s.compute_s is not None else "-"
