@@ -49,6 +49,9 @@ class CutSetting:
 
     @property
     def active(self) -> bool:
+        """Whether tensors on the cut are encoded now (top-k at ratio 1 sends them dense)."""
+        if self.codec == pb.CODEC_TOPK and self.keep_ratio >= 1.0:
+            return False
         return self.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
 
 

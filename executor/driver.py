@@ -270,7 +270,7 @@ class PipelineDriver:
                 stats.sent_s[(s, dst)] = seconds
             for dst, size in r.dense_bytes.items():
                 stats.dense_bytes[(s, dst)] = size
-        stats.keep_ratios = {k: c.keep_ratio for k, c in self.cut_settings.items() if c.active}
+        stats.keep_ratios = {k: c.keep_ratio for k, c in self.cut_settings.items() if c.codec == pb.CODEC_TOPK}
         if self.ratio_controller is not None and self.cut_settings:
             for cut, ratio in self.ratio_controller.update(stats, m).items():
                 if cut in self.cut_settings:

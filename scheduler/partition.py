@@ -377,9 +377,12 @@ def candidate_sizes(clusters: Sequence[Sequence[int]], num_units: int) -> list[i
                 picked.append(size)
                 last = size
         sizes = picked
+    # Also powers of two: a big first cluster is worth trying with fewer of its workers.
+    total = sizes[-1] if sizes else 0
+    sizes += [2**i for i in range(1, int(math.log2(max(total, 1))) + 1)]
     # The greedy skips workers it cannot use, so offering more workers than units still helps
     # (it may pick faster ones), but long tails beyond that only cost time.
-    return sorted({min(s, max(num_units * 2, 1)) for s in sizes})
+    return sorted({min(s, total, max(num_units * 2, 1)) for s in sizes})
 
 
 def opfence_placement(
@@ -406,7 +409,7 @@ def opfence_placement(
         candidates.append(Placement((0, len(workload)), (w,)))
     candidates.sort(key=objective)
     best = candidates[0]
-    for cand in candidates[:3]:
+    for cand in candidates[: 3 if len(workload) * len(topology) > SMALL_REFINE_ALL else len(candidates)]:
         refined = local_search(cand, objective, chain, deadline=deadline)
         if objective(refined) < objective(best):
             best = refined
@@ -461,6 +464,9 @@ def exhaustive_placement(
         raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
     return best
 
+
+#: Below this many (units × workers), local search starts from every candidate, not the best 3.
+SMALL_REFINE_ALL = 200
 
 #: Up to this many placements, OP-Fence settles an infeasible search exactly.
 SMALL_INSTANCE = 200_000
