@@ -118,7 +118,17 @@ class CutCompression:
         dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         setting = self.settings.get((src, self.stage_idx))
         if setting is None or not setting.active or not setting.gradients:
-            return dict(tensors), {}, dense_bytes
+            # Sending dense: hand over what error feedback still owes, so no residual goes
+            # stale and resurfaces steps later if the cut is compressed again.
+            out = {}
+            for name, g in tensors.items():
+                key = (src, self.stage_idx, name, m)
+                if self.feedback.residual(key) is not None:
+                    out[name] = self.feedback.compensate(key, g.detach())
+                    self.feedback.update(key, out[name], out[name])  # nothing left over
+                else:
+                    out[name] = g
+            return out, {}, dense_bytes
         raw: dict[str, torch.Tensor] = {}
         encoded: Encoded = {}
         for name, g in tensors.items():
