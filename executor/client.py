@@ -74,11 +74,11 @@ class ExecutorClient:
         self.pool = pool
         self.stub = ExecutorStub(pool.get(address))
 
-    def _call(self, method: Any, request: Any, what: str, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
-        return call_with_retry(method, request, peer=self.address, what=what, timeout_s=timeout_s)
+    def _call(self, method: Any, request: Any, what: str, timeout_s: float = CONTROL_TIMEOUT_S, *, attempts: int = 4) -> Any:
+        return call_with_retry(method, request, peer=self.address, what=what, timeout_s=timeout_s, attempts=attempts)
 
-    def ping(self, timeout_s: float = 5.0) -> epb.PingResponse:
-        return self._call(self.stub.Ping, epb.PingRequest(), "Ping", timeout_s)
+    def ping(self, timeout_s: float = 5.0, *, attempts: int = 4) -> epb.PingResponse:
+        return self._call(self.stub.Ping, epb.PingRequest(), "Ping", timeout_s, attempts=attempts)
 
     def load_stage(self, request: epb.LoadStageRequest, timeout_s: float = 600.0) -> epb.LoadStageResponse:
         return self._call(self.stub.LoadStage, request, f"LoadStage(stage {request.stage_idx})", timeout_s)
@@ -156,7 +156,7 @@ class ExecutorClient:
     def abort(self, job_id: str, reason: str) -> None:
         """Best effort: a peer that is gone cannot be aborted, and that is fine."""
         try:
-            self._call(self.stub.Abort, epb.AbortRequest(job_id=job_id, reason=reason), "Abort", 10.0)
+            self._call(self.stub.Abort, epb.AbortRequest(job_id=job_id, reason=reason), "Abort", 2.0, attempts=1)
         except RemoteError as e:
             logger.info("abort on %s failed: %s", self.address, e)
 

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from executor.client import ChannelPool
+from executor.client import ChannelPool, run_parallel
 from compress import AdaTopK
 from executor.compression import RatioController, cut_settings
 from executor.driver import PipelineDriver, StepStats
@@ -124,15 +124,15 @@ class JobRunner(threading.Thread):
             state, reason = stop if stop is not None else ("failed", self._diagnose(e))
             if stop is None and not isinstance(e, FusionError):
                 logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
-            if driver is not None and stop is None:
-                driver.abort(reason)
+            # Record the end at once (the summary is quick); the plot and the clean-up after
+            # a lost worker can take seconds.
+            outputs.write_summary(self._summary(state, reason, steps, losses, t_start))
             try:
-                if steps:
-                    outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
-                outputs.write_summary(self._summary(state, reason, steps, losses, t_start))
                 self.store.transition(self.job_id, state, reason)
             except FusionError as e2:
                 logger.error("job %s: could not record its end (%s): %s", self.job_id, reason, e2)
+            if steps:
+                outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
         finally:
             outputs.close()
             if driver is not None:
@@ -146,12 +146,15 @@ class JobRunner(threading.Thread):
             return reason
         from executor.client import ExecutorClient
 
-        gone = []
-        for w in self.workers:
+        def answers(w: WorkerRow) -> bool:
             try:
-                ExecutorClient(w.address, self.pool).ping(timeout_s=2.0)
+                ExecutorClient(w.address, self.pool).ping(timeout_s=1.0, attempts=1)
+                return True
             except FusionError:
-                gone.append(f"{w.name} ({w.address})")
+                return False
+
+        alive = run_parallel([lambda w=w: answers(w) for w in self.workers], name="diagnose")
+        gone = [f"{w.name} ({w.address})" for w, ok in zip(self.workers, alive) if not ok]
         if gone:
             return f"worker {', '.join(gone)} stopped answering: {reason}"
         return reason

@@ -358,7 +358,9 @@ def test_killed_worker_fails_the_job_within_the_heartbeat_timeout(small_fleet: F
     small_fleet.workers["s1"].kill()
     killed_at = time.time()
     s = cli.wait(job_id, states=("failed",), timeout=30)
-    assert s["finished_at"] - killed_at < 3.0 + 3.0  # heartbeat timeout plus slack
+    delay = s["finished_at"] - killed_at
+    print(f"job failed {delay:.2f}s after the kill")
+    assert delay < 3.0 + 3.0  # heartbeat timeout plus slack
     assert "s1" in s["reason"], s["reason"]
     assert not (Path(s["output_dir"]) / "model.safetensors").exists()
     assert json.loads((Path(s["output_dir"]) / "summary.json").read_text())["state"] == "failed"
