@@ -321,10 +321,16 @@ class PipelineDriver:
         )
 
     def train_step(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *, measure_memory: bool = False) -> StepStats:
-        """One full training step: forward, backward, tied-gradient sync, optimizer."""
+        """One full training step: forward, backward, tied-gradient sync, optimizer.
+
+        ``step_s`` of the result covers all of it (``forward_backward`` alone reports only
+        its own part).
+        """
+        t0 = time.perf_counter()
         stats = self.forward_backward(step, inputs, target, measure_memory=measure_memory)
         self.sync_tied_gradients()
         self.apply(step)
+        stats.step_s = time.perf_counter() - t0
         return stats
 
     # ------------------------------------------------------------- state

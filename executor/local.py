@@ -207,11 +207,13 @@ def train_distributed(
         driver.load()
         for step in range(job.train.steps if steps is None else steps):
             x, y = job_batch(job, dataset, step)
+            t0 = time.perf_counter()
             stats = driver.forward_backward(step, (x,), y)
             driver.sync_tied_gradients()
             if collect_gradients:
                 result.gradients = driver.gradients()
             driver.apply(step)
+            stats.step_s = time.perf_counter() - t0
             result.losses.append(stats.loss)
             result.stats.append(stats)
             if on_step is not None:
