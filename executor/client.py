@@ -6,7 +6,9 @@ activations and gradients to their peers).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,19 +45,62 @@ def transfer_timeout_s(size_bytes: int) -> float:
     return TRANSFER_BASE_TIMEOUT_S + size_bytes / SLOWEST_LINK_BYTES_PER_S
 
 
+class PeerMap:
+    """Address rewrites from the JSON file named by ``$FUSION_PEER_MAP`` (emulated WAN testbeds).
+
+    The file is ``{"HOST:PORT": "PROXYHOST:PROXYPORT", ...}``; it is re-read when it changes
+    (a testbed adds routes as servers start). Without the variable every address maps to itself.
+    Read from the environment here rather than in ``fusion.cli.env`` because workers' stages
+    build their pools below the CLI layer.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._mtime_ns = -1
+        self._map: dict[str, str] = {}
+
+    @staticmethod
+    def from_env() -> PeerMap:
+        return PeerMap(os.environ.get("FUSION_PEER_MAP") or None)
+
+    def resolve(self, address: str) -> str:
+        if self.path is None:
+            return address
+        try:
+            mtime_ns = os.stat(self.path).st_mtime_ns
+            if mtime_ns != self._mtime_ns:
+                with open(self.path, encoding="utf-8") as f:
+                    loaded = json.load(f)  # data only: a dict of strings, checked below
+                if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
+                    raise ValueError("expected a JSON object of \"HOST:PORT\": \"HOST:PORT\" strings")
+                self._map, self._mtime_ns = loaded, mtime_ns
+        except (OSError, ValueError) as e:
+            logger.warning("peer map %s unusable (%s); dialing %s directly", self.path, e, address)
+        return self._map.get(address, address)
+
+
 class ChannelPool:
-    """One gRPC channel per peer address, shared by every caller in the process."""
+    """One gRPC channel per peer address, shared by every caller in the process.
+
+    When ``$FUSION_PEER_MAP`` names a JSON file ``{"host:port": "proxyhost:proxyport", ...}``
+    (see :class:`PeerMap`), a channel to a mapped address dials the mapped one instead: the
+    emulated-WAN testbeds (``testbeds/net.py``) route each worker's traffic through the link
+    proxy for its (source, destination) pair that way. Callers still name peers by their real
+    address. A mapping added after a channel was made does not redirect that channel.
+    """
 
     def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        self._peer_map = PeerMap.from_env()
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = grpc.insecure_channel(address, options=grpc_message_options(self.chunk_bytes))
+                target = self._peer_map.resolve(address)
+                ch = grpc.insecure_channel(target, options=grpc_message_options(self.chunk_bytes))
                 self._channels[address] = ch
             return ch
 
