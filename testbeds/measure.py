@@ -1,0 +1,130 @@
+"""Measure an emulated link from the hosts themselves: bulk TCP throughput and round-trip time.
+
+Run on testbed hosts (``Testbed.spawn``), so that the bytes take the same path as fusion's:
+
+    python -m testbeds.measure sink --listen IP:PORT           # prints "ready PORT", then one JSON line
+    python -m testbeds.measure send --to IP:PORT --seconds 3   # blasts bytes for that long (or --bytes N)
+    python -m testbeds.measure echo --listen IP:PORT           # echoes until killed
+    python -m testbeds.measure rtt --to IP:PORT --count 20     # prints one JSON line
+
+Throughput is what the receiver saw, counted from the end of the first chunk to the last
+(so connection set-up and the first burst do not count); RTT is the median of one-byte
+ping-pongs on an open connection (the connect itself is reported separately).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+
+RECV_BYTES = 1 << 20
+SEND_BYTES = 1 << 18
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def _listen(address: str) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(_split(address))
+    s.listen(4)
+    print(f"ready {s.getsockname()[1]}", flush=True)
+    return s
+
+
+def sink(address: str) -> dict[str, float]:
+    """Accept one connection, read to EOF, report bytes and receive rate."""
+    with _listen(address) as s:
+        conn, _ = s.accept()
+    with conn:
+        total = first = 0
+        t_first = t_last = 0.0
+        while True:
+            data = conn.recv(RECV_BYTES)
+            if not data:
+                break
+            now = time.perf_counter()
+            if not first:
+                first, t_first = len(data), now
+            total += len(data)
+            t_last = now
+    span_s = t_last - t_first
+    rate = (total - first) / span_s if span_s > 0 else 0.0
+    return {"bytes": total, "seconds": span_s, "bytes_per_s": rate, "mbps": rate * 8 / 1e6}
+
+
+def send(address: str, seconds: float, size_bytes: int | None = None) -> dict[str, float]:
+    """Send zeros for ``seconds`` (or exactly ``size_bytes`` if given), then close."""
+    buf = bytes(SEND_BYTES)
+    total = 0
+    with socket.create_connection(_split(address), timeout=30) as c:
+        end = time.perf_counter() + seconds
+        while (total < size_bytes) if size_bytes is not None else (time.perf_counter() < end):
+            chunk = buf if size_bytes is None else buf[: size_bytes - total]
+            c.sendall(chunk)
+            total += len(chunk)
+        c.shutdown(socket.SHUT_WR)
+        c.recv(1)  # wait for the receiver to close: the bytes were delivered, not only buffered
+    return {"bytes": total}
+
+
+def echo(address: str) -> None:
+    """Echo every connection's bytes back until killed (one connection at a time)."""
+    with _listen(address) as s:
+        while True:
+            conn, _ = s.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+
+
+def rtt(address: str, count: int) -> dict[str, float]:
+    """Median one-byte ping-pong time on one connection, and the TCP connect time."""
+    t0 = time.perf_counter()
+    with socket.create_connection(_split(address), timeout=30) as c:
+        connect_s = time.perf_counter() - t0
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = []
+        for _ in range(count):
+            t = time.perf_counter()
+            c.sendall(b"x")
+            if c.recv(1) != b"x":
+                raise OSError("echo server closed the connection")
+            times.append(time.perf_counter() - t)
+    return {"rtt_s": statistics.median(times), "min_rtt_s": min(times), "connect_s": connect_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m testbeds.measure", description="Bulk throughput and RTT over a testbed link.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("sink", help="receive one bulk transfer, print its rate").add_argument("--listen", required=True)
+    snd = sub.add_parser("send", help="send bytes for a while")
+    snd.add_argument("--to", required=True)
+    snd.add_argument("--seconds", type=float, default=3.0)
+    snd.add_argument("--bytes", type=int, default=None, help="send exactly this many bytes instead")
+    sub.add_parser("echo", help="echo server for rtt").add_argument("--listen", required=True)
+    r = sub.add_parser("rtt", help="ping-pong round-trip time")
+    r.add_argument("--to", required=True)
+    r.add_argument("--count", type=int, default=20)
+    args = p.parse_args(argv)
+    if args.cmd == "sink":
+        print(json.dumps(sink(args.listen)), flush=True)
+    elif args.cmd == "send":
+        print(json.dumps(send(args.to, args.seconds, args.bytes)), flush=True)
+    elif args.cmd == "echo":
+        echo(args.listen)
+    else:
+        print(json.dumps(rtt(args.to, args.count)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
