@@ -1,0 +1,117 @@
+"""What every baseline rank shares: its arguments, joining the gloo group, writing metrics.
+
+A rank runs inside its testbed host's network namespace. gloo picks the network interface
+from ``GLOO_SOCKET_IFNAME``; :func:`init_gloo` sets it to the interface that carries the
+host's testbed address (``--address``), so that collectives cross the shaped links and not
+a loopback or a default route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from fusion.config import JobSpec, load_job
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankArgs:
+    """One rank's command line."""
+
+    job: JobSpec
+    rank: int
+    world_size: int
+    master: str
+    """``HOST:PORT`` of rank 0's rendezvous store."""
+    address: str
+    """This host's testbed address (selects gloo's interface)."""
+    steps: int
+    metrics: Path | None
+    """Rank 0 appends one JSON line per step here."""
+    torch_threads: int
+
+
+def parse_args(prog: str, description: str, argv: list[str] | None = None) -> RankArgs:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--job", required=True, help="job file (TOML)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master", required=True, help="HOST:PORT of rank 0 (the rendezvous)")
+    p.add_argument("--address", required=True, help="this host's address on the testbed")
+    p.add_argument("--steps", type=int, default=None, help="steps to run (default: the job's)")
+    p.add_argument("--metrics", default=None, help="rank 0 writes JSON lines here")
+    p.add_argument("--torch-threads", type=int, default=1)
+    a = p.parse_args(argv)
+    job = load_job(a.job)
+    return RankArgs(
+        job=job, rank=a.rank, world_size=a.world_size, master=a.master, address=a.address,
+        steps=a.steps if a.steps is not None else job.train.steps, metrics=Path(a.metrics) if a.metrics else None,
+        torch_threads=a.torch_threads,
+    )
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` in this namespace, if any."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def init_gloo(args: RankArgs, *, timeout_s: float = 300.0) -> None:
+    """Join the gloo process group of ``args.world_size`` ranks over the testbed links."""
+    import datetime
+
+    import torch.distributed as dist
+
+    iface = interface_of(args.address)
+    if iface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+    torch.set_num_threads(args.torch_threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def bytes_sent() -> int:
+    """Bytes this namespace has sent on its non-loopback interfaces."""
+    return sum(c.bytes_sent for name, c in psutil.net_io_counters(pernic=True).items() if name != "lo")
+
+
+class MetricsWriter:
+    """Rank 0's per-step JSON lines (``step``, ``loss``, ``step_s``, ``samples_per_s`` …)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class StepTimer:
+    """Wall seconds of a step, on this rank."""
+
+    def __enter__(self) -> StepTimer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0

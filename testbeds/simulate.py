@@ -1,0 +1,559 @@
+"""The at-scale simulator: predicted step time of fusion and the baselines on any topology.
+
+    python -m testbeds.simulate --topology testbeds/topologies/paper-48.toml --job job.toml
+    python -m testbeds.simulate --topology paper-1024 --job job.toml --costs flops --json
+
+Nothing is trained. Per-node costs come from profiling the job's model on this machine
+(:func:`fusion.profiling.profile_graph`, ``--costs profile``, the default) or from FLOPs
+(``--costs flops``); they are replayed through the same workload estimator the coordinator
+plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The systems:
+
+- ``fusion``: OP-Fence's plan (:func:`scheduler.planner.make_plan`), priced by the
+  estimator with the cuts it marks as slow carrying top-k tensors at the ratio AdaTopK
+  (:class:`compress.controller.AdaTopK`) would pick for the link, and encoded at
+  :func:`compress.topk.topk_encoded_size` bytes (zstd's further gain is not counted).
+- ``uniform``: equal node counts in join order, dense, priced by the same estimator.
+- ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed by a
+  ring all-reduce in rank order (:func:`ring_allreduce_s`), not overlapped with backward
+  (gloo on CPUs shares the cores with compute, and a small model fills one bucket).
+- ``pipelining``: GPipe over ``S = min(N, blocks)`` hosts with the even block split of
+  :mod:`testbeds.baselines.split` (:func:`gpipe_step_s`).
+
+``--compute testbed`` prices every host at this machine's measured speed (times its
+``slowdown``), as a testbed on one host runs them; ``--compute topology`` (default) uses
+each host's ``flops`` from the file. ``paper-256`` and ``paper-1024`` name generated
+topologies (:func:`paper_topology`) shaped like ``topologies/paper-48.toml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fusion.config import JobSpec, load_job
+from fusion.errors import FusionError, PlanError
+from fusion.graph.ir import OpDag
+from scheduler.estimator import OPTIMIZER_STATE_FACTOR, StepCosts, Workload, estimate, workload_from_dag
+from scheduler.planner import compression_marks, make_plan, price, request_for_job
+from scheduler.topology import GIB, Topology, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+TOPOLOGY_DIR = Path(__file__).resolve().parent / "topologies"
+SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
+MBPS = 1e6 / 8  # bytes/s in one megabit/s
+
+#: Executor overheads when none are given: the calibration of ``fusion profile`` on this
+#: 2-core machine (GPT-2 tiny, loopback) measured about 6 ms of driver round trips per step
+#: and 1.5 ms of mailbox/hand-off work per micro-batch and stage.
+DEFAULT_CONTROL_S = 6e-3
+DEFAULT_MICRO_BATCH_S = 1.5e-3
+#: One gloo collective's fixed cost beyond the link latency (rendezvous of the ring step).
+GLOO_STEP_OVERHEAD_S = 1e-4
+#: DDP's gradient buckets: the first holds 1 MiB, the rest 25 MiB (``bucket_cap_mb``).
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+DDP_BUCKET_BYTES = 25 << 20
+
+
+# ---------------------------------------------------------------- topologies
+def paper_topology(num_hosts: int, *, seed: int = 0) -> Topology:
+    """A topology of ``num_hosts`` (a multiple of 8) shaped like ``paper-48.toml``.
+
+    Clusters of 8 hosts cycle through the six kinds of ``paper-48.toml`` (A100 and V100 on
+    10 Gbps, RTX 3090 and 2080 Ti on 1 Gbps, T4 and GTX 1080 Ti on 100 Mbps inside); the
+    link between two clusters is drawn from 8 Mbps, 50 Mbps, 100 Mbps and 1 Gbps (latency
+    10–150 ms), symmetric, seeded.
+    """
+    if num_hosts < 8 or num_hosts % 8:
+        raise PlanError(f"paper topologies come in clusters of 8 hosts; {num_hosts} is not a multiple of 8")
+    kinds = (  # (label, flops, memory GiB, intra Mbps, intra latency ms)
+        ("a100", 1.95e13, 40, 10000, 0.1),
+        ("v100", 1.4e13, 16, 10000, 0.1),
+        ("rtx3090", 3.5e13, 24, 1000, 0.5),
+        ("rtx2080ti", 1.34e13, 11, 1000, 0.5),
+        ("t4", 8.1e12, 16, 100, 1.0),
+        ("gtx1080ti", 1.13e13, 11, 100, 1.0),
+    )
+    rng = np.random.default_rng(seed)
+    num_clusters = num_hosts // 8
+    cluster_of = np.repeat(np.arange(num_clusters), 8)
+    kind_of = np.arange(num_clusters) % len(kinds)
+    inter = rng.choice([8.0, 50.0, 100.0, 1000.0], (num_clusters, num_clusters))
+    inter = np.minimum(inter, inter.T)
+    inter_lat = rng.uniform(10.0, 150.0, (num_clusters, num_clusters))
+    inter_lat = np.maximum(inter_lat, inter_lat.T)
+    intra = np.array([kinds[k][3] for k in kind_of], dtype=np.float64)
+    intra_lat = np.array([kinds[k][4] for k in kind_of], dtype=np.float64)
+    same = cluster_of[:, None] == cluster_of[None, :]
+    bandwidth = np.where(same, intra[cluster_of][:, None], inter[cluster_of][:, cluster_of]) * MBPS
+    latency = np.where(same, intra_lat[cluster_of][:, None], inter_lat[cluster_of][:, cluster_of]) / 1e3
+    workers = [
+        WorkerSpec(
+            name=f"{kinds[kind_of[c]][0]}-{c}-{i % 8}",
+            cluster=f"c{c}-{kinds[kind_of[c]][0]}",
+            flops=kinds[kind_of[c]][1],
+            memory_bytes=kinds[kind_of[c]][2] * GIB,
+        )
+        for i, c in enumerate(cluster_of)
+    ]
+    return Topology.from_measurements(workers, latency, bandwidth)
+
+
+def load_topology(name: str) -> Topology:
+    """A topology file path, a shipped topology's name, or ``paper-N`` (generated)."""
+    path = Path(name)
+    if path.exists():
+        return Topology.load(path)
+    shipped = TOPOLOGY_DIR / f"{name}.toml"
+    if shipped.exists():
+        return Topology.load(shipped)
+    if name.startswith("paper-") and name[6:].isdigit():
+        return paper_topology(int(name[6:]))
+    raise PlanError(f"no topology {name!r}: give a TOML path, a name in {TOPOLOGY_DIR} or paper-N (N a multiple of 8)")
+
+
+def testbed_topology(topology: Topology, reference_flops: float | None, *, latency: bool = True) -> Topology:
+    """Every host at this machine's speed (times its slowdown), as one-host testbeds run them;
+    ``reference_flops=None`` keeps the hosts' speeds, ``latency=False`` zeroes every latency."""
+    workers = tuple(dataclasses.replace(w, flops=reference_flops) for w in topology.workers) if reference_flops else topology.workers
+    lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
+    return Topology(workers=workers, bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s, latency_s=lat)
+
+
+# ---------------------------------------------------------------- job costs
+@dataclass
+class JobCosts:
+    """A job's model as the simulator sees it: the costed DAG and the fixed step costs."""
+
+    spec: JobSpec
+    dag: OpDag
+    """Compute nodes with per-micro-batch times at ``dag.reference_flops``."""
+    step: StepCosts
+    blocks: list[str]
+    """The model's repeated blocks (for the pipelining split)."""
+    tokens_per_sample: int
+    """Tokens in one sample (sequence length) for language models, else 0."""
+    costs: str
+    """``profile`` or ``flops``."""
+
+    @property
+    def reference_flops(self) -> float:
+        return float(self.dag.reference_flops or 1.0e12)
+
+    def workload(self) -> Workload:
+        return workload_from_dag(self.dag, optimizer=self.spec.train.optimizer, momentum=self.spec.train.momentum, step=self.step)
+
+
+def job_costs(spec: JobSpec, *, costs: str = "profile", step: StepCosts | None = None, repeats: int = 3) -> JobCosts:
+    """Capture the job's model and cost every node (profiled here, or from FLOPs)."""
+    import torch
+
+    from fusion.graph.export import capture
+    from fusion.models import build_model
+    from fusion.profiling import measure_matmul_flops, measure_optimizer_s_per_byte, profile_graph
+    from fusion.training import build_job_dataset, build_job_model, example_micro_batch
+    from testbeds.baselines.split import block_names
+
+    if costs not in ("profile", "flops"):
+        raise FusionError(f"unknown costs {costs!r}: use profile or flops")
+    x, _ = example_micro_batch(spec, build_job_dataset(spec))
+    tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else 0
+    if costs == "profile":
+        model = build_job_model(spec)
+        captured = capture(model, (x,))
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one thread per worker, as the testbeds run them
+        try:
+            nodes = profile_graph(captured.graph_module, (x,), repeats=repeats)
+            flops = measure_matmul_flops(torch.device("cpu"))
+            opt_s = measure_optimizer_s_per_byte(spec.train.optimizer, numel=1 << 22)
+        finally:
+            torch.set_num_threads(torch_threads)
+        nodes = {k: v for k, v in nodes.items() if not k.startswith("__")}
+        dag = captured.dag.with_profile(nodes, reference_flops=flops)
+    else:
+        torch.manual_seed(spec.train.seed)
+        with torch.device("meta"):
+            model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
+        dag = capture(model, (x.to("meta"),)).dag
+        opt_s = 0.0
+    base = step or StepCosts(control_s=DEFAULT_CONTROL_S, micro_batch_s=DEFAULT_MICRO_BATCH_S)
+    if base.optimizer_s_per_byte == 0.0:
+        base = dataclasses.replace(base, optimizer_s_per_byte=opt_s)
+    return JobCosts(spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs)
+
+
+# ---------------------------------------------------------------- systems
+@dataclass
+class SystemResult:
+    """One system's predicted step."""
+
+    name: str
+    step_s: float | None
+    """Predicted seconds per step; ``None`` when the system does not apply (see ``note``)."""
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    slowest_link_bytes: int = 0
+    """Bytes per step over the slowest link (lowest bandwidth) the system sends over."""
+    slowest_link_mbps: float | None = None
+    """That link's bandwidth in Mbit/s (``None``: the system uses no link)."""
+    hosts_used: int = 0
+    note: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _finish(result: SystemResult, job: JobCosts) -> SystemResult:
+    if result.step_s is not None and result.step_s > 0:
+        batch = job.spec.data.batch_size
+        result.samples_per_s = batch / result.step_s
+        if job.tokens_per_sample:
+            result.tokens_per_s = batch * job.tokens_per_sample / result.step_s
+    return result
+
+
+def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tuple[int, float | None]:
+    """(bytes per step, Mbit/s) of the lowest-bandwidth worker pair in ``link_bytes``."""
+    used = [(topology.bandwidth_bytes_per_s[a][b], size) for (a, b), size in link_bytes.items() if a != b and size > 0]
+    if not used:
+        return 0, None
+    bw = min(b for b, _ in used)
+    return int(sum(size for b, size in used if b == bw)), bw / MBPS
+
+
+def simulate_plan(job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None) -> SystemResult:
+    """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the estimator."""
+    spec = job.spec
+    request = request_for_job(spec, strategy=strategy, step_costs=job.step)
+    request = dataclasses.replace(request, compression=compression, time_budget_s=time_budget_s)
+    name = "fusion" if strategy == "opfence" else strategy
+    try:
+        plan = make_plan(job.dag, topology, request)
+    except PlanError as e:
+        return SystemResult(name=name, step_s=None, note=f"n/a: {e}")
+    from fusion.graph.split import split_stages
+
+    stages = split_stages(job.dag, plan.assignment())
+    stage_workers = [topology.index(s.worker) for s in plan.stages]
+    est = price(job.dag, stages, stage_workers, topology, request)
+    marks = compression_marks(est, request)
+    wl = job.workload()
+    stage_of = {n: s.stage_idx for s in stages for n in s.nodes}
+    unit_stage = np.array([stage_of[n] for n in wl.names], dtype=np.int64)
+    act_factor, grad_factor, ratios = _compression_factors(est, marks, stage_workers, topology, request, spec)
+    if act_factor or grad_factor:
+        wl.edges = [
+            (
+                s, d,
+                int(size * act_factor.get((int(unit_stage[s]), int(unit_stage[d])), 1.0)),
+                int(gsize * grad_factor.get((int(unit_stage[s]), int(unit_stage[d])), 1.0)),
+            )
+            for s, d, size, gsize in wl.edges
+        ]
+        wl._edge_arrays = None
+        est = estimate(wl, unit_stage, stage_workers, topology, micro_batches=request.micro_batches, schedule=request.schedule)
+    m = request.micro_batches
+    per_pair: dict[tuple[int, int], float] = {}
+    for (a, c), size in est.link_bytes.items():
+        wa, wc = stage_workers[a], stage_workers[c]
+        per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
+    slow_bytes, slow_mbps = _slowest(topology, per_pair)
+    return _finish(
+        SystemResult(
+            name=name,
+            step_s=est.step_s,
+            slowest_link_bytes=slow_bytes,
+            slowest_link_mbps=slow_mbps,
+            hosts_used=len(set(stage_workers)),
+            detail={
+                "stages": [topology.workers[w].name for w in stage_workers],
+                "uncompressed_step_s": plan.predicted_step_s,
+                "keep_ratios": {f"{topology.workers[stage_workers[a]].name}->{topology.workers[stage_workers[c]].name}": r for (a, c), r in ratios.items()},
+                "bottleneck_s": est.bottleneck_s,
+            },
+        ),
+        job,
+    )
+
+
+def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topology: Topology, request: Any, spec: JobSpec) -> tuple[dict, dict, dict]:
+    """Bytes after/before for each compressed cut and direction, at AdaTopK's ratio (or top-k's)."""
+    from compress.controller import AdaTopK
+    from compress.topk import num_kept, topk_encoded_size
+
+    act: dict[tuple[int, int], float] = {}
+    grad: dict[tuple[int, int], float] = {}
+    ratios: dict[tuple[int, int], float] = {}
+    target = max(est.stage_compute_s) if est.stage_compute_s else 0.0
+    for (a, c), (_, start_ratio) in marks.items():
+        dense = est.link_bytes[(a, c)]
+        numel = max(1, dense // 4)  # fp32 activations
+        wa, wc = stage_workers[a], stage_workers[c]
+        factors = {}
+        for direction, (i, j) in (("activations", (wa, wc)), ("gradients", (wc, wa))):
+            if direction not in spec.compression.directions:
+                factors[direction] = 1.0
+                continue
+            if request.compression == "topk":
+                ratio = start_ratio
+            else:
+                ratio = AdaTopK(min_keep_ratio=request.min_keep_ratio).ratio(
+                    (a, c, direction), numel=numel, dense_bytes=dense, bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s[i][j],
+                    latency_s=topology.latency_s[i][j], target_s=max(target, 1e-6),
+                )
+            factors[direction] = 1.0 if ratio >= 1.0 else topk_encoded_size(numel, num_kept(numel, ratio)) / dense
+            if direction == "activations":
+                ratios[(a, c)] = ratio
+        act[(a, c)], grad[(a, c)] = factors["activations"], factors["gradients"]
+    return act, grad, ratios
+
+
+def ring_allreduce_s(topology: Topology, ranks: list[int], size_bytes: float, *, num_buckets: int = 1) -> float:
+    """Seconds of a ring all-reduce of ``size_bytes`` over ``ranks`` (ring in rank order).
+
+    Reduce-scatter then all-gather: ``2 (N - 1)`` synchronous steps in which every rank sends
+    one ``size / N`` chunk to its successor, so each step lasts as long as the slowest ring
+    link takes for a chunk. Each of ``num_buckets`` collectives pays the latencies again:
+
+        T = 2 (N - 1) · (num_buckets · (lat + o) + (size / N) / bw)  on the worst link
+    """
+    n = len(ranks)
+    if n < 2 or size_bytes <= 0:
+        return 0.0
+    chunk = size_bytes / n
+    ring = [(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
+    per_step = max(num_buckets * (topology.latency_s[a][b] + GLOO_STEP_OVERHEAD_S) + chunk / topology.bandwidth_bytes_per_s[a][b] for a, b in ring)
+    return 2 * (n - 1) * per_step
+
+
+def ddp_buckets(param_bytes: float) -> int:
+    """Gradient buckets DDP makes for ``param_bytes`` of parameters."""
+    rest = max(0.0, param_bytes - DDP_FIRST_BUCKET_BYTES)
+    return 1 + math.ceil(rest / DDP_BUCKET_BYTES)
+
+
+def simulate_ddp(job: JobCosts, topology: Topology) -> SystemResult:
+    """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced."""
+    spec = job.spec
+    n = len(topology)
+    batch, mb = spec.data.batch_size, spec.micro_batch_size
+    if batch < n:
+        return SystemResult(name="ddp", step_s=None, note=f"n/a: batch {batch} < {n} ranks")
+    wl = job.workload()
+    per_mb_s = float(wl.fwd_s.sum() + wl.bwd_s.sum())  # whole model, one micro-batch, at reference speed
+    per_rank_samples = batch / n
+    param_bytes = float(wl.total_param_bytes)
+    one = estimate(wl, np.zeros(len(wl), dtype=np.int64), [0], topology, micro_batches=1)
+    factor = 2.0 + OPTIMIZER_STATE_FACTOR[wl.optimizer]
+    activations = max(0.0, one.peak_memory_bytes[0] - factor * param_bytes) * per_rank_samples / mb
+    need = factor * param_bytes + activations
+    short = [w.name for w in topology.workers if w.memory_bytes is not None and need > w.memory_bytes]
+    if short:
+        return SystemResult(name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has")
+    slowest = min(w.effective_flops for w in topology.workers)
+    scale = job.reference_flops / slowest
+    compute_s = per_mb_s * (per_rank_samples / mb) * scale
+    buckets = ddp_buckets(param_bytes)
+    allreduce_s = ring_allreduce_s(topology, list(range(n)), param_bytes, num_buckets=buckets)
+    optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * scale
+    step_s = compute_s + allreduce_s + optimizer_s
+    ring_bytes = {(i, (i + 1) % n): 2 * (n - 1) / n * param_bytes for i in range(n)} if n > 1 else {}
+    slow_bytes, slow_mbps = _slowest(topology, ring_bytes)
+    return _finish(
+        SystemResult(
+            name="ddp", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=n,
+            detail={"compute_s": compute_s, "allreduce_s": allreduce_s, "optimizer_s": optimizer_s, "buckets": buckets},
+        ),
+        job,
+    )
+
+
+def gpipe_stages(job: JobCosts, num_stages: int) -> np.ndarray:
+    """Stage of every compute unit under the even block split (:mod:`testbeds.baselines.split`)."""
+    from testbeds.baselines.split import even_split_points
+
+    points = even_split_points(job.blocks, num_stages)
+    units = job.dag.compute_nodes()
+    stage = np.zeros(len(units), dtype=np.int64)
+    current = 0
+    for i, node in enumerate(units):
+        while current < len(points) and (node.module_path == points[current] or node.module_path.startswith(points[current] + ".")):
+            current += 1
+        stage[i] = current
+    return stage
+
+
+def gpipe_step_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, g: np.ndarray, micro_batches: int) -> float:
+    """GPipe's step on a chain: all forwards, then all backwards.
+
+    With per-micro-batch stage times ``f_s``, ``b_s`` and cut times ``x_j`` (activations) and
+    ``g_j`` (gradients), the forward wave takes its critical path plus ``M - 1`` periods of
+    its slowest element, and so does the backward wave:
+
+        T = Σ f + Σ x + (M − 1) · max(f, x)  +  Σ b + Σ g + (M − 1) · max(b, g)
+    """
+    m = micro_batches
+    fwd = float(f.sum() + x.sum()) + (m - 1) * float(max(f.max(), x.max() if len(x) else 0.0))
+    bwd = float(b.sum() + g.sum()) + (m - 1) * float(max(b.max(), g.max() if len(g) else 0.0))
+    return fwd + bwd
+
+
+def simulate_pipelining(job: JobCosts, topology: Topology) -> SystemResult:
+    """GPipe over the first ``min(N, blocks)`` hosts with the even split."""
+    spec = job.spec
+    num_stages = min(len(topology), len(job.blocks))
+    if num_stages < 2:
+        return SystemResult(name="pipelining", step_s=None, note=f"n/a: the model has {len(job.blocks)} block(s), a pipeline needs 2")
+    unit_stage = gpipe_stages(job, num_stages)
+    wl = job.workload()
+    speed = np.array([topology.workers[s].effective_flops for s in range(num_stages)])
+    scale = job.reference_flops / speed
+    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale
+    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale
+    act = np.zeros(num_stages - 1)
+    grad = np.zeros(num_stages - 1)
+    seen: set[tuple[int, int]] = set()
+    for src, dst, size, gsize in wl.edges:
+        a, c = int(unit_stage[src]), int(unit_stage[dst])
+        if a == c or (src, c) in seen:
+            continue
+        seen.add((src, c))
+        # A value that skips stages is relayed by every stage in between (a chain pipeline).
+        for k in range(a, c):
+            act[k] += size
+            grad[k] += gsize
+    x = np.array([topology.transfer_s(k, k + 1, act[k]) for k in range(num_stages - 1)])
+    g = np.array([topology.transfer_s(k + 1, k, grad[k]) for k in range(num_stages - 1)])
+    m = spec.train.micro_batches
+    step_s = gpipe_step_s(f, b, x, g, m)
+    stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
+    for u, unit in enumerate(wl.params):
+        for pid, size in unit:
+            stage_params[unit_stage[u]][pid] = size
+    param_bytes = np.array([sum(p.values()) for p in stage_params], dtype=np.float64)
+    step_s += wl.step.optimizer_s_per_byte * float((param_bytes * scale).max())
+    holders: dict[int, list[int]] = {}
+    for s, p in enumerate(stage_params):
+        for pid in p:
+            holders.setdefault(pid, []).append(s)
+    tied = {pid: ss for pid, ss in holders.items() if len(ss) > 1}
+    tied_s = sum(ring_allreduce_s(topology, ss, stage_params[ss[0]][pid]) for pid, ss in tied.items())
+    step_s += tied_s
+    link_bytes = {(k, k + 1): m * (act[k] + grad[k]) for k in range(num_stages - 1)}
+    slow_bytes, slow_mbps = _slowest(topology, link_bytes)
+    return _finish(
+        SystemResult(
+            name="pipelining", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=num_stages,
+            detail={"stages": topology.names()[:num_stages], "tied_sync_s": tied_s},
+        ),
+        job,
+    )
+
+
+def simulate(job: JobCosts, topology: Topology, systems: tuple[str, ...] = SYSTEMS, *, time_budget_s: float | None = None) -> dict[str, Any]:
+    """Every requested system on one topology, with fusion's speed-up over each baseline."""
+    results: dict[str, SystemResult] = {}
+    timings: dict[str, float] = {}
+    for name in systems:
+        t0 = time.perf_counter()
+        if name == "fusion":
+            results[name] = simulate_plan(job, topology, strategy="opfence", compression=job.spec.compression.mode, time_budget_s=time_budget_s)
+        elif name == "uniform":
+            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none")
+        elif name == "ddp":
+            results[name] = simulate_ddp(job, topology)
+        elif name == "pipelining":
+            results[name] = simulate_pipelining(job, topology)
+        else:
+            raise FusionError(f"unknown system {name!r}; choose from {SYSTEMS}")
+        timings[name] = time.perf_counter() - t0
+    fusion = results.get("fusion")
+    speedup = {}
+    if fusion is not None and fusion.step_s:
+        for name, r in results.items():
+            if name != "fusion":
+                speedup[name] = r.step_s / fusion.step_s if r.step_s else None
+    return {
+        "num_hosts": len(topology),
+        "costs": job.costs,
+        "systems": {name: r.to_dict() for name, r in results.items()},
+        "speedup": speedup,
+        "simulate_s": timings,
+    }
+
+
+# ---------------------------------------------------------------- output
+def markdown_table(title: str, report: dict[str, Any]) -> str:
+    """One topology's systems as a markdown table."""
+    lines = [
+        f"### {title}",
+        "",
+        "| system | step s | samples/s | tokens/s | hosts | slowest link | bytes/step on it | fusion x | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in report["systems"].items():
+        step = f"{r['step_s']:.4g}" if r["step_s"] else "n/a"
+        sps = f"{r['samples_per_s']:.4g}" if r["samples_per_s"] else "-"
+        tps = f"{r['tokens_per_s']:.4g}" if r["tokens_per_s"] else "-"
+        link = f"{r['slowest_link_mbps']:g} Mbps" if r["slowest_link_mbps"] else "none"
+        sp = report["speedup"].get(name)
+        lines.append(
+            f"| {name} | {step} | {sps} | {tps} | {r['hosts_used']} | {link} | {r['slowest_link_bytes']:,} | "
+            f"{f'{sp:.2f}' if sp else ('-' if name == 'fusion' else 'n/a')} | {r['note']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m testbeds.simulate", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", action="append", required=True, help="TOML path, shipped name or paper-N; repeat for several")
+    p.add_argument("--job", required=True, help="job file (TOML)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s")
+    p.add_argument("--costs", choices=("profile", "flops"), default="profile", help="node costs: profiled here, or FLOPs / host speed")
+    p.add_argument("--compute", choices=("topology", "testbed"), default="topology", help="host speeds from the file, or all at this machine's")
+    p.add_argument("--no-latency", action="store_true", help="zero every link latency (a testbed without latency emulation)")
+    p.add_argument("--step-costs", default=None, help="JSON file of StepCosts fields (control_s, micro_batch_s, ...)")
+    p.add_argument("--time-budget", type=float, default=None, help="OP-Fence search budget in seconds (default: the planner's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--out", default=None, help="also write PATH.md and PATH.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    try:
+        spec = load_job(args.job)
+        step = StepCosts(**json.loads(Path(args.step_costs).read_text())) if args.step_costs else None
+        job = job_costs(spec, costs=args.costs, step=step)
+        reports = {}
+        for name in args.topology:
+            topology = load_topology(name)
+            if args.compute == "testbed" or args.no_latency:
+                flops = job.reference_flops if args.compute == "testbed" else None
+                topology = testbed_topology(topology, flops, latency=not args.no_latency)
+            reports[Path(name).stem] = simulate(job, topology, systems, time_budget_s=args.time_budget)
+    except FusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    doc = {"job": spec.to_dict(), "compute": args.compute, "step_costs": dataclasses.asdict(job.step), "reference_flops": job.reference_flops, "topologies": reports}
+    text = "\n".join(markdown_table(f"{name} ({r['num_hosts']} hosts, {job.costs} costs, {args.compute} speeds)", r) for name, r in reports.items())
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out + ".json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
+        Path(args.out + ".md").write_text(f"# Simulated step times\n\n`{' '.join(sys.argv)}`\n\n{text}")
+    print(json.dumps(doc, indent=2, default=float) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
