@@ -267,6 +267,10 @@ class Testbed:
         """The address ``src`` dials to reach ``dst:port`` over the emulated link."""
         return f"{self.address(dst)}:{port}"
 
+    def link_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes each directed link's user-space proxy carried (empty where no proxy is used)."""
+        return {}
+
     def peer_map_path(self, host: str) -> Path:
         return self.workdir / f"peers-{self.index(host)}.json"
 

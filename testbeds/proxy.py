@@ -46,15 +46,19 @@ SocketFactory = Callable[[], socket.socket]
 class LinkShaper:
     """One direction of one emulated link (shared by every connection that crosses it)."""
 
-    def __init__(self, bandwidth_bytes_per_s: float | None, latency_s: float) -> None:
+    def __init__(self, bandwidth_bytes_per_s: float | None, latency_s: float, *, pace: bool = True) -> None:
+        """``pace=False`` only delays (another shaper, such as ``tc``, limits the rate); the
+        bandwidth then still bounds the queue, so the proxy buffers no more than the link would."""
         if bandwidth_bytes_per_s is not None and not bandwidth_bytes_per_s > 0:
             raise TestbedError(f"link bandwidth must be positive, got {bandwidth_bytes_per_s} bytes/s")
         if latency_s < 0:
             raise TestbedError(f"link latency must be >= 0, got {latency_s} s")
-        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s if pace else None
         self.latency_s = latency_s
         self._free_at = 0.0
         self._lock = threading.Lock()
+        self.bytes_total = 0
+        """Bytes carried so far (all connections): proof that traffic took this link."""
         if bandwidth_bytes_per_s is None:
             self.chunk_bytes = MAX_CHUNK_BYTES
             self.queue_bytes = UNSHAPED_QUEUE_BYTES
@@ -65,9 +69,10 @@ class LinkShaper:
     def delivery_time(self, size_bytes: int) -> float:
         """When ``size_bytes`` read now reach the other end (``time.monotonic`` clock)."""
         now = time.monotonic()
-        if self.bandwidth_bytes_per_s is None:
-            return now + self.latency_s
         with self._lock:
+            self.bytes_total += size_bytes
+            if self.bandwidth_bytes_per_s is None:
+                return now + self.latency_s
             self._free_at = max(now, self._free_at) + size_bytes / self.bandwidth_bytes_per_s
             return self._free_at + self.latency_s
 
@@ -294,6 +299,9 @@ class ProxyTestbed(Testbed):
     def shaper(self, src: str, dst: str) -> LinkShaper:
         """The shared state of the directed link ``src -> dst``."""
         return self._shapers[(self.index(src), self.index(dst))]
+
+    def link_bytes(self) -> dict[tuple[str, str], int]:
+        return {(self.hosts[i], self.hosts[j]): sh.bytes_total for (i, j), sh in self._shapers.items()}
 
     def peer_map_env(self, host: str) -> dict[str, str]:
         return {PEER_MAP_ENV: str(self.peer_map_path(host))}

@@ -1,0 +1,117 @@
+"""``python -m testbeds {up, down, run}``: emulated WAN testbeds from topology files.
+
+    python -m testbeds up TOPOLOGY [--backend netns|proxy|auto] [--expose HOST:PORT ...]
+    python -m testbeds down [--all] [--dry-run]
+    python -m testbeds run TOPOLOGY --job JOB.toml [--backend ...] [--workers-per-host 1]
+
+TOPOLOGY is a path or the name of a shipped file in ``testbeds/topologies``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from fusion.cli.env import add_log_arg, run_cli, setup_logging
+from testbeds.net import TOPOLOGY_DIR, open_testbed
+
+logger = logging.getLogger(__name__)
+
+#: Printed by ``up`` once the testbed is built (tests and scripts wait for it).
+UP_READY = "testbed ready"
+
+
+def _shipped() -> str:
+    return ", ".join(sorted(p.stem for p in TOPOLOGY_DIR.glob("*.toml")))
+
+
+def _add_topology_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("topology", help=f"topology TOML file, or a shipped name ({_shipped()})")
+    p.add_argument(
+        "--backend", choices=("auto", "netns", "proxy"), default="auto",
+        help="netns (root: namespaces + tc), proxy (no root: loopback + user-space link proxies), auto: netns when root (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m testbeds", description="Emulated WAN testbeds: a topology file's hosts and links on this machine.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{up,down,run}")
+    up = sub.add_parser("up", help="build a testbed and keep it until Ctrl-C", description="Build the topology, print each host's address and how to run a command on it, keep it up until Ctrl-C (or SIGTERM), then tear it down.")
+    _add_topology_args(up)
+    up.add_argument("--expose", action="append", default=[], metavar="HOST:PORT", help="route a server you will run on HOST at PORT over the emulated links (repeatable); prints the address each host dials")
+    add_log_arg(up)
+    down = sub.add_parser("down", help="remove leftovers of testbeds whose owner died", description="Remove every leftover fusion testbed namespace (with its veths and bridge), spawned process and temp dir whose owning process is gone.")
+    down.add_argument("--all", action="store_true", help="also remove testbeds whose owner is still running")
+    down.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    add_log_arg(down)
+    run = sub.add_parser("run", help="run a fusion job on a testbed", description="Build the topology, start fusion-coordinator on the first host and fusion-worker(s) on every host, submit the job, follow it to the end, print the summary, tear down.")
+    _add_topology_args(run)
+    run.add_argument("--job", required=True, help="job TOML file (fusion submit format)")
+    run.add_argument("--workers-per-host", type=int, default=1, help="fusion-worker processes per host (default: %(default)s)")
+    run.add_argument("--logs", default=None, help="directory for the coordinator's and workers' logs (default: a temp dir, kept)")
+    run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the job (default: %(default)s)")
+    add_log_arg(run)
+    return p
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    with open_testbed(args.topology, backend=args.backend) as tb:
+        print(tb.describe(), flush=True)
+        for spec in args.expose:
+            host, _, port = spec.rpartition(":")
+            routes = tb.expose(host, int(port))
+            print(f"{host}:{port} is reached as: " + ", ".join(f"{src} -> {via}" for src, via in routes.items()), flush=True)
+        print(f"{UP_READY}: {tb.prefix} (Ctrl-C tears it down)", flush=True)
+        _wait_for_signal()
+        print("tearing down", flush=True)
+    print("testbed removed", flush=True)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from testbeds.leftovers import sweep
+
+    found = sweep(everything=args.all, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    if not found:
+        print("no testbed leftovers")
+        return 0
+    for what, items in (("namespace(s)", found.namespaces), ("process(es)", found.pids), ("temp dir(s)", found.dirs)):
+        if items:
+            print(f"{verb} {len(items)} {what}: {' '.join(map(str, items))}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from testbeds.run import run_job_on_testbed
+
+    log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fusion-testbed-logs-"))
+    with open_testbed(args.topology, backend=args.backend) as tb:
+        print(tb.describe(), flush=True)
+        print(f"logs in {log_dir}", flush=True)
+        status = run_job_on_testbed(tb, args.job, log_dir, workers_per_host=args.workers_per_host, timeout_s=args.timeout, echo=lambda s: print(s, flush=True))
+    print("testbed removed", flush=True)
+    return 0 if status["state"] == "succeeded" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    return run_cli({"up": lambda: cmd_up(args), "down": lambda: cmd_down(args), "run": lambda: cmd_run(args)}[args.cmd])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""The ``netns`` backend: one network namespace per host, ``tc`` shaping per destination.
+
+Layout, for a testbed with prefix ``fz123-``::
+
+    fz123-sw        a switch namespace holding bridge br0 and one veth end per host (h0, h1, ...)
+    fz123-<host>    one namespace per host: lo, and eth0 = 10.77.X.Y/16, the peer of h<k>
+
+Nothing is created in the caller's namespace, so testbeds never collide on addresses or
+interface names; only namespace names carry the prefix. Each host shapes its own egress:
+eth0 has an ``htb`` root with one class per destination host (``rate`` = ``ceil`` = the
+link's bandwidth) and a ``u32`` filter on the destination IP, so every directed link gets
+its own bandwidth; the link's latency is a ``netem`` leaf under that class when the kernel
+has ``sch_netem`` (detected by adding one to a namespace's ``lo``). Without it, latency
+comes from a user-space delay proxy (:class:`testbeds.proxy.LinkProxy` with no bandwidth
+limit) living in the source host's namespace on the peer-mapped fusion path: packets that
+do not use the peer map (ping, the workers' control traffic to the coordinator) see the
+bandwidth but no latency. ``latency_mode`` says which was used.
+
+``htb`` counts whole frames (Ethernet + IP + TCP headers), so a bulk TCP transfer's payload
+rate is about 95 % of the configured rate with 1500-byte frames, as on a real link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from scheduler.topology import Topology
+from testbeds.net import PEER_MAP_ENV, Testbed, TestbedError, netns_available
+from testbeds.proxy import LinkProxy, LinkShaper
+
+logger = logging.getLogger(__name__)
+
+#: Host k's address is 10.77.(k // 250).(k % 250 + 1) on a /16 (each testbed is isolated).
+SUBNET_PREFIX = "10.77"
+#: htb class parameters. Burst: at least 2 ms of the rate (timer granularity at 1 Gbps) and
+#: a few frames (slow links); quantum only matters between classes of one host.
+BURST_S = 0.002
+MIN_BURST_BYTES = 20_000
+QUANTUM_BYTES = 30_000
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise TestbedError(f"'ip {' '.join(args)}' failed: {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise TestbedError(f"setns failed: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def in_netns(name: str) -> Iterator[None]:
+    """Run the body with this thread inside namespace ``name`` (sockets made there stay there)."""
+    with open(NETNS_DIR / name) as target, open("/proc/thread-self/ns/net") as here:
+        _setns(target.fileno())
+        try:
+            yield
+        finally:
+            _setns(here.fileno())
+
+
+def netns_socket(name: str) -> socket.socket:
+    """A TCP socket in namespace ``name``."""
+    with in_netns(name):
+        return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+
+def list_namespaces() -> list[str]:
+    r = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def namespace_pids(name: str) -> list[int]:
+    r = _ip("netns", "pids", name, check=False)
+    return [int(p) for p in r.stdout.split() if p.isdigit()]
+
+
+def delete_namespace(name: str) -> None:
+    """Kill every process inside ``name``, then delete it (its veths and bridge go with it)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = namespace_pids(name)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        if not pids:
+            break
+        _wait_gone(pids, 3.0)
+    r = _ip("netns", "del", name, check=False)
+    if r.returncode != 0 and name in list_namespaces():
+        raise TestbedError(f"cannot delete namespace {name}: {r.stderr.strip()}")
+
+
+def _wait_gone(pids: Sequence[int], timeout_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{p}").exists() for p in pids):
+            return
+        time.sleep(0.05)
+
+
+def netem_available(namespace: str) -> bool:
+    """Whether this kernel has ``sch_netem``: try one on ``lo`` of a scratch namespace."""
+    r = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], capture_output=True, text=True)
+    if r.returncode == 0:
+        subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+        return True
+    logger.info("no netem here (%s)", r.stderr.strip())
+    return False
+
+
+def host_address(host_idx: int) -> str:
+    return f"{SUBNET_PREFIX}.{host_idx // 250}.{host_idx % 250 + 1}"
+
+
+def _ns_suffix(host: str, host_idx: int) -> str:
+    return host if re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", host) else f"h{host_idx}"
+
+
+class NetnsTestbed(Testbed):
+    """Namespaces, a bridge and ``tc`` per host (module docstring); needs root."""
+
+    backend = "netns"
+
+    def __init__(self, topology: Topology, *, prefix: str, label: str = "topology") -> None:
+        ok, why = netns_available()
+        if not ok:
+            raise TestbedError(f"cannot build a netns testbed: {why}")
+        if len(topology) > 250 * 250:
+            raise TestbedError(f"the netns backend handles at most {250 * 250} hosts, got {len(topology)}")
+        super().__init__(topology, prefix=prefix, label=label)
+        self.switch = f"{prefix}sw"
+        self.namespaces = [f"{prefix}{_ns_suffix(h, k)}" for k, h in enumerate(self.hosts)]
+        self._created: list[str] = []
+        self._proxies: list[LinkProxy] = []
+        self._delays: dict[tuple[int, int], LinkShaper] = {}
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._created.append(self.switch)
+        has_latency = any(v > 0 for row in self.topology.latency_s for v in row)
+        netem = netem_available(self.switch)
+        self.latency_mode = "netem" if netem else ("userspace" if has_latency else "none")
+        if has_latency and not netem:
+            logger.warning(
+                "this kernel has no sch_netem: link latency is added in user space on fusion's peer-mapped path only "
+                "(raw IP traffic such as ping sees bandwidth limits but no latency)"
+            )
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for k, ns in enumerate(self.namespaces):
+            _ip("netns", "add", ns)
+            self._created.append(ns)
+            _ip("-n", self.switch, "link", "add", f"h{k}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", self.switch, "link", "set", f"h{k}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{host_address(k)}/16", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            self._shape(k, netem)
+        self._write_peer_maps()
+
+    def _shape(self, i: int, netem: bool) -> None:
+        """htb on host ``i``'s eth0: one class (and a netem leaf if available) per destination."""
+        lines = ["qdisc add dev eth0 root handle 1: htb"]
+        for j in range(len(self.hosts)):
+            if j == i:
+                continue
+            rate_bytes_per_s = self.topology.bandwidth_bytes_per_s[i][j]
+            rate_bit = int(rate_bytes_per_s * 8)
+            burst = max(int(rate_bytes_per_s * BURST_S), MIN_BURST_BYTES)
+            cls = f"{j + 16:x}"  # tc class and handle minors are hex
+            lines.append(
+                f"class add dev eth0 parent 1: classid 1:{cls} htb rate {rate_bit}bit ceil {rate_bit}bit "
+                f"burst {burst} cburst {burst} quantum {QUANTUM_BYTES}"
+            )
+            if netem:
+                latency_us = int(round(self.topology.latency_s[i][j] * 1e6))
+                limit = max(1000, int(rate_bytes_per_s * (self.topology.latency_s[i][j] + 0.1) / 1500))
+                lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: netem delay {latency_us}us limit {limit}")
+            lines.append(f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {host_address(j)}/32 flowid 1:{cls}")
+        r = subprocess.run(["tc", "-n", self.namespaces[i], "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
+        if r.returncode != 0:
+            raise TestbedError(f"tc shaping of host {self.hosts[i]} failed: {r.stderr.strip()}")
+
+    def namespace(self, host: str) -> str:
+        """The network namespace of ``host``."""
+        return self.namespaces[self.index(host)]
+
+    def address(self, host: str) -> str:
+        return host_address(self.index(host))
+
+    def exec_argv(self, host: str, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
+
+    def shell_prefix(self, host: str) -> list[str]:
+        return [*super().shell_prefix(host), "ip", "netns", "exec", self.namespace(host)]
+
+    def peer_map_env(self, host: str) -> dict[str, str]:
+        self.index(host)
+        return {PEER_MAP_ENV: str(self.peer_map_path(host))} if self.latency_mode == "userspace" else {}
+
+    def _socket(self, host: str) -> socket.socket:
+        return netns_socket(self.namespace(host))
+
+    def _route(self, src: str, dst: str, port: int) -> str:
+        if self.latency_mode != "userspace":
+            return super()._route(src, dst, port)
+        ns = self.namespace(src)
+        fwd, bwd = self._delay(src, dst), self._delay(dst, src)
+        proxy = LinkProxy(
+            (self.address(src), 0), (self.address(dst), port), fwd, bwd,
+            socket_factory=lambda: netns_socket(ns), name=f"{src}->{dst}:{port}",
+        )
+        self._proxies.append(proxy)
+        return proxy.address
+
+    def _delay(self, src: str, dst: str) -> LinkShaper:
+        """The delay-only shaper of ``src -> dst`` (htb paces), shared by its proxies."""
+        key = (self.index(src), self.index(dst))
+        if key not in self._delays:
+            self._delays[key] = LinkShaper(*self.link(src, dst), pace=False)
+        return self._delays[key]
+
+    def link_bytes(self) -> dict[tuple[str, str], int]:
+        return {(self.hosts[i], self.hosts[j]): sh.bytes_total for (i, j), sh in self._delays.items()}
+
+    def _teardown_network(self) -> None:
+        proxies, self._proxies = self._proxies, []
+        for p in proxies:
+            p.close()
+        errors = []
+        for ns in reversed(self._created):
+            try:
+                delete_namespace(ns)
+            except TestbedError as e:
+                errors.append(str(e))
+        self._created.clear()
+        if errors:
+            raise TestbedError("; ".join(errors))
