@@ -4,11 +4,13 @@
         --address MY_IP [--steps S] [--metrics PATH]
 
 Every rank builds the whole model exactly as fusion does (:func:`fusion.training.build_job_model`,
-seeded) and the job's data set, and takes its ``B / N`` slice of step ``s``'s batch
+seeded) and the job's data set, and takes its slice (``B / N`` samples, as even as ``torch.tensor_split`` makes them) of
+step ``s``'s batch
 (:func:`fusion.training.job_batch`); DDP averages the gradients, so the update is that of
 the mean loss over the whole batch, like fusion's. Rank 0 records per step: the global mean
 loss (all-reduced after the step, outside its timing), the step's wall seconds, and the
-bytes its namespace sent (its share of the ring all-reduce).
+bytes each rank's namespace sent (its share of the ring all-reduce, counted on the link to
+its ring successor).
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args("python -m testbeds.baselines.ddp", "DDP over gloo, one rank of N", argv)
     job = args.job
     batch, n = job.data.batch_size, args.world_size
-    if batch % n:
-        raise ConfigError(f"DDP splits the batch evenly: batch_size {batch} is not a multiple of {n} ranks")
-    per_rank = batch // n
+    if batch < n:
+        raise ConfigError(f"DDP needs a sample per rank: batch_size {batch} < {n} ranks")
     init_gloo(args)
     try:
         model = DistributedDataParallel(build_job_model(job))
@@ -45,22 +46,28 @@ def run(argv: list[str] | None = None) -> int:
         metrics = MetricsWriter(args.metrics if args.rank == 0 else None)
         for step in range(args.steps):
             x, y = job_batch(job, dataset, step)
-            xr, yr = x[args.rank * per_rank : (args.rank + 1) * per_rank], y[args.rank * per_rank : (args.rank + 1) * per_rank]
+            xr, yr = torch.tensor_split(x, n)[args.rank], torch.tensor_split(y, n)[args.rank]
+            # DDP averages the ranks' gradients; weighting each rank's mean loss by its share
+            # of the batch makes that average the gradient of the mean over the whole batch,
+            # also when B is not a multiple of N.
+            weight = len(xr) * n / batch
             sent0 = bytes_sent()
             with StepTimer() as timer:
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_fn(model(xr), yr)
-                loss.backward()  # DDP all-reduces (averages) the gradients here
+                (loss * weight).backward()  # DDP all-reduces (averages) the gradients here
                 optimizer.step()
             sent = bytes_sent() - sent0
-            total = loss.detach().clone()
-            dist.all_reduce(total)  # global mean loss, outside the timed step
+            stats = torch.zeros(1 + n, dtype=torch.float64)
+            stats[0], stats[1 + args.rank] = float(loss.detach()) * weight, sent
+            dist.all_reduce(stats)  # global mean loss and every rank's bytes, outside the timed step
             record = {
                 "step": step,
-                "loss": float(total) / n,
+                "loss": float(stats[0]) / n,
                 "step_s": timer.seconds,
                 "samples_per_s": batch / timer.seconds,
-                "bytes_sent": sent,
+                # the ring all-reduce sends rank r's share to rank r + 1
+                "bytes_per_link": {f"{r}->{(r + 1) % n}": int(stats[1 + r]) for r in range(n)},
             }
             if x.dim() == 2 and not x.is_floating_point():
                 record["tokens_per_s"] = x.numel() / timer.seconds

@@ -1,0 +1,508 @@
+"""The side-by-side benchmark: fusion and its baselines on one emulated WAN, interleaved.
+
+    python -m testbeds.bench --topology two-sites --job job.toml \
+        --systems fusion,uniform,ddp,pipelining --steps 8 --repeats 2 --out testbeds/results/bench-two-sites-gpt2
+
+One testbed (:func:`testbeds.net.open_testbed`, the ``netns`` backend: gloo cannot cross a
+user-space proxy) runs every system on the same hosts and links; the systems take turns,
+``--repeats`` rounds of each, so drift on a shared machine hits them alike. The systems:
+
+- ``fusion``: a real ``fusion-coordinator`` (on the first host: the job owner sits at one
+  site, and the driver's traffic crosses that host's links) and one ``fusion-worker`` per
+  host, the job submitted with ``[plan] strategy = "opfence"`` and ``[compression] mode =
+  "adatopk"``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``.
+- ``uniform``: the same fleet, ``strategy = "uniform"``, ``mode = "none"``: the naive
+  decentralized pipeline.
+- ``ddp``: :mod:`testbeds.baselines.ddp`, one rank per host.
+- ``pipelining``: :mod:`testbeds.baselines.pipelining`, GPipe over the first ``min(N,
+  blocks)`` hosts.
+
+Per system: the median step seconds over the timed steps (the first ``--warmup`` steps of a
+run are left out) and over the rounds, samples (and tokens) per second, the bytes per step
+on the slowest link it sends over (lowest configured bandwidth; both directions), its final
+loss, fusion's speed-up over it, and, for fusion, its **efficiency**: the estimator's
+predicted step time for the plan fusion ran (``predicted_step_s``, priced with the costs the
+coordinator measured: profiled nodes, probed links, calibrated executor overheads, no
+compression) divided by the measured step time. 1.0 means the run is as fast as the model
+of its own plan says it can be; below, the executor loses time the model does not see.
+
+With ``--simulate`` the table also gets the simulator's prediction for each system
+(:mod:`testbeds.simulate` in testbed mode: this machine's speed on every host, its own
+profile of the model, the coordinator's calibrated executor overheads) and its error.
+
+Latency: this kernel has no ``sch_netem``, so the netns backend adds latency in user space
+on fusion's gRPC path only (``latency_mode = "userspace"``); gloo's traffic (ddp,
+pipelining) gets the bandwidth limits but not the latency. The JSON says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import secrets
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fusion.config import JobSpec, load_job
+from fusion.errors import FusionError
+from scheduler.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
+MBPS = 1e6 / 8
+
+
+# ---------------------------------------------------------------- job files
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise FusionError(f"cannot write {v!r} to a job file")
+
+
+def job_toml(spec: JobSpec) -> str:
+    """A job file for ``spec`` (its sections as TOML tables)."""
+    doc = spec.to_dict()
+    lines = []
+    for key, value in doc.items():
+        if not isinstance(value, dict):
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            lines.append(f"\n[{key}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None)
+    return "\n".join(lines) + "\n"
+
+
+def system_job(spec: JobSpec, system: str, *, steps: int, num_hosts: int, out_dir: Path) -> JobSpec:
+    """The job as ``system`` runs it (fusion: OP-Fence + AdaTopK; uniform: even split, dense)."""
+    plan, compression = {"fusion": ("opfence", "adatopk"), "uniform": ("uniform", "none")}.get(system, ("opfence", "none"))
+    return spec.replace(
+        train={"steps": steps},
+        plan={"strategy": plan},
+        compression={"mode": compression},
+        cluster={"min_workers": num_hosts},
+        output={"dir": str(out_dir)},
+    )
+
+
+# ---------------------------------------------------------------- runs
+@dataclass
+class Run:
+    """One system's run: its per-step records and what it reported."""
+
+    system: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    final_loss: float | None = None
+    predicted_step_s: float | None = None
+    hosts_used: list[str] = field(default_factory=list)
+    note: str = ""
+    wall_s: float = 0.0
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class FusionFleet:
+    """A coordinator on the first host and a worker on every host of a testbed."""
+
+    def __init__(self, tb: Any, workdir: Path, *, torch_threads: int = 1) -> None:
+        self.tb = tb
+        self.workdir = workdir
+        self.token = secrets.token_hex(16)
+        self.host0 = tb.hosts[0]
+        from testbeds.net import wait_for_line
+
+        port = tb.free_port(self.host0)
+        tb.expose(self.host0, port)
+        self.coordinator = f"{tb.address(self.host0)}:{port}"
+        (workdir / "token").write_text(self.token)
+        log = workdir / "coordinator.log"
+        proc = tb.spawn(
+            self.host0,
+            [sys.executable, "-m", "fusion.cli.coordinator", "--host", tb.address(self.host0), "--port", str(port),
+             "--token-file", str(workdir / "token"), "--state-dir", str(workdir / "state"), "--log-level", "INFO"],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
+        )
+        wait_for_line(log, r"listening on", proc, 60.0)
+        workers = []
+        for host in tb.hosts:
+            wport = tb.free_port(host)
+            tb.expose(host, wport)
+            wlog = workdir / f"worker-{host}.log"
+            p = tb.spawn(
+                host,
+                [sys.executable, "-m", "fusion.cli.worker", "--coordinator", self.coordinator, "--token-file", str(workdir / "token"),
+                 "--name", host, "--listen", f"{tb.address(host)}:{wport}", "--torch-threads", str(torch_threads), "--log-level", "INFO"],
+                stdout=open(wlog, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            )
+            workers.append((wlog, p))
+        for wlog, p in workers:
+            wait_for_line(wlog, r"fusion-worker ready", p, 120.0)
+
+    def run(self, spec: JobSpec, system: str, *, timeout_s: float) -> Run:
+        """Submit the job from the first host, wait for its summary, read its metrics."""
+        job_file = self.workdir / f"{system}-{time.monotonic_ns()}.toml"
+        job_file.write_text(job_toml(spec))
+        env = {"FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        t0 = time.monotonic()
+        out = self._cli(["submit", str(job_file)], env)
+        job_id = out.split()[-1]
+        job_dir = Path(spec.output.dir) / job_id
+        summary_path = job_dir / "summary.json"
+        while not summary_path.exists():
+            if time.monotonic() - t0 > timeout_s:
+                self._cli(["cancel", job_id], env, check=False)
+                raise FusionError(f"{system} job {job_id} did not finish within {timeout_s:.0f}s")
+            time.sleep(0.5)
+        summary = json.loads(summary_path.read_text())
+        run = Run(system=system, records=_read_jsonl(job_dir / "metrics.jsonl"), wall_s=time.monotonic() - t0)
+        if summary.get("state") != "succeeded":
+            run.note = f"{summary.get('state')}: {summary.get('reason')}"
+        run.final_loss = summary.get("final_loss")
+        plan_path = job_dir / "plan.json"
+        if plan_path.exists():
+            plan = json.loads(plan_path.read_text())
+            run.predicted_step_s = plan.get("predicted_step_s")
+            run.hosts_used = [s["worker"] for s in plan.get("stages", [])]
+        return run
+
+    def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True) -> str:
+        import os
+
+        proc = self.tb.spawn(self.host0, [sys.executable, "-m", "fusion.cli.main", *args], env={**os.environ, **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = proc.communicate(timeout=120)
+        if check and proc.returncode != 0:
+            raise FusionError(f"fusion {' '.join(args)} failed: {out.strip()[-1000:]}")
+        return out
+
+    def step_costs(self) -> dict[str, float] | None:
+        """The executor overheads the coordinator calibrated (from its profile cache)."""
+        from fusion.cli.coordinator import STATE_DB
+
+        db = self.workdir / "state" / STATE_DB
+        if not db.exists():
+            return None
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            rows = conn.execute("SELECT profile_json FROM profiles ORDER BY updated_at DESC").fetchall()
+        for (text,) in rows:
+            p = json.loads(text)
+            if p.get("overhead_step_s") is not None:
+                return {"control_s": p["overhead_step_s"], "micro_batch_s": p["overhead_micro_batch_s"]}
+        return None
+
+
+def run_ranks(tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps: int, workdir: Path, timeout_s: float) -> list[dict[str, Any]]:
+    """Start one ``module`` rank per host (rank 0 on the first) and return rank 0's records."""
+    master = f"{tb.address(hosts[0])}:{tb.free_port(hosts[0])}"
+    metrics = workdir / f"{module.rsplit('.', 1)[-1]}-{time.monotonic_ns()}.jsonl"
+    procs = []
+    for rank, host in enumerate(hosts):
+        log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
+        procs.append(tb.spawn(
+            host,
+            [sys.executable, "-m", module, "--job", str(spec_file), "--rank", str(rank), "--world-size", str(len(hosts)),
+             "--master", master, "--address", tb.address(host), "--steps", str(steps), "--metrics", str(metrics)],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        ))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, p in enumerate(procs):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
+                raise FusionError(f"{module} rank {rank} exited with {p.returncode}: {log.read_text(errors='replace')[-1500:]}")
+    except subprocess.TimeoutExpired as e:
+        raise FusionError(f"{module} did not finish within {timeout_s:.0f}s") from e
+    finally:
+        from testbeds.net import stop_process_group
+
+        for p in procs:
+            if p.poll() is None:
+                stop_process_group(p)
+    return _read_jsonl(metrics)
+
+
+def run_baseline(tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Path, timeout_s: float) -> Run:
+    """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not apply)."""
+    spec_file = workdir / f"{system}.toml"
+    spec_file.write_text(job_toml(spec))
+    hosts = list(tb.hosts)
+    t0 = time.monotonic()
+    if system == "ddp":
+        if spec.data.batch_size < len(hosts):
+            return Run(system=system, note=f"n/a: batch {spec.data.batch_size} < {len(hosts)} ranks")
+        records = run_ranks(tb, "testbeds.baselines.ddp", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s)
+    else:
+        from fusion.training import build_job_model
+        from testbeds.baselines.split import num_pipeline_stages
+
+        num_stages = num_pipeline_stages(build_job_model(spec), len(hosts))
+        if num_stages < 2:
+            return Run(system=system, note="n/a: the model has fewer than 2 blocks to split")
+        hosts = hosts[:num_stages]
+        try:
+            records = run_ranks(tb, "testbeds.baselines.pipelining", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s)
+        except FusionError as e:
+            return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
+    # Ranks name links by rank; the table names hosts.
+    for r in records:
+        r["bytes_per_link"] = {f"{hosts[int(a)]}->{hosts[int(b)]}": v for a, b, v in ((*k.split("->"), v) for k, v in r.get("bytes_per_link", {}).items())}
+    return Run(system=system, records=records, final_loss=records[-1]["loss"] if records else None, hosts_used=hosts, wall_s=time.monotonic() - t0)
+
+
+# ---------------------------------------------------------------- summary
+def slowest_link_bytes(topology: Topology, bytes_per_link: dict[str, float]) -> tuple[int, float | None]:
+    """(bytes over the lowest-bandwidth host pair used, both directions; its Mbit/s)."""
+    names = topology.names()
+    pairs: dict[frozenset[str], float] = {}
+    bw: dict[frozenset[str], float] = {}
+    for key, size in bytes_per_link.items():
+        a, b = key.split("->")
+        if a == b or size <= 0 or a not in names or b not in names:
+            continue
+        pair = frozenset((a, b))
+        pairs[pair] = pairs.get(pair, 0.0) + size
+        i, j = names.index(a), names.index(b)
+        bw[pair] = min(topology.bandwidth_bytes_per_s[i][j], topology.bandwidth_bytes_per_s[j][i])
+    if not pairs:
+        return 0, None
+    slowest = min(bw.values())
+    return int(sum(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
+
+
+def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, Any]:
+    """One system's rounds → its row: medians over timed steps and over rounds."""
+    per_round = []
+    for run in runs:
+        timed = [r for r in run.records if r["step"] >= warmup] or run.records
+        if timed:
+            per_round.append(statistics.median(r["step_s"] for r in timed))
+    last = runs[-1]
+    row: dict[str, Any] = {"note": next((r.note for r in runs if r.note), ""), "rounds": len(per_round), "hosts_used": last.hosts_used}
+    if not per_round:
+        row.update(samples_per_s=None, step_s=None, slowest_link_bytes=None, final_loss=None)
+        return row
+    step_s = statistics.median(per_round)
+    batch = last.records[0]["samples_per_s"] * last.records[0]["step_s"]
+    timed = [r for r in last.records if r["step"] >= warmup] or last.records
+    links: dict[str, float] = {}
+    for r in timed:
+        for k, v in r.get("bytes_per_link", {}).items():
+            links[k] = links.get(k, 0.0) + v / len(timed)
+    slow_bytes, slow_mbps = slowest_link_bytes(topology, links)
+    row.update(
+        samples_per_s=batch / step_s,
+        step_s=step_s,
+        step_s_rounds=per_round,
+        slowest_link_bytes=slow_bytes,
+        slowest_link_mbps=slow_mbps,
+        final_loss=last.final_loss,
+        losses=[r["loss"] for r in last.records],
+    )
+    if "tokens_per_s" in last.records[0]:
+        tokens = last.records[0]["tokens_per_s"] * last.records[0]["step_s"]
+        row["tokens_per_s"] = tokens / step_s
+    if last.predicted_step_s:
+        row["predicted_step_s"] = last.predicted_step_s
+    ratios = [r["compression"] for r in timed if r.get("compression")]
+    if ratios:
+        row["keep_ratios"] = {k: statistics.median(x[k]["keep_ratio"] for x in ratios if k in x) for k in ratios[-1]}
+    return row
+
+
+def report(rows: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The JSON contract: systems, fusion's speed-up over each baseline, its efficiency."""
+    fusion = rows.get("fusion", {})
+    speedup = {}
+    for name, row in rows.items():
+        if name != "fusion":
+            speedup[name] = row["step_s"] / fusion["step_s"] if fusion.get("step_s") and row.get("step_s") else None
+    efficiency = None
+    if fusion.get("step_s") and fusion.get("predicted_step_s"):
+        efficiency = fusion["predicted_step_s"] / fusion["step_s"]
+    return {**meta, "systems": rows, "speedup": speedup, "efficiency": efficiency}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The table (and the notes) as markdown."""
+    lines = [
+        f"# {doc['topology']}: {doc['job_name']}",
+        "",
+        f"`{doc['command']}`",
+        "",
+        f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
+        f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; medians.",
+        "",
+        "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | sim err | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in doc["systems"].items():
+        def f(v: Any, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        sp = doc["speedup"].get(name)
+        sim = r.get("simulated_step_s")
+        err = r.get("sim_error")
+        link = f"{r['slowest_link_mbps']:g} Mbps" if r.get("slowest_link_mbps") else "none"
+        lines.append(
+            f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | {f(r.get('step_s'), '.4g')} | {link} | "
+            f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | {'-' if name == 'fusion' else f(sp, '.2f')} | "
+            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | {r.get('note', '')} |"
+        )
+    lines.append("")
+    eff = doc.get("efficiency")
+    fusion = doc["systems"].get("fusion", {})
+    lines.append(
+        f"fusion efficiency (predicted {f_or(fusion.get('predicted_step_s'))} s / measured {f_or(fusion.get('step_s'))} s): "
+        f"{'-' if eff is None else f'{eff:.2f}'}; fusion ran on {', '.join(fusion.get('hosts_used', [])) or '-'}"
+        + (f"; AdaTopK keep ratios {fusion['keep_ratios']}" if fusion.get("keep_ratios") else "")
+    )
+    return "\n".join(lines) + "\n"
+
+
+def f_or(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def write_chart(doc: dict[str, Any], path: Path) -> None:
+    """A PNG: samples/s per system (bars), fusion's speed-up over each written above its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in doc["systems"].items()]
+    values = [doc["systems"][n].get("samples_per_s") or 0.0 for n in names]
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
+    bars = ax.bar(names, values, color=["#2a7" if n == "fusion" else "#888" for n in names])
+    for bar, name in zip(bars, names):
+        r = doc["systems"][name]
+        sp = doc["speedup"].get(name)
+        label = "n/a" if not r.get("samples_per_s") else (f"fusion {sp:.1f}x" if sp else f"{r['samples_per_s']:.3g}/s")
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"{doc['topology']}: {doc['job_name']} ({doc['backend']}, {doc['repeats']} rounds)")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def add_simulation(rows: dict[str, dict[str, Any]], spec: JobSpec, topology: Topology, latency_mode: str, step_costs: dict[str, float] | None) -> None:
+    """The simulator's step time for each system on this testbed, and its error vs measured."""
+    from scheduler.estimator import StepCosts
+    from testbeds.simulate import job_costs, simulate, testbed_topology
+
+    costs = job_costs(spec, step=StepCosts(**step_costs) if step_costs else None)
+    fusion_topo = testbed_topology(topology, costs.reference_flops, latency=latency_mode != "none")
+    gloo_topo = testbed_topology(topology, costs.reference_flops, latency=latency_mode == "netem")
+    sims = {**simulate(costs, fusion_topo, ("fusion", "uniform"))["systems"], **simulate(costs, gloo_topo, ("ddp", "pipelining"))["systems"]}
+    for name, row in rows.items():
+        sim = sims.get(name, {}).get("step_s")
+        row["simulated_step_s"] = sim
+        row["sim_error"] = (sim - row["step_s"]) / row["step_s"] if sim and row.get("step_s") else None
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from testbeds.net import open_testbed, resolve_topology
+
+    spec = load_job(args.job)
+    steps = args.steps or spec.train.steps
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    topology, label = resolve_topology(args.topology)
+    runs: dict[str, list[Run]] = {s: [] for s in systems}
+    fleet_costs = None
+    with open_testbed(args.topology, backend=args.backend) as tb:
+        workdir = Path(tb.workdir)
+        fleet = FusionFleet(tb, workdir) if {"fusion", "uniform"} & set(systems) else None
+        for round_idx in range(args.repeats):
+            for system in systems:
+                logger.info("round %d: %s", round_idx + 1, system)
+                t0 = time.monotonic()
+                if system in ("fusion", "uniform"):
+                    job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
+                    run = fleet.run(job, system, timeout_s=args.timeout)
+                else:
+                    job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
+                    run = run_baseline(tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout)
+                print(f"  round {round_idx + 1} {system}: {len(run.records)} steps in {time.monotonic() - t0:.1f}s {run.note}", file=sys.stderr, flush=True)
+                runs[system].append(run)
+        if fleet is not None:
+            fleet_costs = fleet.step_costs()
+        backend, latency_mode = tb.backend, tb.latency_mode
+    rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
+    if args.simulate:
+        add_simulation(rows, spec.replace(train={"steps": steps}), topology, latency_mode, fleet_costs)
+    meta = {
+        "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
+        "latency_mode": latency_mode, "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
+        "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
+    }
+    return report(rows, meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m testbeds.bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", required=True, help="topology file or shipped name (two-sites, three-continents, volunteers, ...)")
+    p.add_argument("--job", required=True, help="job file (TOML)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's)")
+    p.add_argument("--warmup", type=int, default=1, help="first steps of a run left out of the timing (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--backend", default="netns", help="testbed backend (default: %(default)s; gloo needs netns)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default: %(default)s)")
+    p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+    p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        doc = bench(args)
+    except FusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = markdown(doc)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out}.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+        Path(f"{out}.md").write_text(text)
+        write_chart(doc, Path(f"{out}.png"))
+    print(json.dumps(doc, indent=2, default=_json_default) if args.json else text)
+    return 0
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (set, frozenset, tuple)):
+        return list(v)
+    return str(v)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
