@@ -147,6 +147,8 @@ class Testbed:
         workdir: a private directory (peer maps, logs of callers that want one), removed on close.
     """
 
+    __test__ = False  # not a pytest test class, despite the name
+
     backend: str = ""
     latency_mode: str = "none"
 
