@@ -186,6 +186,8 @@ class Testbed:
     def describe(self) -> str:
         """A few lines: backend, latency mode, each host's address and how to run a command in it."""
         lines = [f"testbed {self.prefix.rstrip('-')} ({self.label}): backend {self.backend}, latency {self.latency_mode}"]
+        if self.backend == "netns" and self.latency_mode == "userspace":
+            lines.append("  (no sch_netem in this kernel: latency is added only on fusion's peer-mapped path, by a user-space proxy)")
         width = max(len(h) for h in self.hosts)
         for h in self.hosts:
             lines.append(f"  {h:<{width}}  {self.address(h):<15}  run: {' '.join(self.shell_prefix(h)) or '(this shell)'} CMD")
