@@ -56,7 +56,7 @@ class PeerMap:
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self._mtime_ns = -1
+        self._version: tuple[int, int, int] | None = None
         self._map: dict[str, str] = {}
 
     @staticmethod
@@ -67,13 +67,15 @@ class PeerMap:
         if self.path is None:
             return address
         try:
-            mtime_ns = os.stat(self.path).st_mtime_ns
-            if mtime_ns != self._mtime_ns:
+            st = os.stat(self.path)
+            # A testbed replaces the file atomically: a new inode each time (mtime alone is too coarse).
+            version = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if version != self._version:
                 with open(self.path, encoding="utf-8") as f:
                     loaded = json.load(f)  # data only: a dict of strings, checked below
                 if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
                     raise ValueError("expected a JSON object of \"HOST:PORT\": \"HOST:PORT\" strings")
-                self._map, self._mtime_ns = loaded, mtime_ns
+                self._map, self._version = loaded, version
         except (OSError, ValueError) as e:
             logger.warning("peer map %s unusable (%s); dialing %s directly", self.path, e, address)
         return self._map.get(address, address)
