@@ -48,6 +48,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from fusion.errors import ConfigError, FusionError
 from scheduler.topology import Topology
@@ -316,7 +317,7 @@ class Testbed:
         if errors:
             raise TestbedError(f"testbed {self.prefix} teardown incomplete ({'; '.join(errors)}); run 'python -m testbeds down'")
 
-    def __enter__(self) -> Testbed:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -345,7 +346,7 @@ def netns_available() -> tuple[bool, str]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"'{tool}' (iproute2) is not installed"
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    r = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
     if r.returncode != 0:
         return False, f"'ip netns' does not work here: {r.stderr.strip()}"
     return True, ""

@@ -53,7 +53,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    r = subprocess.run(["ip", *args], check=False, capture_output=True, text=True)
     if check and r.returncode != 0:
         raise TestbedError(f"'ip {' '.join(args)}' failed: {r.stderr.strip() or r.stdout.strip()}")
     return r
@@ -119,9 +119,9 @@ def _wait_gone(pids: Sequence[int], timeout_s: float) -> None:
 
 def netem_available(namespace: str) -> bool:
     """Whether this kernel has ``sch_netem``: try one on ``lo`` of a scratch namespace."""
-    r = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], capture_output=True, text=True)
+    r = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], check=False, capture_output=True, text=True)
     if r.returncode == 0:
-        subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+        subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], check=False, capture_output=True)
         return True
     logger.info("no netem here (%s)", r.stderr.strip())
     return False
@@ -197,11 +197,11 @@ class NetnsTestbed(Testbed):
                 f"burst {burst} cburst {burst} quantum {QUANTUM_BYTES}"
             )
             if netem:
-                latency_us = int(round(self.topology.latency_s[i][j] * 1e6))
+                latency_us = round(self.topology.latency_s[i][j] * 1e6)
                 limit = max(1000, int(rate_bytes_per_s * (self.topology.latency_s[i][j] + 0.1) / 1500))
                 lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: netem delay {latency_us}us limit {limit}")
             lines.append(f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {host_address(j)}/32 flowid 1:{cls}")
-        r = subprocess.run(["tc", "-n", self.namespaces[i], "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
+        r = subprocess.run(["tc", "-n", self.namespaces[i], "-batch", "-"], input="\n".join(lines) + "\n", check=False, capture_output=True, text=True)
         if r.returncode != 0:
             raise TestbedError(f"tc shaping of host {self.hosts[i]} failed: {r.stderr.strip()}")
 

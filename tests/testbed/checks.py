@@ -91,7 +91,7 @@ def check_rtt(tb: Testbed, src: str, dst: str) -> float:
 
 # --------------------------------------------------------------------------- teardown
 def root_veths() -> set[str]:
-    r = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True)
+    r = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], check=False, capture_output=True, text=True)
     return {line.split(":")[1].strip().split("@")[0] for line in r.stdout.splitlines() if ":" in line}
 
 
@@ -105,7 +105,7 @@ def leftovers_of(pid: int) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {"processes": [str(p) for p, prefix in marked_processes().items() if ours(prefix)]}
     found["dirs"] = [d.name for d in Path(tempfile.gettempdir()).glob(f"{rx}*") if ours(d.name)]
     if os.geteuid() == 0:
-        r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        r = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
         found["namespaces"] = [line.split()[0] for line in r.stdout.splitlines() if line.strip() and ours(line.split()[0])]
     return {k: v for k, v in found.items() if v}
 
@@ -165,7 +165,7 @@ def check_sigkill_then_down(backend: str, *, script: bool) -> None:
         assert len(left.get("processes", [])) == 3, left  # one sleep per host outlived its owner
     if backend == "netns":
         assert len(left.get("namespaces", [])) == 4, left  # three hosts and the switch
-    down = subprocess.run([sys.executable, "-m", "testbeds", "down"], capture_output=True, text=True, env=child_env(), timeout=120)
+    down = subprocess.run([sys.executable, "-m", "testbeds", "down"], check=False, capture_output=True, text=True, env=child_env(), timeout=120)
     assert down.returncode == 0, down.stderr
     assert "removed" in down.stdout, down.stdout
     assert leftovers_of(proc.pid) == {}
