@@ -272,7 +272,8 @@ def run_baseline(tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Pa
 
 # ---------------------------------------------------------------- summary
 def slowest_link_bytes(topology: Topology, bytes_per_link: dict[str, float]) -> tuple[int, float | None]:
-    """(bytes over the lowest-bandwidth host pair used, both directions; its Mbit/s)."""
+    """(bytes over the lowest-bandwidth host pair used, both directions, the busiest such
+    pair if several are as slow; its Mbit/s)."""
     names = topology.names()
     pairs: dict[frozenset[str], float] = {}
     bw: dict[frozenset[str], float] = {}
@@ -287,7 +288,7 @@ def slowest_link_bytes(topology: Topology, bytes_per_link: dict[str, float]) -> 
     if not pairs:
         return 0, None
     slowest = min(bw.values())
-    return int(sum(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
+    return int(max(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
 
 
 def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, Any]:
@@ -416,7 +417,13 @@ def add_simulation(rows: dict[str, dict[str, Any]], spec: JobSpec, topology: Top
     costs = job_costs(spec, step=StepCosts(**step_costs) if step_costs else None)
     fusion_topo = testbed_topology(topology, costs.reference_flops, latency=latency_mode != "none")
     gloo_topo = testbed_topology(topology, costs.reference_flops, latency=latency_mode == "netem")
-    sims = {**simulate(costs, fusion_topo, ("fusion", "uniform"))["systems"], **simulate(costs, gloo_topo, ("ddp", "pipelining"))["systems"]}
+    import os
+
+    cores = os.cpu_count() or 1
+    sims = {
+        **simulate(costs, fusion_topo, tuple(n for n in ("fusion", "uniform") if n in rows), driver=0, cores=cores)["systems"],
+        **simulate(costs, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in rows), cores=cores)["systems"],
+    }
     for name, row in rows.items():
         sim = sims.get(name, {}).get("step_s")
         row["simulated_step_s"] = sim

@@ -8,7 +8,7 @@ Nothing is trained. Per-node costs come from profiling the job's model on this m
 (``--costs flops``); they are replayed through the same workload estimator the coordinator
 plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The systems:
 
-- ``fusion``: OP-Fence's plan (:func:`scheduler.planner.make_plan`), priced by the
+- ``fusion``: OP-Fence's plan (:func:`scheduler.planner.make_plan`) with AdaTopK, priced by the
   estimator with the cuts it marks as slow carrying top-k tensors at the ratio AdaTopK
   (:class:`compress.controller.AdaTopK`) would pick for the link, and encoded at
   :func:`compress.topk.topk_encoded_size` bytes (zstd's further gain is not counted).
@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -145,6 +146,8 @@ class JobCosts:
     """Tokens in one sample (sequence length) for language models, else 0."""
     costs: str
     """``profile`` or ``flops``."""
+    target_bytes: int = 0
+    """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
 
     @property
     def reference_flops(self) -> float:
@@ -166,7 +169,7 @@ def job_costs(spec: JobSpec, *, costs: str = "profile", step: StepCosts | None =
 
     if costs not in ("profile", "flops"):
         raise FusionError(f"unknown costs {costs!r}: use profile or flops")
-    x, _ = example_micro_batch(spec, build_job_dataset(spec))
+    x, y = example_micro_batch(spec, build_job_dataset(spec))
     tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else 0
     if costs == "profile":
         model = build_job_model(spec)
@@ -190,7 +193,10 @@ def job_costs(spec: JobSpec, *, costs: str = "profile", step: StepCosts | None =
     base = step or StepCosts(control_s=DEFAULT_CONTROL_S, micro_batch_s=DEFAULT_MICRO_BATCH_S)
     if base.optimizer_s_per_byte == 0.0:
         base = dataclasses.replace(base, optimizer_s_per_byte=opt_s)
-    return JobCosts(spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs)
+    return JobCosts(
+        spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs,
+        target_bytes=y.numel() * y.element_size(),
+    )
 
 
 # ---------------------------------------------------------------- systems
@@ -204,7 +210,8 @@ class SystemResult:
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     slowest_link_bytes: int = 0
-    """Bytes per step over the slowest link (lowest bandwidth) the system sends over."""
+    """Bytes per step (both directions) over the slowest link (lowest bandwidth) the system
+    sends over; the busiest one if several are as slow."""
     slowest_link_mbps: float | None = None
     """That link's bandwidth in Mbit/s (``None``: the system uses no link)."""
     hosts_used: int = 0
@@ -225,16 +232,58 @@ def _finish(result: SystemResult, job: JobCosts) -> SystemResult:
 
 
 def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tuple[int, float | None]:
-    """(bytes per step, Mbit/s) of the lowest-bandwidth worker pair in ``link_bytes``."""
-    used = [(topology.bandwidth_bytes_per_s[a][b], size) for (a, b), size in link_bytes.items() if a != b and size > 0]
-    if not used:
+    """(bytes per step, both directions, on the busiest of the lowest-bandwidth host pairs in
+    ``link_bytes``; that bandwidth in Mbit/s)."""
+    pairs: dict[frozenset[int], float] = {}
+    bw: dict[frozenset[int], float] = {}
+    for (a, b), size in link_bytes.items():
+        if a == b or size <= 0:
+            continue
+        pair = frozenset((a, b))
+        pairs[pair] = pairs.get(pair, 0.0) + size
+        bw[pair] = min(topology.bandwidth_bytes_per_s[a][b], topology.bandwidth_bytes_per_s[b][a])
+    if not pairs:
         return 0, None
-    bw = min(b for b, _ in used)
-    return int(sum(size for b, size in used if b == bw)), bw / MBPS
+    slowest = min(bw.values())
+    return int(max(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
 
 
-def simulate_plan(job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None) -> SystemResult:
-    """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the estimator."""
+def driver_s(job: JobCosts, stages: list, stage_workers: list[int], topology: Topology, driver: int | None) -> float:
+    """Seconds per step the driver's control path adds to the estimator's step when the
+    driver (the coordinator, on host ``driver``) is not next to the stages.
+
+    The estimator's ``control_s`` is calibrated with the stage on the driver's own host. Over
+    a link with round trip ``rtt_s = lat(d→w) + lat(w→d)`` each step also pays: starting the
+    step, the end of the long-poll for its completion and the optimizer call, about
+    ``2.5 · max rtt`` over the stages; and the feeding: every micro-batch's inputs go to the
+    input stage and its targets to the loss stage as synchronous sends, one after the other
+    per stage, which the stage's compute cannot start before, so
+    ``max_s Σ_sends (rtt_s + bytes / bw(d→s))``, not overlapped.
+    """
+    if driver is None:
+        return 0.0
+    m = job.spec.train.micro_batches
+    rtts, feeds = [0.0], [0.0]
+    for spec, w in zip(stages, stage_workers):
+        if w == driver:
+            continue
+        rtt = topology.latency_s[driver][w] + topology.latency_s[w][driver]
+        rtts.append(rtt)
+        sends = []
+        inputs = [n for n, src in spec.inputs if src == -1]
+        if inputs:
+            sends.append(sum(job.dag.node(n).out_bytes for n in inputs))
+        if spec.is_loss_stage:
+            sends.append(job.target_bytes)
+        feeds.append(m * sum(rtt + size / topology.bandwidth_bytes_per_s[driver][w] for size in sends))
+    return 2.5 * max(rtts) + max(feeds)
+
+
+def simulate_plan(
+    job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None, driver: int | None = 0
+) -> SystemResult:
+    """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
+    estimator, plus the driver's control path from host ``driver`` (:func:`driver_s`)."""
     spec = job.spec
     request = request_for_job(spec, strategy=strategy, step_costs=job.step)
     request = dataclasses.replace(request, compression=compression, time_budget_s=time_budget_s)
@@ -270,10 +319,11 @@ def simulate_plan(job: JobCosts, topology: Topology, *, strategy: str, compressi
         wa, wc = stage_workers[a], stage_workers[c]
         per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
+    control_path_s = driver_s(job, stages, stage_workers, topology, driver)
     return _finish(
         SystemResult(
             name=name,
-            step_s=est.step_s,
+            step_s=est.step_s + control_path_s,
             slowest_link_bytes=slow_bytes,
             slowest_link_mbps=slow_mbps,
             hosts_used=len(set(stage_workers)),
@@ -282,6 +332,8 @@ def simulate_plan(job: JobCosts, topology: Topology, *, strategy: str, compressi
                 "uncompressed_step_s": plan.predicted_step_s,
                 "keep_ratios": {f"{topology.workers[stage_workers[a]].name}->{topology.workers[stage_workers[c]].name}": r for (a, c), r in ratios.items()},
                 "bottleneck_s": est.bottleneck_s,
+                "estimator_step_s": est.step_s,
+                "driver_s": control_path_s,
             },
         ),
         job,
@@ -344,8 +396,12 @@ def ddp_buckets(param_bytes: float) -> int:
     return 1 + math.ceil(rest / DDP_BUCKET_BYTES)
 
 
-def simulate_ddp(job: JobCosts, topology: Topology) -> SystemResult:
-    """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced."""
+def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
+    """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
+
+    ``cores``: on a one-machine testbed all ``N`` ranks compute at once on that many cores
+    (one thread each), so compute takes ``max(1, N / cores)`` times longer.
+    """
     spec = job.spec
     n = len(topology)
     batch, mb = spec.data.batch_size, spec.micro_batch_size
@@ -364,7 +420,7 @@ def simulate_ddp(job: JobCosts, topology: Topology) -> SystemResult:
         return SystemResult(name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has")
     slowest = min(w.effective_flops for w in topology.workers)
     scale = job.reference_flops / slowest
-    compute_s = per_mb_s * (per_rank_samples / mb) * scale
+    compute_s = per_mb_s * (per_rank_samples / mb) * scale * (max(1.0, n / cores) if cores else 1.0)
     buckets = ddp_buckets(param_bytes)
     allreduce_s = ring_allreduce_s(topology, list(range(n)), param_bytes, num_buckets=buckets)
     optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * scale
@@ -462,18 +518,27 @@ def simulate_pipelining(job: JobCosts, topology: Topology) -> SystemResult:
     )
 
 
-def simulate(job: JobCosts, topology: Topology, systems: tuple[str, ...] = SYSTEMS, *, time_budget_s: float | None = None) -> dict[str, Any]:
-    """Every requested system on one topology, with fusion's speed-up over each baseline."""
+def simulate(
+    job: JobCosts, topology: Topology, systems: tuple[str, ...] = SYSTEMS, *, time_budget_s: float | None = None,
+    driver: int | None = None, cores: int | None = None,
+) -> dict[str, Any]:
+    """Every requested system on one topology, with fusion's speed-up over each baseline.
+
+    ``driver``: host index of fusion's coordinator (``None``: ignore its control path);
+    ``cores``: cores all hosts share on a one-machine testbed (``None``: hosts are machines).
+    """
     results: dict[str, SystemResult] = {}
     timings: dict[str, float] = {}
     for name in systems:
         t0 = time.perf_counter()
         if name == "fusion":
-            results[name] = simulate_plan(job, topology, strategy="opfence", compression=job.spec.compression.mode, time_budget_s=time_budget_s)
+            results[name] = simulate_plan(
+                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver
+            )
         elif name == "uniform":
-            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none")
+            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver)
         elif name == "ddp":
-            results[name] = simulate_ddp(job, topology)
+            results[name] = simulate_ddp(job, topology, cores=cores)
         elif name == "pipelining":
             results[name] = simulate_pipelining(job, topology)
         else:
@@ -518,8 +583,14 @@ def markdown_table(title: str, report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.simulate", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", action="append", required=True, help="TOML path, shipped name or paper-N; repeat for several")
-    p.add_argument("--job", required=True, help="job file (TOML)")
+    p.add_argument("--topology", action="append", default=[], help="TOML path, shipped name or paper-N; repeat for several")
+    p.add_argument("--job", default=None, help="job file (TOML)")
+    p.add_argument("--validate", nargs="+", default=None, metavar="BENCH_JSON",
+                   help="instead: simulate the runs of these `testbeds.bench --json` results and compare with what they measured")
+    p.add_argument("--driver", default=None,
+                   help="host of fusion's coordinator, whose control path is then priced (default: the first host with "
+                        "--compute testbed, as testbeds.bench runs it; else none: the driver sits with the first stage)")
+    p.add_argument("--cores", type=int, default=None, help="with --compute testbed: cores the hosts share (default: this machine's)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s")
     p.add_argument("--costs", choices=("profile", "flops"), default="profile", help="node costs: profiled here, or FLOPs / host speed")
     p.add_argument("--compute", choices=("topology", "testbed"), default="topology", help="host speeds from the file, or all at this machine's")
@@ -531,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    if args.validate:
+        return _print_validation(validate([Path(v) for v in args.validate]), args)
+    if not args.job or not args.topology:
+        p.error("give --job and at least one --topology (or --validate)")
     try:
         spec = load_job(args.job)
         step = StepCosts(**json.loads(Path(args.step_costs).read_text())) if args.step_costs else None
@@ -541,7 +616,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.compute == "testbed" or args.no_latency:
                 flops = job.reference_flops if args.compute == "testbed" else None
                 topology = testbed_topology(topology, flops, latency=not args.no_latency)
-            reports[Path(name).stem] = simulate(job, topology, systems, time_budget_s=args.time_budget)
+            if args.driver in (None, "none"):
+                driver = 0 if args.driver is None and args.compute == "testbed" else None
+            else:
+                driver = topology.index(args.driver)
+            cores = (args.cores or os.cpu_count() or 1) if args.compute == "testbed" else None
+            reports[Path(name).stem] = simulate(job, topology, systems, time_budget_s=args.time_budget, driver=driver, cores=cores)
     except FusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -552,6 +632,59 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
         Path(args.out + ".md").write_text(f"# Simulated step times\n\n`{' '.join(sys.argv)}`\n\n{text}")
     print(json.dumps(doc, indent=2, default=float) if args.json else text)
+    return 0
+
+
+# ---------------------------------------------------------------- validation
+def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dict[str, Any]]:
+    """Simulate each benchmark run (same job, same topology, testbed speeds) next to what it measured.
+
+    The testbed is priced as it ran: every host at this machine's speed on ``cores`` shared
+    cores, fusion's coordinator on the first host with the executor overheads it calibrated
+    (``step_costs`` in the result), and latency where the testbed emulated it: on fusion's
+    path in ``userspace`` mode, everywhere with ``netem``, nowhere with ``none``.
+    """
+    rows = []
+    cores = cores or os.cpu_count() or 1
+    for path in bench_results:
+        doc = json.loads(path.read_text())
+        spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
+        step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
+        job = job_costs(spec, step=step)
+        topology = load_topology(doc["topology"])
+        mode = doc["latency_mode"]
+        fusion_topo = testbed_topology(topology, job.reference_flops, latency=mode != "none")
+        gloo_topo = testbed_topology(topology, job.reference_flops, latency=mode == "netem")
+        measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
+        sims = {
+            **simulate(job, fusion_topo, tuple(n for n in ("fusion", "uniform") if n in measured), driver=0, cores=cores)["systems"],
+            **simulate(job, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"],
+        }
+        for name, step_s in measured.items():
+            sim = sims.get(name, {}).get("step_s")
+            rows.append({
+                "bench": path.stem, "system": name, "measured_step_s": step_s, "simulated_step_s": sim,
+                "error": (sim - step_s) / step_s if sim and step_s else None,
+            })
+    return rows
+
+
+def _print_validation(rows: list[dict[str, Any]], args: argparse.Namespace) -> int:
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    within = sum(e <= 0.10 for e in errors)
+    summary = {"rows": rows, "within_10pct": within, "compared": len(errors), "median_abs_error": float(np.median(errors)) if errors else None}
+    lines = ["| run | system | measured s | simulated s | error |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        m, s_ = r["measured_step_s"], r["simulated_step_s"]
+        lines.append(f"| {r['bench']} | {r['system']} | {'-' if m is None else f'{m:.4g}'} | {'-' if s_ is None else f'{s_:.4g}'} | "
+                     f"{'-' if r['error'] is None else format(r['error'], '+.0%')} |")
+    med = summary["median_abs_error"]
+    lines.append(f"\n{within} of {len(errors)} within 10 %; median |error| {'-' if med is None else f'{med:.0%}'}")
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(summary, indent=2) + "\n")
+        Path(args.out + ".md").write_text(f"# Simulator vs testbed\n\n`{' '.join(sys.argv)}`\n\n{text}")
+    print(json.dumps(summary, indent=2) if args.json else text)
     return 0
 
 

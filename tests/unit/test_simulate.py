@@ -1,0 +1,202 @@
+"""The at-scale simulator: its cost models by hand, its JSON, and runs at 48 to 1,024 devices."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fusion.config import JobSpec
+from scheduler.topology import Topology, WorkerSpec
+from testbeds import simulate as sim
+from testbeds.baselines.split import block_names, even_split_points
+
+REPO = Path(__file__).resolve().parents[2]
+MBPS = 1e6 / 8
+
+GPT2_TINY = """
+name = "sim-gpt2-tiny"
+[model]
+name = "gpt2"
+preset = "tiny"
+[data]
+batch_size = 16
+seq_len = 64
+[train]
+steps = 2
+micro_batches = 4
+"""
+
+
+def line_topology(n: int, *, bandwidth_bytes_per_s: float, latency_s: float, flops: float = 1e12) -> Topology:
+    workers = [WorkerSpec(name=f"h{i}", cluster=f"h{i}", flops=flops) for i in range(n)]
+    return Topology.from_measurements(
+        workers, [[latency_s] * n for _ in range(n)], [[bandwidth_bytes_per_s] * n for _ in range(n)]
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny() -> sim.JobCosts:
+    """GPT-2 tiny costed from FLOPs (captured on the meta device: fast, deterministic)."""
+    return sim.job_costs(JobSpec.from_toml(GPT2_TINY), costs="flops")
+
+
+def test_ring_allreduce_by_hand() -> None:
+    topo = line_topology(3, bandwidth_bytes_per_s=1e6, latency_s=0.01)
+    # 3e6 bytes over 3 ranks: chunks of 1e6 bytes, 2 (N - 1) = 4 steps of (lat + o + 1 s).
+    expected = 4 * (0.01 + sim.GLOO_STEP_OVERHEAD_S + 1.0)
+    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e6) == pytest.approx(expected)
+    # Two buckets pay the latency twice per step, the bytes once.
+    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e6, num_buckets=2) == pytest.approx(4 * (2 * (0.01 + sim.GLOO_STEP_OVERHEAD_S) + 1.0))
+    assert sim.ring_allreduce_s(topo, [0], 3e6) == 0.0
+
+
+def test_ring_allreduce_waits_for_the_slowest_ring_link() -> None:
+    topo = line_topology(3, bandwidth_bytes_per_s=1e6, latency_s=0.0)
+    bw = [list(r) for r in topo.bandwidth_bytes_per_s]
+    bw[1][2] = 0.25e6  # one slow hop in the ring 0 -> 1 -> 2 -> 0
+    slow = Topology(workers=topo.workers, bandwidth_bytes_per_s=bw, latency_s=topo.latency_s)
+    assert sim.ring_allreduce_s(slow, [0, 1, 2], 3e6) == pytest.approx(4 * (sim.GLOO_STEP_OVERHEAD_S + 4.0))
+
+
+def test_ddp_buckets() -> None:
+    assert sim.ddp_buckets(1000) == 1
+    assert sim.ddp_buckets(sim.DDP_FIRST_BUCKET_BYTES) == 1
+    assert sim.ddp_buckets(sim.DDP_FIRST_BUCKET_BYTES + 1) == 2
+    assert sim.ddp_buckets(sim.DDP_FIRST_BUCKET_BYTES + sim.DDP_BUCKET_BYTES + 1) == 3
+
+
+def test_gpipe_by_hand() -> None:
+    f, b = np.array([1.0, 2.0]), np.array([2.0, 4.0])
+    x, g = np.array([0.5]), np.array([0.5])
+    # forward: 1 + 2 + 0.5 + 2 * max(2, 0.5) = 7.5; backward: 2 + 4 + 0.5 + 2 * 4 = 14.5
+    assert sim.gpipe_step_s(f, b, x, g, 3) == pytest.approx(22.0)
+    # A link slower than every stage sets the period.
+    assert sim.gpipe_step_s(f, b, np.array([3.0]), np.array([5.0]), 3) == pytest.approx((3 + 3 + 2 * 3) + (6 + 5 + 2 * 5))
+
+
+def test_even_split_of_gpt2(tiny: sim.JobCosts) -> None:
+    assert tiny.blocks == ["transformer.h.0", "transformer.h.1"]
+    assert even_split_points(tiny.blocks, 2) == ["transformer.h.1"]
+    with pytest.raises(ValueError):
+        even_split_points(tiny.blocks, 3)
+    stage = sim.gpipe_stages(tiny, 2)
+    names = [n.name for n in tiny.dag.compute_nodes()]
+    assert stage[names.index("transformer_h_0_ln_1")] == 0
+    assert stage[names.index("transformer_h_1_ln_1")] == 1
+    assert stage[names.index("lm_head")] == 1
+    assert list(stage) == sorted(stage)  # contiguous
+
+
+def test_block_names_of_resnet() -> None:
+    from fusion.models import build_model
+
+    assert block_names(build_model("resnet", "tiny")) == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
+
+
+def test_ddp_model_matches_its_parts(tiny: sim.JobCosts) -> None:
+    topo = line_topology(4, bandwidth_bytes_per_s=100 * MBPS, latency_s=0.02)
+    r = sim.simulate_ddp(tiny, topo)
+    wl = tiny.workload()
+    param_bytes = wl.total_param_bytes
+    assert r.detail["allreduce_s"] == pytest.approx(sim.ring_allreduce_s(topo, [0, 1, 2, 3], param_bytes))
+    per_mb = float(wl.fwd_s.sum() + wl.bwd_s.sum())
+    assert r.detail["compute_s"] == pytest.approx(per_mb * (16 / 4) / 4)  # B/N samples = one micro-batch of 4
+    assert r.step_s == pytest.approx(r.detail["compute_s"] + r.detail["allreduce_s"] + r.detail["optimizer_s"])
+    assert r.slowest_link_bytes == int(2 * 3 / 4 * param_bytes)
+    # Four ranks on two shared cores compute twice as long.
+    shared = sim.simulate_ddp(tiny, topo, cores=2)
+    assert shared.detail["compute_s"] == pytest.approx(2 * r.detail["compute_s"])
+
+
+def test_ddp_does_not_apply_when_the_model_does_not_fit(tiny: sim.JobCosts) -> None:
+    workers = [WorkerSpec(name=f"h{i}", cluster="c", flops=1e12, memory_bytes=1000) for i in range(2)]
+    topo = Topology.from_measurements(workers, [[0.0] * 2] * 2, [[1e9] * 2] * 2)
+    r = sim.simulate_ddp(tiny, topo)
+    assert r.step_s is None and r.note.startswith("n/a")
+
+
+def test_uniform_equals_the_estimator_plus_the_driver(tiny: sim.JobCosts) -> None:
+    topo = line_topology(2, bandwidth_bytes_per_s=100 * MBPS, latency_s=0.01)
+    near = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
+    far = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=0)
+    assert near.detail["driver_s"] == 0.0
+    assert near.step_s == pytest.approx(near.detail["estimator_step_s"])
+    # Stage 1 (the loss stage) is remote: 2.5 round trips + M target sends of (rtt + bytes / bw).
+    rtt = 0.02
+    feed = 4 * (rtt + tiny.target_bytes / (100 * MBPS))
+    assert far.detail["driver_s"] == pytest.approx(2.5 * rtt + feed)
+
+
+def test_compression_shrinks_a_slow_cut(tiny: sim.JobCosts) -> None:
+    # Two hosts that each need the other (tiny memory), joined by 1 Mbps: a cut must cross it.
+    workers = [WorkerSpec(name=f"h{i}", cluster=f"h{i}", flops=1e12) for i in range(2)]
+    topo = Topology.from_measurements(workers, [[0.0] * 2] * 2, [[1e6 / 8] * 2] * 2)
+    dense = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
+    job_two = sim.JobCosts(**{**tiny.__dict__})
+    plan_dense = dense.step_s
+    sparse = sim.simulate_plan(job_two, topo, strategy="uniform", compression="topk", driver=None)
+    assert sparse.detail["keep_ratios"]  # the slow cut was marked
+    assert sparse.step_s < plan_dense
+    assert sparse.slowest_link_bytes < dense.slowest_link_bytes
+
+
+def test_simulate_json_shape(tiny: sim.JobCosts) -> None:
+    topo = sim.load_topology("two-sites")
+    report = sim.simulate(tiny, topo, sim.SYSTEMS, time_budget_s=0.2)
+    json.dumps(report)  # serialisable
+    assert set(report["systems"]) == set(sim.SYSTEMS)
+    for name, row in report["systems"].items():
+        assert {"step_s", "samples_per_s", "slowest_link_bytes", "hosts_used", "note"} <= set(row)
+        assert row["step_s"] is not None and math.isfinite(row["step_s"]) and row["step_s"] > 0, name
+        assert row["samples_per_s"] == pytest.approx(16 / row["step_s"])
+    assert set(report["speedup"]) == {"uniform", "ddp", "pipelining"}
+    assert report["speedup"]["uniform"] == pytest.approx(report["systems"]["uniform"]["step_s"] / report["systems"]["fusion"]["step_s"])
+
+
+def test_paper_48_file() -> None:
+    topo = Topology.load(REPO / "testbeds/topologies/paper-48.toml")
+    assert len(topo) == 48 and len(topo.clusters()) == 6
+    bw = topo.bandwidth_matrix()[~np.eye(48, dtype=bool)]
+    assert bw.min() == pytest.approx(8 * MBPS) and bw.max() == pytest.approx(10000 * MBPS)
+
+
+@pytest.fixture(scope="module")
+def tiny_big_batch() -> sim.JobCosts:
+    """GPT-2 tiny with a batch that gives every one of 1,024 DDP ranks a sample."""
+    return sim.job_costs(JobSpec.from_toml(GPT2_TINY).replace(data={"batch_size": 1024}, train={"micro_batches": 64}), costs="flops")
+
+
+@pytest.mark.parametrize("n", [48, 256, 1024])
+def test_large_topologies_simulate(tiny_big_batch: sim.JobCosts, n: int) -> None:
+    topo = sim.load_topology(str(REPO / "testbeds/topologies/paper-48.toml") if n == 48 else f"paper-{n}")
+    assert len(topo) == n
+    report = sim.simulate(tiny_big_batch, topo, sim.SYSTEMS, time_budget_s=0.2)
+    for name in ("fusion", "uniform", "ddp", "pipelining"):
+        step = report["systems"][name]["step_s"]
+        assert step is not None and math.isfinite(step) and step > 0, name
+    # At these sizes the bandwidth-blind baselines cross 8 Mbps links; OP-Fence does not have to.
+    assert report["speedup"]["uniform"] > 1.0
+    assert report["speedup"]["ddp"] > 1.0
+
+
+def test_paper_topology_rejects_partial_clusters() -> None:
+    from fusion.errors import PlanError
+
+    with pytest.raises(PlanError):
+        sim.paper_topology(50)
+
+
+def test_profiled_costs_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(GPT2_TINY)
+    rc = sim.main(["--topology", "two-sites", "--job", str(job), "--compute", "testbed", "--time-budget", "0.2", "--json", "--out", str(tmp_path / "r")])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["reference_flops"] > 0
+    row = doc["topologies"]["two-sites"]
+    assert set(row["systems"]) == set(sim.SYSTEMS)
+    assert (tmp_path / "r.md").read_text().count("| fusion |") == 1
