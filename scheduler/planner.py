@@ -17,7 +17,7 @@ import numpy as np
 from fusion.config import JobSpec
 from fusion.errors import PlanError
 from fusion.graph.ir import OpDag
-from fusion.graph.split import split_stages
+from fusion.graph.split import normalize_assignment, split_stages
 from scheduler.baselines import uniform_assignment
 from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
 from scheduler.partition import compute_placement, exhaustive_placement, opfence_placement
@@ -83,8 +83,13 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
     extra: dict[str, object] = {}
     if request.strategy == "uniform":
         num_stages = min(len(topology), len(dag.compute_nodes()))
-        assignment = uniform_assignment(dag, num_stages)
-        stage_workers = list(range(num_stages))
+        # Values that cannot cross a stage boundary pull their consumers along, which can
+        # empty a stage when there are nearly as many stages as nodes: drop those stages
+        # (and their workers) rather than fail.
+        assignment = normalize_assignment(dag, uniform_assignment(dag, num_stages))
+        stage_workers = sorted(set(assignment.values()))
+        renumber = {s: i for i, s in enumerate(stage_workers)}
+        assignment = {n: renumber[s] for n, s in assignment.items()}
     else:
         coarse = dag.coarsen(request.max_units)
         wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
