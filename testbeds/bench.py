@@ -111,6 +111,8 @@ class Run:
     final_loss: float | None = None
     predicted_step_s: float | None = None
     hosts_used: list[str] = field(default_factory=list)
+    plan_stages: list[dict[str, Any]] = field(default_factory=list)
+    """fusion/uniform: the plan it ran, ``[{"worker", "nodes"}]`` (to price it in the simulator)."""
     note: str = ""
     wall_s: float = 0.0
 
@@ -183,6 +185,7 @@ class FusionFleet:
             plan = json.loads(plan_path.read_text())
             run.predicted_step_s = plan.get("predicted_step_s")
             run.hosts_used = [s["worker"] for s in plan.get("stages", [])]
+            run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
         return run
 
     def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True) -> str:
@@ -325,6 +328,11 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
         row["tokens_per_s"] = tokens / step_s
     if last.predicted_step_s:
         row["predicted_step_s"] = last.predicted_step_s
+    if last.plan_stages:
+        row["plan"] = last.plan_stages
+    computed = [r["compute_s"] for r in timed if r.get("compute_s")]
+    if computed:  # measured compute seconds per step on each stage's worker (fusion, uniform)
+        row["compute_s"] = {w: statistics.median(c.get(w, 0.0) for c in computed) for w in computed[-1]}
     ratios = [r["compression"] for r in timed if r.get("compression")]
     if ratios:
         row["keep_ratios"] = {k: statistics.median(x[k]["keep_ratio"] for x in ratios if k in x) for k in ratios[-1]}

@@ -1,0 +1,78 @@
+"""The side-by-side benchmark on a real netns testbed: a very short run, JSON contract and losses.
+
+Needs root (network namespaces, ``tc``); skipped otherwise. Two hosts, two steps of GPT-2
+tiny, systems fusion, uniform and ddp: about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="the netns testbed needs root"),
+    pytest.mark.timeout(420),
+]
+
+TOPOLOGY = """
+[[hosts]]
+name = "near"
+[[hosts]]
+name = "far"
+[[links]]
+from = "near"
+to = "far"
+bandwidth_mbps = 50
+latency_ms = 5
+"""
+
+JOB = """
+name = "bench-test"
+[model]
+name = "gpt2"
+preset = "tiny"
+[data]
+batch_size = 8
+seq_len = 32
+[train]
+steps = 2
+micro_batches = 2
+"""
+
+
+def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from testbeds.bench import main
+    from testbeds.net import netns_available
+
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    (tmp_path / "pair.toml").write_text(TOPOLOGY)
+    (tmp_path / "job.toml").write_text(JOB)
+    out = tmp_path / "result"
+    rc = main([
+        "--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--systems", "fusion,uniform,ddp",
+        "--steps", "2", "--warmup", "1", "--json", "--out", str(out), "--timeout", "240",
+    ])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["systems"]) == {"fusion", "uniform", "ddp"}
+    for name, row in doc["systems"].items():
+        assert {"samples_per_s", "step_s", "slowest_link_bytes", "final_loss"} <= set(row), name
+        assert row["step_s"] is not None and row["step_s"] > 0, (name, row.get("note"))
+        assert math.isfinite(row["final_loss"]), name
+        assert row["samples_per_s"] == pytest.approx(8 / row["step_s"], rel=1e-3)
+    # Same model, same data, two steps: every system's loss is the mean loss of one batch.
+    losses = [row["final_loss"] for row in doc["systems"].values()]
+    assert max(losses) - min(losses) < 0.05 * abs(losses[0])
+    assert set(doc["speedup"]) == {"uniform", "ddp"}
+    assert doc["speedup"]["ddp"] == pytest.approx(doc["systems"]["ddp"]["step_s"] / doc["systems"]["fusion"]["step_s"])
+    assert doc["efficiency"] is None or doc["efficiency"] > 0
+    # uniform splits the model over both hosts: its bytes cross the 50 Mbps link.
+    assert doc["systems"]["uniform"]["slowest_link_bytes"] > 0
+    for suffix in (".md", ".json", ".png"):
+        assert Path(f"{out}{suffix}").stat().st_size > 0
