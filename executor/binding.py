@@ -10,12 +10,14 @@ The method table is read from the service descriptor, so it cannot drift from th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 from google.protobuf import message_factory
 
+from executor.access import guard, job_id_of, lenient
 from executor.transport import parse_chunk
 from fusion.wire import executor_pb2 as epb
 
@@ -42,12 +44,15 @@ def executor_handler(servicer: Any) -> grpc.GenericRpcHandler:
     """A generic handler serving ``servicer``'s methods under ``fusion.wire.Executor``.
 
     Tensor-stream handlers receive :class:`~executor.transport.RawChunk` objects and
-    GetState yields pre-serialised chunk bytes.
+    GetState yields pre-serialised chunk bytes. Every method is wrapped by the access
+    checks of ``servicer.access`` (:mod:`executor.access`): credential, deadline, per-peer
+    limits, and requests that do not parse answered ``INVALID_ARGUMENT``.
     """
     handlers = {}
     for method in SERVICE.methods:
         req_in, resp_out, _, _ = _codecs(method)
-        fn = getattr(servicer, method.name)
+        req_in = lenient(req_in)
+        fn = guard(method.name, getattr(servicer, method.name), servicer.access, client_streaming=method.client_streaming)
         if method.client_streaming and not method.server_streaming:
             make = grpc.stream_unary_rpc_method_handler
         elif method.server_streaming and not method.client_streaming:
@@ -68,7 +73,7 @@ class ExecutorStub:
     :class:`~executor.transport.RawChunk` objects.
     """
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, *, sign: Signer | None = None) -> None:
         for method in SERVICE.methods:
             _, _, req_out, resp_in = _codecs(method)
             path = f"/{SERVICE.full_name}/{method.name}"
@@ -80,4 +85,42 @@ class ExecutorStub:
                 call = channel.unary_unary(path, request_serializer=req_out, response_deserializer=resp_in)
             else:
                 call = channel.stream_stream(path, request_serializer=req_out, response_deserializer=resp_in)
-            setattr(self, method.name, call)
+            setattr(self, method.name, _Signed(call, method.name, sign) if sign is not None else call)
+
+
+#: ``(rpc name, job id) -> metadata`` for one call (see :meth:`fusion.auth.KeyRing.metadata`).
+Signer = Callable[[str, str], tuple[tuple[str, str], ...]]
+
+
+class _Signed:
+    """A stub method that attaches a fresh credential to every call made without metadata.
+
+    The credential may depend on the job the request names: for a request stream, the
+    first item is peeked (a serialised ``TensorChunk`` header or a message's ``job_id``).
+    """
+
+    def __init__(self, call: Any, name: str, sign: Signer) -> None:
+        self._call = call
+        self._name = name
+        self._sign = sign
+
+    def __call__(self, request: Any, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        if metadata is None:
+            request, job_id = _with_job_id(request)
+            metadata = self._sign(self._name, job_id)
+        return self._call(request, *args, metadata=metadata, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+def _with_job_id(request: Any) -> tuple[Any, str]:
+    """(the request, unchanged in content, and the job id it names or ``""``)."""
+    if hasattr(request, "DESCRIPTOR"):
+        return request, job_id_of(request) or ""
+    it = iter(request)
+    first = next(it, None)
+    if first is None:
+        return iter(()), ""
+    item = parse_chunk(first) if isinstance(first, (bytes, bytearray, memoryview)) else first
+    return itertools.chain([first], it), job_id_of(item) or ""

@@ -26,7 +26,9 @@ from executor.transport import (
     grpc_message_options,
     scalar_to_wire,
 )
+from fusion.auth import KeyRing, process_keyring
 from fusion.errors import RemoteError
+from fusion.tls import open_channel
 from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb
 
@@ -91,8 +93,12 @@ class ChannelPool:
     address. A mapping added after a channel was made does not redirect that channel.
     """
 
-    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyring: KeyRing | None = None, tls_ca: bytes | None = None) -> None:
         self.chunk_bytes = chunk_bytes
+        #: Keys the pool's calls are signed with (:mod:`fusion.auth`); the process's by default.
+        self.keyring = keyring if keyring is not None else process_keyring()
+        #: CA bundle for TLS channels (default: the process's, :func:`fusion.tls.set_client_ca`).
+        self.tls_ca = tls_ca
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._peer_map = PeerMap.from_env()
@@ -102,7 +108,7 @@ class ChannelPool:
             ch = self._channels.get(address)
             if ch is None:
                 target = self._peer_map.resolve(address)
-                ch = grpc.insecure_channel(target, options=grpc_message_options(self.chunk_bytes))
+                ch = open_channel(target, options=grpc_message_options(self.chunk_bytes), ca=self.tls_ca)
                 self._channels[address] = ch
             return ch
 
@@ -119,7 +125,7 @@ class ExecutorClient:
     def __init__(self, address: str, pool: ChannelPool) -> None:
         self.address = address
         self.pool = pool
-        self.stub = ExecutorStub(pool.get(address))
+        self.stub = ExecutorStub(pool.get(address), sign=lambda method, job_id: pool.keyring.metadata(address, method, job_id))
 
     def _call(self, method: Any, request: Any, what: str, timeout_s: float = CONTROL_TIMEOUT_S, *, attempts: int = 4) -> Any:
         return call_with_retry(method, request, peer=self.address, what=what, timeout_s=timeout_s, attempts=attempts)
@@ -151,7 +157,7 @@ class ExecutorClient:
         self._call(self.stub.Send, chunks, what, transfer_timeout_s(size))
         return size
 
-    def probe(self, size_bytes: int) -> tuple[float, epb.ProbeResponse]:
+    def probe(self, size_bytes: int, *, attempts: int = 4) -> tuple[float, epb.ProbeResponse]:
         """Send ``size_bytes`` of probe bytes through the tensor path; returns (seconds, answer)."""
         payload = torch.zeros(size_bytes, dtype=torch.uint8)
         header = pb.TransferHeader(kind=pb.TRANSFER_KIND_PROBE)
@@ -160,7 +166,7 @@ class ExecutorClient:
             return encode_transfer_wire(header, {"probe": payload}, chunk_bytes=self.pool.chunk_bytes)
 
         t0 = time.perf_counter()
-        response = self._call(self.stub.Probe, chunks, f"Probe({size_bytes} bytes)", transfer_timeout_s(size_bytes))
+        response = self._call(self.stub.Probe, chunks, f"Probe({size_bytes} bytes)", transfer_timeout_s(size_bytes), attempts=attempts)
         return time.perf_counter() - t0, response
 
     def set_state(self, job_id: str, stage_idx: int, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -31,7 +31,9 @@ from executor.compression import CutSetting, RatioController
 from executor.runtime import TARGET_NAME
 from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
 from fusion.config import JobSpec
-from fusion.errors import FusionError, RemoteError, StageError
+from executor.status import POISONED_SENDER_METADATA
+from fusion.auth import new_key, wrap_job_key
+from fusion.errors import FusionError, PoisonedInputError, RemoteError, StageError
 from fusion.graph.export import CapturedModel
 from fusion.graph.ir import ValueMeta
 from fusion.graph.split import DRIVER, StageSpec
@@ -123,6 +125,10 @@ class PipelineDriver:
         self._tied: dict[str, list[tuple[int, str]]] = {}
         self.cut_settings = {k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()}
         self.ratio_controller = ratio_controller
+        # A fresh key per job: stages prove it to each other on Send; it reaches each worker
+        # wrapped under that worker's control key (LoadStage.auth), never in clear.
+        self.job_key = new_key()
+        self.pool.keyring.set_job(job_id, self.job_key)
 
     # ------------------------------------------------------------- loading
     def load_request(self, spec: StageSpec) -> epb.LoadStageRequest:
@@ -157,6 +163,7 @@ class PipelineDriver:
             chunk_bytes=self.pool.chunk_bytes,
             micro_batch_weights=[1.0 / m] * m,
             cut_codecs=self._cut_codecs(spec.stage_idx),
+            auth=self._wrapped_job_key(self.addresses[spec.stage_idx]),
         )
 
     def _cut_codecs(self, stage_idx: int | None = None) -> list[epb.CutCodec]:
@@ -277,11 +284,28 @@ class PipelineDriver:
                     self.cut_settings[cut].keep_ratio = ratio
         return stats
 
+    def _wrapped_job_key(self, address: str) -> str:
+        control = self.pool.keyring.control(address)
+        return wrap_job_key(control, self.job_key) if control is not None else ""
+
+    def _poisoned(self, errors: list[tuple[int, BaseException]]) -> PoisonedInputError | None:
+        """The report of a stage that rejected a tensor, naming the stage that sent it."""
+        for receiver, e in errors:
+            sender = e.metadata.get(POISONED_SENDER_METADATA) if isinstance(e, RemoteError) else None
+            if sender is not None and sender.isdigit() and int(sender) < len(self.addresses):
+                s = int(sender)
+                reason = str(e).split("sent a poisoned tensor: ", 1)[-1]
+                return PoisonedInputError(s, f"{reason} (rejected by stage {receiver})", address=self.addresses[s])
+        return None
+
     def _root_cause(self, step: int, errors: list[tuple[int, BaseException]]) -> FusionError:
         """Prefer the stage that failed over the stages that were aborted because of it."""
         def secondary(e: BaseException) -> bool:
             return "aborted" in str(e).lower()
 
+        poisoned = self._poisoned(errors)
+        if poisoned is not None:
+            return poisoned
         stage_idx, error = sorted(errors, key=lambda se: secondary(se[1]))[0]
         if isinstance(error, RemoteError):
             return RemoteError(f"step {step} failed on stage {stage_idx} ({self.addresses[stage_idx]}): {error}", code=error.code, peer=error.peer)

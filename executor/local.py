@@ -27,6 +27,7 @@ from executor.client import ChannelPool
 from executor.compression import CutSetting, RatioController
 from executor.driver import PipelineDriver, StepStats
 from executor.server import READY_PREFIX
+from fusion.auth import new_key, process_keyring
 from fusion.config import JobSpec
 from fusion.errors import FusionError
 from fusion.graph.export import capture
@@ -61,6 +62,8 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.processes: list[subprocess.Popen[str]] = []
         self.addresses: list[str] = []
+        #: Control key of each executor (its calls are signed with it via the process keyring).
+        self.control_keys: list[bytes] = []
         self._log_dir = tempfile.TemporaryDirectory(prefix="fusion-workers-")
 
     def __enter__(self) -> LocalCluster:
@@ -80,11 +83,18 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *[p for p in sys.path if p], env.get("PYTHONPATH", "")])
         try:
             for i in range(self.num_workers):
+                # Each executor gets its own control key; this process signs its calls with it.
+                key = new_key()
+                self.control_keys.append(key)
+                key_file = Path(self._log_dir.name) / f"worker{i}.key"
+                key_file.touch(mode=0o600)
+                key_file.write_text(key.hex())
                 cmd = [
                     sys.executable, "-m", "executor.server",
                     "--listen", "127.0.0.1:0",
                     "--name", f"local-{i}",
                     "--torch-threads", str(self.torch_threads),
+                    "--control-key-file", str(key_file),
                     *(["--allow-code"] if self.allow_code else []),
                     *self.extra_args,
                 ]
@@ -93,6 +103,7 @@ class LocalCluster:
                 log.close()
             for i, proc in enumerate(self.processes):
                 self.addresses.append(f"127.0.0.1:{self._read_port(i, proc)}")
+                process_keyring().set_control(self.addresses[-1], self.control_keys[i])
         except BaseException:
             self.close()
             raise
@@ -128,8 +139,11 @@ class LocalCluster:
                 proc.wait(timeout=5)
             if proc.stdout is not None:
                 proc.stdout.close()
+        for address in self.addresses:
+            process_keyring().drop_control(address)
         self.processes.clear()
         self.addresses.clear()
+        self.control_keys.clear()
         self._log_dir.cleanup()
 
 

@@ -31,7 +31,8 @@ import torch
 from executor.compression import CutCompression
 from executor.schedule import Action, stage_actions
 from executor.transport import Transfer, dtype_from_wire, scalar_kind
-from fusion.errors import NotFoundError, StageError, StateError, WireError
+from executor.guard import Fault, InputGuard
+from fusion.errors import NotFoundError, PoisonedInputError, StageError, StateError, WireError
 from fusion.graph.split import DRIVER, StageSpec
 from fusion.wire import tensor_pb2 as pb
 
@@ -128,6 +129,8 @@ class StepResult:
     sent_s: dict[int, float] = field(default_factory=dict)
     dense_bytes: dict[int, int] = field(default_factory=dict)
     peak_memory_bytes: int = 0
+    poisoned: PoisonedInputError | None = None
+    """Set when the step failed because a peer sent a poisoned tensor."""
 
 
 #: Sends ``(dst_stage, header, tensors, scalars, encoded)`` asynchronously; the future gives
@@ -208,8 +211,14 @@ class StageRuntime:
         micro_batch_weights: list[float],
         step_timeout_s: float = 600.0,
         compression: CutCompression | None = None,
+        input_guard: InputGuard | None = None,
+        fault: Fault | None = None,
     ) -> None:
         self.job_id = job_id
+        #: Checks incoming activations/gradients for NaN/Inf and absurd norms (:mod:`executor.guard`).
+        self.input_guard = input_guard if input_guard is not None else InputGuard()
+        #: Test-only: corrupt what this stage sends (``--inject-fault``).
+        self.fault = fault
         self.spec = spec
         self.module = module
         self.expected = dict(expected)
@@ -282,6 +291,16 @@ class StageRuntime:
     def deliver(self, transfer: Transfer, tensors: Mapping[str, torch.Tensor]) -> None:
         """Deposit a validated transfer for the compute thread."""
         h = transfer.header
+        if h.src_stage_idx != DRIVER and h.kind in (pb.TRANSFER_KIND_ACTIVATION, pb.TRANSFER_KIND_GRADIENT):
+            try:
+                self.input_guard.check(h.kind, h.src_stage_idx, tensors)
+            except PoisonedInputError as e:
+                step = self._step
+                if step is not None and step.step == h.step and step.poisoned is None:
+                    step.poisoned = e
+                logger.warning("stage %d step %d: %s", self.spec.stage_idx, h.step, e)
+                self.mailbox.abort(str(e))
+                raise
         payload: Payload = dict(tensors)
         payload.update(transfer.scalars(self.device))
         self.mailbox.put((h.kind, h.micro_batch_idx, h.src_stage_idx), payload)
@@ -450,6 +469,8 @@ class StageRuntime:
                 else:
                     scalars[name] = value
             header = self._header(result, pb.TRANSFER_KIND_ACTIVATION, m, dst)
+            if self.fault is not None:
+                tensors = self.fault.corrupt("activations", result.step, tensors)
             raw, encoded, dense = self.compression.encode_activations(dst, m, tensors)
             sends.append(self._send_tracked(result, dst, header, raw, scalars, encoded, dense))
         return sends
@@ -488,6 +509,8 @@ class StageRuntime:
                 continue
             tensors_out = {n: leaves[n].grad for n in names if n in leaves and leaves[n].grad is not None}
             header = self._header(result, pb.TRANSFER_KIND_GRADIENT, m, src)
+            if self.fault is not None:
+                tensors_out = self.fault.corrupt("gradients", result.step, tensors_out)
             raw, encoded, dense = self.compression.encode_gradients(src, m, tensors_out)
             sends.append(self._send_tracked(result, src, header, raw, {}, encoded, dense))
         return sends

@@ -20,14 +20,17 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
 import torch
 
+from executor.access import ExecutorAccess
 from executor.binding import executor_handler
+from executor.guard import FAULT_HELP, Fault
 from executor.build import build_stage
 from executor.compression import CutCompression, CutSetting, decode_tensor
 from executor.client import ChannelPool, ExecutorClient
@@ -38,6 +41,7 @@ from fusion.errors import FusionError, NotFoundError, StateError, WireError
 from fusion.config import TrainSpec
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
+from fusion.tls import ServerTls, add_port, set_client_ca, warn_if_exposed
 from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb
 
@@ -47,6 +51,10 @@ logger = logging.getLogger(__name__)
 MAX_TRANSFER_BYTES = 8 << 30
 #: Largest link probe accepted.
 MAX_PROBE_BYTES = 256 << 20
+#: Most RPCs an executor serves at once; more are refused rather than queued.
+MAX_CONCURRENT_RPCS = 256
+#: Most peers one ProbeLinks call may measure.
+MAX_PROBE_TARGETS = 256
 #: Longest a WaitStep call blocks before answering "not done yet".
 MAX_WAIT_S = 30.0
 
@@ -59,6 +67,32 @@ def train_spec(text: str) -> TrainSpec:
         return TrainSpec.from_dict(json.loads(text or "{}"))
     except json.JSONDecodeError as e:
         raise WireError(f"malformed train_json: {e}") from e
+def check_probe_targets(addresses: Sequence[str]) -> list[str]:
+    """The distinct HOST:PORT addresses a ProbeLinks request names; ``WireError`` for junk."""
+    if len(addresses) > MAX_PROBE_TARGETS:
+        raise WireError(f"ProbeLinks names {len(addresses)} peers; at most {MAX_PROBE_TARGETS}")
+    out: list[str] = []
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(a) > 255 or not a.isascii() or not a.isprintable() or " " in a:
+            raise WireError(f"ProbeLinks target {a!r} is not HOST:PORT")
+        if a not in out:
+            out.append(a)
+    return out
+
+
+def parse_probe_keys(text: str) -> dict[str, tuple[int, bytes]]:
+    """``ProbeLinks.auth``: ``{"HOST:PORT": [expiry, "hex key"]}`` (JSON data, never code)."""
+    if not text:
+        return {}
+    try:
+        raw = json.loads(text)
+        keys = {str(a): (int(v[0]), bytes.fromhex(v[1])) for a, v in raw.items()}
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise WireError(f"malformed probe keys in ProbeLinks.auth: {e}") from e
+    return keys
+
+
 
 
 class PeerSender:
@@ -106,10 +140,17 @@ class PeerSender:
 class ExecutorService:
     """Hosts any number of stages, keyed by (job id, stage index)."""
 
-    def __init__(self, *, worker_name: str = "", allow_code: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self, *, worker_name: str = "", allow_code: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        access: ExecutorAccess | None = None, fault: Fault | None = None,
+    ) -> None:
         self.worker_name = worker_name
         self.allow_code = allow_code
         self.pool = ChannelPool(chunk_bytes=chunk_bytes)
+        #: Credentials and limits every RPC is checked against (:mod:`executor.access`).
+        self.access = access if access is not None else ExecutorAccess(keyring=self.pool.keyring)
+        #: Test-only fault injected into every stage loaded here (``--inject-fault``).
+        self.fault = fault
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._lock = threading.Lock()
@@ -133,6 +174,7 @@ class ExecutorService:
         if not request.job_id:
             raise WireError("LoadStage needs a job_id")
         built = build_stage(request, allow_code=self.allow_code)
+        self.access.add_job(request.job_id, request.auth)  # peers prove this job key to Send
         loss_fn = get_loss(request.loss or "cross_entropy") if built.spec.is_loss_stage else None
         params = list(built.module.parameters())
         optimizer = build_optimizer(built.train, params)
@@ -157,6 +199,7 @@ class ExecutorService:
             send=sender,
             micro_batch_weights=weights,
             compression=compression,
+            fault=self.fault,
         )
         key = (request.job_id, request.stage_idx)
         with self._lock:
@@ -229,6 +272,8 @@ class ExecutorService:
         result = runtime.wait_step(request.step, min(max(request.timeout_s, 0.0), MAX_WAIT_S))
         if result is None:
             return epb.WaitStepResponse(done=False)
+        if result.poisoned is not None:
+            raise result.poisoned
         if result.error is not None:
             raise StateError(result.error)
         return epb.WaitStepResponse(
@@ -301,12 +346,15 @@ class ExecutorService:
         if any(s <= 0 or s > MAX_PROBE_BYTES for s in sizes):
             raise WireError(f"probe sizes must be in 1..{MAX_PROBE_BYTES} bytes")
         repeats = max(1, min(int(request.repeats or 3), 20))
+        addresses = check_probe_targets(request.addresses)
+        for address, (expiry, key) in parse_probe_keys(request.auth).items():
+            self.pool.keyring.set_probe(address, expiry, key)
         out = epb.ProbeLinksResponse()
-        for address in request.addresses:
+        for address in addresses:
             client = ExecutorClient(address, self.pool)
             try:
                 samples = []
-                client.probe(sizes[0])  # warm the channel: connection set-up is not the link
+                client.probe(sizes[0], attempts=1)  # warm the channel: connection set-up is not the link
                 for size in sizes:
                     best = min(client.probe(size)[0] for _ in range(repeats))
                     samples.append((size, best))
@@ -343,15 +391,19 @@ def start_server(
     *,
     max_workers: int = 32,
     server: grpc.Server | None = None,
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Start (or add to) a gRPC server for ``service`` on ``listen``; returns it and its port."""
+    """Start (or add to) a gRPC server for ``service`` on ``listen`` (TLS when ``tls`` is
+    given); returns it and its port."""
     if server is None:
         server = grpc.server(
             ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
             options=grpc_message_options(service.pool.chunk_bytes),
+            # Calls beyond this are refused (RESOURCE_EXHAUSTED) instead of queueing without bound.
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
         server.add_generic_rpc_handlers((executor_handler(service),))
-        port = server.add_insecure_port(listen)
+        port = add_port(server, listen, tls)
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
         server.start()
@@ -372,12 +424,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transfer chunk size")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--control-key-file", default=None, help="file holding the hex control key callers must prove (without it every call is refused)")
+    parser.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM)")
+    parser.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
+    parser.add_argument("--tls-ca", default=None, help="CA bundle to verify peer executors with (TLS to peers)")
+    parser.add_argument("--auth-failure-burst", type=float, default=30.0, help="failed authentications per peer IP before it is refused for a while (default: %(default)s)")
+    parser.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    service = ExecutorService(worker_name=args.name, allow_code=args.allow_code, chunk_bytes=args.chunk_bytes)
-    server, port = start_server(service, args.listen)
+    tls = ServerTls.from_files(args.tls_cert, args.tls_key)
+    if args.tls_ca:
+        set_client_ca(args.tls_ca)
+    warn_if_exposed(args.listen.rpartition(":")[0], tls, "the executor")
+    control = bytes.fromhex(Path(args.control_key_file).read_text().strip()) if args.control_key_file else None
+    service = ExecutorService(worker_name=args.name, allow_code=args.allow_code, chunk_bytes=args.chunk_bytes, fault=Fault.parse(args.inject_fault))
+    service.access = ExecutorAccess(keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst)
+    server, port = start_server(service, args.listen, tls=tls)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -24,6 +24,8 @@ from fusion.errors import (
     GraphExportError,
     NotFoundError,
     PlanError,
+    PoisonedInputError,
+    RateLimitError,
     RemoteError,
     SplitError,
     StageError,
@@ -34,9 +36,11 @@ from fusion.errors import (
 logger = logging.getLogger(__name__)
 
 _CODES: list[tuple[type[FusionError], grpc.StatusCode]] = [
+    (RateLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (WireError, grpc.StatusCode.INVALID_ARGUMENT),
+    (PoisonedInputError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (GraphExportError, grpc.StatusCode.FAILED_PRECONDITION),
     (SplitError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -45,6 +49,9 @@ _CODES: list[tuple[type[FusionError], grpc.StatusCode]] = [
     (StageError, grpc.StatusCode.INTERNAL),
     (RemoteError, grpc.StatusCode.UNAVAILABLE),
 ]
+#: Trailing metadata naming the stage that sent a tensor a stage rejected as poisoned.
+POISONED_SENDER_METADATA = "fusion-poisoned-sender"
+
 
 #: Codes worth retrying: the peer may be back in a moment.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -74,6 +81,8 @@ def rpc_errors(method: F) -> F:
         except FusionError as e:
             code = status_code_of(e)
             logger.info("%s refused: %s (%s)", method.__name__, e, code.name)
+            if isinstance(e, PoisonedInputError):
+                context.set_trailing_metadata(((POISONED_SENDER_METADATA, str(e.sender_stage)),))
             context.abort(code, f"{type(e).__name__}: {e}")
         except Exception as e:
             if isinstance(e, grpc.RpcError) and hasattr(context, "_state") and context.code() is not None:
@@ -89,7 +98,9 @@ def remote_error(e: grpc.RpcError, *, peer: str, what: str) -> RemoteError:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
     name = code.name if code is not None else None
-    return RemoteError(f"{what} on {peer} failed with {name}: {details}", code=name, peer=peer)
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    metadata = {str(k): v if isinstance(v, str) else bytes(v).decode(errors="replace") for k, v in (trailing or ())}
+    return RemoteError(f"{what} on {peer} failed with {name}: {details}", code=name, peer=peer, metadata=metadata)
 
 
 def call_with_retry(

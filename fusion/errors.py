@@ -43,12 +43,17 @@ class RemoteError(FusionError):
     Attributes:
         code: the gRPC status code name (e.g. ``"UNAVAILABLE"``), or ``None`` if unknown.
         peer: the address of the peer, when known.
+        metadata: trailing metadata of the failed call (structured details, e.g. which
+            stage sent a poisoned tensor).
     """
 
-    def __init__(self, message: str, *, code: str | None = None, peer: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, peer: str | None = None, metadata: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.peer = peer
+        self.metadata = dict(metadata or {})
 
 
 class StageError(FusionError):
@@ -63,5 +68,29 @@ class StateError(FusionError):
     """A request does not fit the current state (wrong step, stage not loaded, job aborted)."""
 
 
+
+
 class AuthError(FusionError):
     """A peer did not prove it belongs to the job (wrong or missing token)."""
+
+
+class RateLimitError(FusionError):
+    """A peer sent too many requests (registrations, failed authentications, open streams)."""
+
+
+class PoisonedInputError(FusionError):
+    """A stage rejected an incoming activation or gradient: NaN/Inf, or a norm far outside
+    the running statistics of its link. The sender is suspect; the coordinator may exclude it.
+
+    Attributes:
+        sender_stage: index of the stage that sent the tensor.
+        reason: what was wrong with it.
+        address: the sending worker's address, when known.
+    """
+
+    def __init__(self, sender_stage: int, reason: str, *, address: str | None = None) -> None:
+        where = f" ({address})" if address else ""
+        super().__init__(f"stage {sender_stage}{where} sent a poisoned tensor: {reason}")
+        self.sender_stage = sender_stage
+        self.reason = reason
+        self.address = address

@@ -16,10 +16,13 @@ import time
 import grpc
 import torch
 
+from executor.guard import Fault
 from executor.server import ExecutorService, start_server
+from fusion.auth import control_key
 from fusion.coordinator.client import CoordinatorClient
 from fusion.errors import AuthError, FusionError, RemoteError
 from fusion.profiling import DeviceProfile, measure_device
+from fusion.tls import ServerTls
 from fusion.wire import coordinator_pb2 as cpb
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,8 @@ class Worker:
         device: str = "cpu",
         allow_code: bool = False,
         register_timeout_s: float = 60.0,
+        tls: ServerTls | None = None,
+        fault: Fault | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.name = name
@@ -76,7 +81,8 @@ class Worker:
         self.register_timeout_s = register_timeout_s
         self._token = token
         self.client = CoordinatorClient(coordinator, token)
-        self.service = ExecutorService(worker_name=name, allow_code=allow_code)
+        self.tls = tls
+        self.service = ExecutorService(worker_name=name, allow_code=allow_code, fault=fault)
         self.server: grpc.Server | None = None
         self.address = ""
         self.worker_id = ""
@@ -88,7 +94,7 @@ class Worker:
     def start(self) -> None:
         """Measure, serve, register (waiting for the coordinator), start heart-beating."""
         self.profile = measure_device(self.device)
-        self.server, port = start_server(self.service, self.listen)
+        self.server, port = start_server(self.service, self.listen, tls=self.tls)
         self.address = self.advertise or advertised_address(self.listen, port, self.coordinator)
         self._register(wait_s=self.register_timeout_s)
         self._thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
@@ -110,8 +116,10 @@ class Worker:
                 time.sleep(1.0)
         self.worker_id = response.worker_id
         self.heartbeat_interval_s = response.heartbeat_interval_s or 2.0
-        # Later calls prove membership with the session credential, not the token.
+        # Later calls prove membership with the session credential, not the token; the
+        # coordinator's calls to this worker's executor prove the key derived from it.
         self.client.credential = response.session
+        self.service.access.set_control_key(control_key(response.session))
         logger.info("registered with %s as %s (%s), serving on %s", self.coordinator, self.name, self.worker_id, self.address)
 
     def _heartbeats(self) -> None:

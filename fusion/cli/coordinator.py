@@ -15,6 +15,7 @@ from fusion.cli.env import add_log_arg, resolve_token, run_cli, setup_logging
 from fusion.coordinator.service import CoordinatorService, start_coordinator_server
 from fusion.coordinator.store import Store
 from fusion.errors import ConfigError
+from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between worker heartbeats (default: %(default)s)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker is declared gone (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="device stages run on (cpu, cuda, cuda:N; default: %(default)s)")
+    p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM)")
+    p.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA bundle that signed the workers' executor certificates (TLS to workers)")
+    p.add_argument("--register-burst", type=float, default=32.0, help="registrations one IP may make at once (default: %(default)s)")
+    p.add_argument("--registers-per-s", type=float, default=2.0, help="sustained registrations per second per IP (default: %(default)s)")
+    p.add_argument("--auth-failure-burst", type=float, default=30.0, help="failed authentications per IP before it is refused for a while (default: %(default)s)")
+    p.add_argument("--auth-failures-per-s", type=float, default=0.5, help="failed authentications per second per IP tolerated after the burst (default: %(default)s)")
     add_log_arg(p)
     return p
 
@@ -59,12 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         state_dir = Path(args.state_dir).expanduser().resolve()
         state_dir.mkdir(parents=True, exist_ok=True)
         token = _token(args, state_dir)
-        if args.host not in ("127.0.0.1", "localhost", "::1"):
-            print(
-                f"WARNING: listening on {args.host} without TLS: tokens and tensors cross the network in clear text",
-                file=sys.stderr,
-                flush=True,
-            )
+        tls = ServerTls.from_files(args.tls_cert, args.tls_key)
+        if args.tls_ca:
+            set_client_ca(args.tls_ca)
+        warn_if_exposed(args.host, tls, "the coordinator")
         if args.port < 0 or args.port > 65535:
             raise ConfigError(f"--port must be in 0..65535, got {args.port}")
         store = Store(state_dir / STATE_DB)
@@ -74,9 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             device=args.device,
+            register_burst=args.register_burst,
+            registers_per_s=args.registers_per_s,
+            auth_failure_burst=args.auth_failure_burst,
+            auth_failures_per_s=args.auth_failures_per_s,
         )
         try:
-            server, port = start_coordinator_server(service, args.host, args.port)
+            server, port = start_coordinator_server(service, args.host, args.port, tls=tls)
         except OSError as e:
             raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from e
         stop = threading.Event()

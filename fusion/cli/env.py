@@ -3,6 +3,7 @@
 - ``FUSION_COORDINATOR``: default ``--coordinator`` (HOST:PORT) for ``fusion`` and ``fusion-worker``.
 - ``FUSION_TOKEN``: default ``--token``.
 - ``FUSION_LOG_LEVEL``: default ``--log-level`` (``WARNING``).
+- ``FUSION_TLS_CA``: default ``--tls-ca`` of ``fusion`` (CA bundle; turns TLS on).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def env_coordinator() -> str:
 
 def env_token() -> str | None:
     return os.environ.get("FUSION_TOKEN") or None
+
+
+def env_tls_ca() -> str | None:
+    return os.environ.get("FUSION_TLS_CA") or None
 
 
 def env_log_level() -> str:

@@ -20,15 +20,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
+from fusion.cli.env import add_connection_args, add_log_arg, env_tls_ca, resolve_token, run_cli, setup_logging
 from fusion.config import JobSpec, OutputSpec, load_job
 from fusion.errors import ConfigError, FusionError
 from fusion.coordinator.client import CoordinatorClient
+from fusion.tls import set_client_ca
 
 
 def _client(args: argparse.Namespace) -> CoordinatorClient:
     token = resolve_token(args.token, args.token_file)
     assert token is not None
+    if getattr(args, "tls_ca", None):
+        set_client_ca(args.tls_ca)
     return CoordinatorClient(args.coordinator, token)
 
 
@@ -226,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         if connect:
             add_connection_args(sp)
+            sp.add_argument("--tls-ca", default=env_tls_ca(), help="CA bundle that signed the coordinator's certificate: talk TLS (default: $FUSION_TLS_CA)")
         add_log_arg(sp)
         return sp
 

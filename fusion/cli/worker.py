@@ -13,7 +13,9 @@ import threading
 import torch
 
 from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
+from executor.guard import FAULT_HELP, Fault
 from fusion.errors import AuthError
+from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 from fusion.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default=None, help="HOST:PORT peers should dial, if not the listen address (NAT, containers)")
     p.add_argument("--allow-code", action="store_true", help="allow job owners' own model code (module:factory); built-in models need no flag")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--tls-cert", default=None, help="serve this worker's executor with TLS: certificate chain (PEM) valid for the advertised address")
+    p.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA bundle that signed the coordinator's and the peers' certificates (turns TLS on for every call this worker makes)")
+    p.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
     add_log_arg(p)
     return p
 
@@ -43,9 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         assert token is not None
         if args.torch_threads > 0:
             torch.set_num_threads(args.torch_threads)
+        tls = ServerTls.from_files(args.tls_cert, args.tls_key)
+        if args.tls_ca:
+            set_client_ca(args.tls_ca)
+        warn_if_exposed(args.listen.rpartition(":")[0], tls, "this worker's executor")
         worker = Worker(
             coordinator=args.coordinator, token=token, name=args.name, listen=args.listen,
             advertise=args.advertise, device=args.device, allow_code=args.allow_code,
+            tls=tls, fault=Fault.parse(args.inject_fault),
         )
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

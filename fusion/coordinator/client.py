@@ -6,10 +6,9 @@ import json
 import logging
 from typing import Any
 
-import grpc
-
 from executor.status import call_with_retry
 from fusion.config import JobSpec
+from fusion.tls import open_channel
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import coordinator_pb2_grpc as cgrpc
 
@@ -26,7 +25,7 @@ class CoordinatorClient:
         self.address = address
         self.credential = credential
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address)
+        self.channel = open_channel(address)  # TLS when the process has a CA (fusion.tls)
         self.stub = cgrpc.CoordinatorStub(self.channel)
 
     def close(self) -> None:
@@ -38,13 +37,13 @@ class CoordinatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, what: str, *, attempts: int = 4) -> Any:
+    def _call(self, method: Any, request: Any, what: str, *, attempts: int = 4, timeout_s: float | None = None) -> Any:
         metadata = ((AUTH_METADATA, self.credential),)
 
         def call(req: Any, timeout: float) -> Any:
             return method(req, timeout=timeout, metadata=metadata)
 
-        return call_with_retry(call, request, peer=self.address, what=what, timeout_s=self.timeout_s, attempts=attempts)
+        return call_with_retry(call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts)
 
     # ------------------------------------------------------------- workers
     def register(self, name: str, address: str, resources: cpb.WorkerResources) -> cpb.RegisterResponse:
@@ -54,7 +53,8 @@ class CoordinatorClient:
         return bool(self._call(self.stub.Heartbeat, cpb.HeartbeatRequest(worker_id=worker_id), "Heartbeat", attempts=1).known)
 
     def deregister(self, worker_id: str, reason: str) -> None:
-        self._call(self.stub.Deregister, cpb.DeregisterRequest(worker_id=worker_id, reason=reason), "Deregister", attempts=2)
+        # Long deadline: the coordinator answers once the worker's jobs have handed its state off.
+        self._call(self.stub.Deregister, cpb.DeregisterRequest(worker_id=worker_id, reason=reason), "Deregister", attempts=2, timeout_s=150.0)
 
     def workers(self) -> list[cpb.WorkerInfo]:
         return list(self._call(self.stub.ListWorkers, cpb.ListWorkersRequest(), "ListWorkers").workers)

@@ -29,6 +29,7 @@ from typing import Any
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.driver import value_spec
+from fusion.auth import PROBE_KEY_TTL_S, probe_key
 from fusion.config import JobSpec
 from fusion.errors import FusionError, RemoteError
 from fusion.graph.ir import OpDag
@@ -148,6 +149,18 @@ def costed_dag(dag: OpDag, profile: ModelProfile) -> OpDag:
     return dag.with_profile(nodes, reference_flops=profile.matmul_flops)
 
 
+def probe_keys_for(addresses: Sequence[str], pool: ChannelPool) -> str:
+    """``ProbeLinks.auth``: a short-lived probe key for each target whose control key this
+    process holds, so the prober may call the target's ``Probe`` and nothing else."""
+    expiry = int(time.time()) + PROBE_KEY_TTL_S
+    keys = {}
+    for address in addresses:
+        control = pool.keyring.control(address)
+        if control is not None:
+            keys[address] = [expiry, probe_key(control, expiry).hex()]
+    return json.dumps(keys)
+
+
 def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = PROBE_SIZES) -> tuple[list[list[float]], list[list[float]]]:
     """(latency_s, bandwidth_bytes_per_s) matrices between ``workers``, measured both ways."""
     n = len(workers)
@@ -159,7 +172,7 @@ def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequen
         if not others:
             return
         client = ExecutorClient(workers[i].address, pool)
-        request = epb.ProbeLinksRequest(addresses=others, sizes_bytes=list(sizes), repeats=5)
+        request = epb.ProbeLinksRequest(addresses=others, sizes_bytes=list(sizes), repeats=5, auth=probe_keys_for(others, pool))
         response = client._call(client.stub.ProbeLinks, request, "ProbeLinks", 120.0 + 5.0 * len(others))
         by_address = {f.address: f for f in response.links}
         for j, w in enumerate(workers):

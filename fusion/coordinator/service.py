@@ -36,8 +36,10 @@ from executor.status import rpc_errors
 from fusion.config import JobSpec
 from fusion.coordinator.planning import LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
-from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store
-from fusion.errors import AuthError, ConfigError, WireError
+from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
+from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
+from fusion.errors import AuthError, ConfigError, RateLimitError, WireError
+from fusion.tls import ServerTls, add_port
 from fusion.wire import coordinator_pb2 as cpb
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,10 @@ class CoordinatorService:
         heartbeat_interval_s: float = 2.0,
         heartbeat_timeout_s: float = 10.0,
         device: str = "cpu",
+        register_burst: float = 32.0,
+        registers_per_s: float = 2.0,
+        auth_failure_burst: float = 30.0,
+        auth_failures_per_s: float = 0.5,
     ) -> None:
         if not token:
             raise ConfigError("the coordinator needs a non-empty token")
@@ -96,7 +102,13 @@ class CoordinatorService:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.device = device
-        self.pool = ChannelPool()
+        # Calls to workers' executors are signed with each worker's control key, derived
+        # from its stored session hash (so it survives a coordinator restart).
+        self.pool = ChannelPool(keyring=KeyRing(resolve_control=self._control_key_of))
+        #: Registrations per peer IP, and failed authentications per peer IP (a peer that
+        #: exhausts the latter is refused everything for a while: no online token guessing).
+        self.register_limit = RateLimiter(burst=register_burst, per_s=registers_per_s)
+        self.auth_failures = RateLimiter(burst=auth_failure_burst, per_s=auth_failures_per_s)
         self.profiles = ProfileCache(load=store.get_profile, store=store.put_profile)
         self.links = LinkTable()
         self._runners: dict[str, JobRunner] = {}
@@ -126,25 +138,47 @@ class CoordinatorService:
         self.pool.close()
 
     # ------------------------------------------------------------- auth
+    def _control_key_of(self, address: str) -> bytes | None:
+        """The control key of the live worker serving at ``address`` (newest registration)."""
+        rows = [w for w in self.store.workers("idle", "busy") if w.address == address]
+        if not rows:
+            return None
+        return control_key_from_hash(max(rows, key=lambda w: w.registered_at).session_hash)
+
+    def _refuse_flooders(self, context: grpc.ServicerContext) -> str:
+        host = peer_host(context.peer() or "")
+        if self.auth_failures.exhausted(host):
+            raise RateLimitError(f"too many failed authentications from {host}; try again later")
+        return host
+
+    def _failed(self, host: str, error: AuthError) -> AuthError:
+        self.auth_failures.allow(host)
+        return error
+
     def _check_owner(self, context: grpc.ServicerContext) -> None:
+        host = self._refuse_flooders(context)
         if not hmac.compare_digest(_credential(context).encode(), self._token.encode()):
-            raise AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN")
+            raise self._failed(host, AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN"))
 
     def _check_worker(self, context: grpc.ServicerContext, worker_id: str) -> None:
+        host = self._refuse_flooders(context)
         from fusion.errors import NotFoundError
 
         try:
             row = self.store.worker(worker_id)
         except NotFoundError:
-            raise AuthError(f"unknown worker {worker_id!r}: register first") from None
+            raise self._failed(host, AuthError(f"unknown worker {worker_id!r}: register first")) from None
         if not hmac.compare_digest(_hash(_credential(context)), row.session_hash):
-            raise AuthError(f"wrong session credential for worker {worker_id!r}")
+            raise self._failed(host, AuthError(f"wrong session credential for worker {worker_id!r}"))
 
     # ------------------------------------------------------------- workers
     @rpc_errors
     def Register(self, request: cpb.RegisterRequest, context: grpc.ServicerContext) -> cpb.RegisterResponse:
         self._check_owner(context)
-        if not request.address or ":" not in request.address:
+        host = peer_host(context.peer() or "")
+        if not self.register_limit.allow(host):
+            raise RateLimitError(f"too many registrations from {host}; retry in a few seconds")
+        if not request.address or ":" not in request.address or len(request.address) > 255 or len(request.name) > 255:
             raise WireError(f"register needs the worker's executor address as HOST:PORT, got {request.address!r}")
         name = request.name or request.address
         worker_id = f"w-{uuid.uuid4().hex[:10]}"
@@ -333,15 +367,48 @@ def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:
     return f"{stamp} {record.get('event', kind)}: {record.get('message', '')}"
 
 
-def start_coordinator_server(service: CoordinatorService, host: str, port: int) -> tuple[grpc.Server, int]:
-    """Serve ``service`` on ``host:port`` (port 0 picks a free one)."""
+#: Largest request the coordinator reads (a job spec, a worker's resources): 4 MiB.
+MAX_MESSAGE_BYTES = 4 << 20
+#: Most calls in flight; more are refused (RESOURCE_EXHAUSTED) rather than queued.
+MAX_CONCURRENT_RPCS = 512
+
+
+def coordinator_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
+    """The Coordinator's methods, with requests that do not parse answered INVALID_ARGUMENT
+    (gRPC's own deserialisation failure would say INTERNAL)."""
+    from google.protobuf import message_factory
+
+    from executor.access import Malformed, lenient
+
+    desc = cpb.DESCRIPTOR.services_by_name["Coordinator"]
+    handlers = {}
+    for method in desc.methods:
+        fn = getattr(service, method.name)
+
+        def checked(request: Any, context: grpc.ServicerContext, fn: Any = fn, name: str = method.name) -> Any:
+            if isinstance(request, Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {name} request: {request.reason}")
+            return fn(request, context)
+
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            checked,
+            request_deserializer=lenient(message_factory.GetMessageClass(method.input_type).FromString),
+            response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(desc.full_name, handlers)
+
+
+def start_coordinator_server(service: CoordinatorService, host: str, port: int, *, tls: ServerTls | None = None) -> tuple[grpc.Server, int]:
+    """Serve ``service`` on ``host:port`` (port 0 picks a free one), with TLS when given."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fusion.wire import coordinator_pb2_grpc as cgrpc
-
-    server = grpc.server(ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
-    cgrpc.add_CoordinatorServicer_to_server(service, server)  # type: ignore[arg-type]
-    bound = server.add_insecure_port(f"{host}:{port}")
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"),
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", 64 << 20)],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+    )
+    server.add_generic_rpc_handlers((coordinator_handler(service),))
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()

@@ -73,6 +73,11 @@ def stage1_input(driver: PipelineDriver) -> tuple[str, torch.Tensor]:
     raise AssertionError("stage 1 has no tensor input")
 
 
+def auth(driver: PipelineDriver, method: str) -> tuple[tuple[str, str], ...]:
+    """Credentials for a hand-made call to stage 1's worker (the executor refuses calls without)."""
+    return driver.pool.keyring.metadata(driver.addresses[1], method, driver.job_id)
+
+
 def activation_header(driver: PipelineDriver, **overrides: object) -> pb.TransferHeader:
     fields = {"job_id": driver.job_id, "stage_idx": 1, "src_stage_idx": 0, "step": 0, "micro_batch_idx": 0,
               "kind": pb.TRANSFER_KIND_ACTIVATION}
@@ -149,13 +154,13 @@ def test_oversized_message(driver: PipelineDriver) -> None:
     header.tensors.append(pb.TensorMeta(name=name, dtype=pb.DTYPE_UINT8, shape=[CHUNK_BYTES * 3], size_bytes=CHUNK_BYTES * 3))
     chunk = pb.TensorChunk(header=header, data=b"\0" * (CHUNK_BYTES + HEADER_ALLOWANCE_BYTES + 1))
     with pytest.raises(grpc.RpcError) as info:
-        send(iter([chunk]), timeout=30)
+        send(iter([chunk]), timeout=30, metadata=auth(driver, "Send"))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # A header that declares more than the limit is refused before any payload is read.
     huge = activation_header(driver)
     huge.tensors.append(pb.TensorMeta(name=name, dtype=pb.DTYPE_FLOAT32, shape=[1 << 40], size_bytes=4 << 40))
     with pytest.raises(grpc.RpcError) as info:
-        send(iter([pb.TensorChunk(header=huge)]), timeout=30)
+        send(iter([pb.TensorChunk(header=huge)]), timeout=30, metadata=auth(driver, "Send"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "limit" in info.value.details()
 
@@ -165,17 +170,17 @@ def test_malformed_bytes(driver: PipelineDriver) -> None:
     for method in ("Send", "SetState"):
         raw = channel.stream_unary(f"/fusion.wire.Executor/{method}", request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as info:
-            raw(iter([b"\xff\xfe\x00garbage", b"\x0a\xff\xff\xff\xff"]), timeout=30)
+            raw(iter([b"\xff\xfe\x00garbage", b"\x0a\xff\xff\xff\xff"]), timeout=30, metadata=auth(driver, method))
         assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
     unary = channel.unary_unary("/fusion.wire.Executor/LoadStage", request_serializer=None, response_deserializer=None)
     with pytest.raises(grpc.RpcError):
-        unary(b"\x12\xff\xff\xff", timeout=30)
+        unary(b"\x12\xff\xff\xff", timeout=30, metadata=auth(driver, "LoadStage"))
     # Truncated transfer: the header promises more bytes than arrive.
     header = activation_header(driver)
     header.tensors.extend(tensor_meta(n, t) for n, t in full_activation(driver).items())
     send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
     with pytest.raises(grpc.RpcError) as info:
-        send(iter([pb.TensorChunk(header=header, data=b"\0" * 3)]), timeout=30)
+        send(iter([pb.TensorChunk(header=header, data=b"\0" * 3)]), timeout=30, metadata=auth(driver, "Send"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "declared" in info.value.details()
 
@@ -196,7 +201,7 @@ def test_malformed_compressed_tensor(driver: PipelineDriver) -> None:
             payload += t.numpy().tobytes()
         header.tensors.append(meta)
     with pytest.raises(grpc.RpcError) as info:
-        send(iter([pb.TensorChunk(header=header, data=payload)]), timeout=30)
+        send(iter([pb.TensorChunk(header=header, data=payload)]), timeout=30, metadata=auth(driver, "Send"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "CompressionError" in info.value.details()
 

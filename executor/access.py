@@ -1,0 +1,278 @@
+"""Who may call which Executor RPC, checked before a handler reads its request.
+
+Every call must carry a ``fusion-auth`` credential (:mod:`fusion.auth`) proving one of:
+
+- the worker's **control key** (only the coordinator, or whoever started a bare executor,
+  holds it): every RPC;
+- the **job key** of the job the request names: ``Send`` (peers deliver activations and
+  gradients) and RPCs this table does not list (new job-scoped RPCs: the request's
+  ``job_id`` must match the key's job);
+- a **probe key** the coordinator handed out for this worker: ``Probe`` only.
+
+Before the credential is even parsed, a peer whose failed attempts exhausted its budget
+(:class:`~fusion.auth.RateLimiter`, per IP) is refused with ``RESOURCE_EXHAUSTED``. A
+call must have a deadline no longer than :data:`MAX_CALL_S`, and one peer may hold at most
+``max_streams_per_peer`` streaming calls at once: a slow or silent peer cannot pin the
+server's threads for ever. A request that does not parse is answered
+``INVALID_ARGUMENT`` (gRPC's own deserialisation failure would say ``INTERNAL``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from fusion.auth import (
+    SCHEME_CONTROL,
+    SCHEME_JOB,
+    SCHEME_PROBE,
+    Claim,
+    KeyRing,
+    NonceCache,
+    RateLimiter,
+    metadata_value,
+    parse,
+    peer_host,
+    probe_key,
+    unwrap_job_key,
+    verify,
+)
+from fusion.errors import AuthError, RateLimitError, WireError
+
+logger = logging.getLogger(__name__)
+
+#: Longest deadline a call may ask for: a transfer of the 8 GiB limit at 8 Mbps.
+MAX_CALL_S = 3 * 3600.0
+
+#: Credentials each RPC accepts; unlisted RPCs accept the control key or the job key.
+POLICY: dict[str, frozenset[str]] = {
+    **{
+        m: frozenset({SCHEME_CONTROL})
+        for m in (
+            "LoadStage", "SetState", "GetState", "RunStep", "WaitStep", "ApplyStep", "Abort", "UnloadJob",
+            "Ping", "ProfileModel", "ProbeLinks",
+        )
+    },
+    "Send": frozenset({SCHEME_JOB, SCHEME_CONTROL}),
+    "Probe": frozenset({SCHEME_PROBE, SCHEME_CONTROL}),
+}
+DEFAULT_POLICY = frozenset({SCHEME_CONTROL, SCHEME_JOB})
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Stands in for a request (or chunk) that did not deserialise."""
+
+    reason: str
+
+
+def lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A deserialiser that returns :class:`Malformed` instead of raising."""
+
+    def run(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as e:  # protobuf's DecodeError, WireError from parse_chunk, ...
+            return Malformed(f"{type(e).__name__}: {e}")
+
+    return run
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who an authenticated call is from: a credential scheme and its scope."""
+
+    scheme: str
+    scope: str
+
+
+class ExecutorAccess:
+    """The executor's keys, replay cache and limits."""
+
+    def __init__(
+        self,
+        *,
+        keyring: KeyRing,
+        control_key: bytes | None = None,
+        failure_burst: float = 30.0,
+        failures_per_s: float = 0.5,
+        max_streams_per_peer: int = 64,
+    ) -> None:
+        self.keyring = keyring
+        self._control_key = control_key
+        self.nonces = NonceCache()
+        self.failures = RateLimiter(burst=failure_burst, per_s=failures_per_s)
+        self.max_streams_per_peer = max_streams_per_peer
+        self._streams: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.num_refused = 0
+
+    def set_control_key(self, key: bytes | None) -> None:
+        """Install (or replace, after re-registering) the worker's control key."""
+        with self._lock:
+            self._control_key = key
+
+    @property
+    def control_key(self) -> bytes | None:
+        with self._lock:
+            return self._control_key
+
+    def add_job(self, job_id: str, wrapped: str) -> None:
+        """Accept the job key delivered (wrapped) in a LoadStage request."""
+        control = self.control_key
+        if control is None:
+            raise AuthError("this executor has no control key yet")
+        key = unwrap_job_key(control, wrapped)
+        existing = self.keyring.job(job_id)
+        if existing is not None and existing != key:
+            logger.info("job %s gets a new job key", job_id)
+        self.keyring.set_job(job_id, key)
+
+    def drop_job(self, job_id: str) -> None:
+        self.keyring.drop_job(job_id)
+
+    # ------------------------------------------------------------- checks
+    def _key_for(self, claim: Claim) -> bytes:
+        if claim.scheme == SCHEME_CONTROL:
+            key = self.control_key
+            if key is None:
+                raise AuthError("this executor has no control key yet (not registered with a coordinator)")
+            return key
+        if claim.scheme == SCHEME_JOB:
+            key = self.keyring.job(claim.scope)
+            if key is None:
+                raise AuthError(f"no job {claim.scope!r} is loaded here; its job key is unknown")
+            return key
+        control = self.control_key
+        if control is None:
+            raise AuthError("this executor has no control key yet")
+        if not claim.scope.isdigit() or int(claim.scope) < time.time():
+            raise AuthError("probe key expired")
+        return probe_key(control, int(claim.scope))
+
+    def authenticate(self, method: str, context: grpc.ServicerContext) -> Principal:
+        """Check the call's credential and deadline; ``AuthError``/``WireError`` otherwise."""
+        host = peer_host(context.peer() or "")
+        if self.failures.exhausted(host):
+            raise RateLimitError(f"too many failed authentications from {host}; try again later")
+        try:
+            claim = parse(metadata_value(context.invocation_metadata()))
+            allowed = POLICY.get(method, DEFAULT_POLICY)
+            if claim.scheme not in allowed:
+                raise AuthError(f"{method} does not accept a {claim.scheme} credential (needs {'/'.join(sorted(allowed))})")
+            verify(claim, self._key_for(claim), method=method, nonces=self.nonces)
+        except AuthError:
+            self.failures.allow(host)
+            with self._lock:
+                self.num_refused += 1
+            raise
+        remaining = context.time_remaining()
+        if remaining is None or remaining > MAX_CALL_S:
+            raise WireError(f"{method} needs a deadline of at most {MAX_CALL_S:.0f}s")
+        return Principal(scheme=claim.scheme, scope=claim.scope)
+
+    @staticmethod
+    def check_scope(principal: Principal, method: str, job_id: str | None) -> None:
+        """A job credential only reaches its own job."""
+        if principal.scheme != SCHEME_JOB:
+            return
+        if job_id is None:
+            raise AuthError(f"{method} names no job; a job credential cannot call it")
+        if job_id != principal.scope:
+            raise AuthError(f"a credential of job {principal.scope!r} cannot reach job {job_id!r}")
+
+    def stream_slot(self, host: str) -> _StreamSlot:
+        return _StreamSlot(self, host)
+
+
+class _StreamSlot:
+    """Counts one streaming call of a peer; refuses past the per-peer bound."""
+
+    def __init__(self, access: ExecutorAccess, host: str) -> None:
+        self.access = access
+        self.host = host
+
+    def __enter__(self) -> None:
+        with self.access._lock:
+            n = self.access._streams.get(self.host, 0)
+            if n >= self.access.max_streams_per_peer:
+                raise RateLimitError(f"{self.host} already has {n} streaming calls open")
+            self.access._streams[self.host] = n + 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.access._lock:
+            n = self.access._streams.get(self.host, 1) - 1
+            if n <= 0:
+                self.access._streams.pop(self.host, None)
+            else:
+                self.access._streams[self.host] = n
+
+
+def _abort(context: grpc.ServicerContext, error: Exception) -> None:
+    if isinstance(error, RateLimitError):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(error).__name__}: {error}")
+    if isinstance(error, AuthError):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"AuthError: {error}")
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
+
+
+def job_id_of(item: Any) -> str | None:
+    """The job a request or stream chunk names: its ``job_id``, or that of its ``header``
+    (tensor chunks) or ``info`` (snapshot chunks); ``None`` if it names none."""
+    for obj in (item, getattr(item, "header", None), getattr(item, "info", None)):
+        if obj is None:
+            continue
+        try:
+            return str(obj.job_id)
+        except AttributeError:
+            continue
+    return None
+
+
+def _checked_chunks(chunks: Iterator[Any], principal: Principal, method: str) -> Iterator[Any]:
+    """Pass chunks through; a malformed one or a header of another job ends the stream."""
+    first = True
+    for chunk in chunks:
+        if isinstance(chunk, Malformed):
+            raise WireError(f"malformed chunk: {chunk.reason}")
+        if first:
+            ExecutorAccess.check_scope(principal, method, job_id_of(chunk))
+            first = False
+        yield chunk
+
+
+def guard(method: str, fn: Callable[..., Any], access: ExecutorAccess, *, client_streaming: bool) -> Callable[..., Any]:
+    """Wrap a servicer method with the access checks."""
+    if client_streaming:
+
+        def stream_handler(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            try:
+                principal = access.authenticate(method, context)
+                slot = access.stream_slot(peer_host(context.peer() or ""))
+                slot.__enter__()
+            except (AuthError, RateLimitError, WireError) as e:
+                _abort(context, e)
+            try:
+                return fn(_checked_chunks(request_iterator, principal, method), context)
+            finally:
+                slot.__exit__()
+
+        return stream_handler
+
+    def unary_handler(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            principal = access.authenticate(method, context)
+            if isinstance(request, Malformed):
+                raise WireError(f"malformed {method} request: {request.reason}")
+            access.check_scope(principal, method, job_id_of(request))
+        except (AuthError, RateLimitError, WireError) as e:
+            _abort(context, e)
+        return fn(request, context)
+
+    return unary_handler
