@@ -72,6 +72,7 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 PLAN_STRATEGIES: tuple[str, ...] = ("opfence", "uniform", "compute", "exhaustive")
 COMPRESSION_MODES: tuple[str, ...] = ("none", "topk", "adatopk")
+USE_JOINERS: tuple[str, ...] = ("if_faster", "always", "never")
 COMPRESSION_DIRECTIONS: tuple[str, ...] = ("activations", "gradients")
 
 # A factory keyword argument is one TOML scalar or an array of them; datetimes are left out
@@ -477,8 +478,21 @@ class ClusterSpec(_Section):
     min_workers: int = 1
     """Workers that must be registered before the job is planned and started."""
 
+    spares: int = 0
+    """Workers the job holds but leaves out of its plan, ready to replace a lost one at once
+    (no re-plan). They also hold replicas."""
+
+    use_joiners: str = "if_faster"
+    """What to do with a worker that joins while the job runs: ``"if_faster"`` re-plans
+    with it when the estimator predicts a step at least 10 % faster, ``"always"`` re-plans
+    with it, ``"never"`` leaves it to other jobs (it still replaces lost workers)."""
+
     def __post_init__(self) -> None:
         _check_int("cluster.min_workers", self.min_workers, minimum=1)
+        _check_int("cluster.spares", self.spares, minimum=0)
+        _check_choice("cluster.use_joiners", self.use_joiners, USE_JOINERS)
+        if self.spares >= self.min_workers:
+            raise ConfigError(f"cluster.spares ({self.spares}) must be smaller than cluster.min_workers ({self.min_workers})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -558,7 +572,12 @@ class CheckpointSpec(_Section):
     keep: int = 3
     """Number of durable checkpoints kept on disk (oldest deleted first)."""
 
+    replicate_share: float = 0.5
+    """Replica streams are paced to this share of the measured link bandwidth, so they
+    stay below training traffic."""
+
     def __post_init__(self) -> None:
+        _check_float("checkpoint.replicate_share", self.replicate_share, gt=0.0, le=1.0)
         _check_int("checkpoint.replicate_every", self.replicate_every, minimum=1)
         _check_int("checkpoint.durable_every", self.durable_every, minimum=1)
         _check_int("checkpoint.keep", self.keep, minimum=1)

@@ -34,13 +34,15 @@ TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 TRANSITIONS: dict[str, frozenset[str]] = {
     "pending": frozenset({"planning", "cancelled", "failed"}),
     "planning": frozenset({"running", "pending", "failed", "cancelled"}),
-    "running": frozenset({"succeeded", "failed", "cancelled"}),
+    # running -> pending: the coordinator restarted; the job resumes from its checkpoint.
+    "running": frozenset({"succeeded", "failed", "cancelled", "pending"}),
     "succeeded": frozenset(),
     "failed": frozenset(),
     "cancelled": frozenset(),
 }
 
-WORKER_STATES = ("idle", "busy", "gone")
+#: ``excluded``: the worker sent poisoned tensors; it is never given work again.
+WORKER_STATES = ("idle", "busy", "gone", "excluded")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS workers (
@@ -79,6 +81,15 @@ CREATE TABLE IF NOT EXISTS log (
     record_json TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS log_by_job ON log (job_id, seq);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
 CREATE TABLE IF NOT EXISTS profiles (
     key TEXT PRIMARY KEY,
     profile_json TEXT NOT NULL,
@@ -278,20 +289,43 @@ class Store:
                 (key, profile_json, time.time()),
             )
 
+    # ------------------------------------------------------------- checkpoints
+    def add_checkpoint(self, job_id: str, *, step: int, path: str, sha256: str, size_bytes: int, keep: int) -> None:
+        """Record a durable checkpoint; forget all but the newest ``keep`` of the job."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO checkpoints (job_id, step, path, sha256, size_bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, step, path, sha256, size_bytes, time.time()),
+            )
+            db.execute(
+                "DELETE FROM checkpoints WHERE job_id = ? AND step NOT IN "
+                "(SELECT step FROM checkpoints WHERE job_id = ? ORDER BY step DESC LIMIT ?)",
+                (job_id, job_id, keep),
+            )
+
+    def checkpoints(self, job_id: str) -> list[tuple[int, str, str, int]]:
+        """(step, path, sha256, size_bytes) of a job's recorded checkpoints, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT step, path, sha256, size_bytes FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,)
+            ).fetchall()
+        return [(int(r["step"]), str(r["path"]), str(r["sha256"]), int(r["size_bytes"])) for r in rows]
+
     # ------------------------------------------------------------- restart
     def recover(self) -> list[str]:
-        """After a restart: jobs that were mid-flight fail, every worker must re-register.
+        """After a restart: jobs that were mid-flight wait again, every worker must re-register.
 
-        Returns the ids of the jobs that were failed. (Resuming them from checkpoints is
-        the recovery issue's work.)
+        A job that was planning or running goes back to ``pending``; when enough workers have
+        re-registered it starts again from its newest durable checkpoint (or from step 0).
+        Returns the ids of those jobs.
         """
-        failed = []
+        requeued = []
         for job in self.jobs("planning", "running"):
-            self.transition(job.job_id, "failed", "the coordinator restarted while the job was running")
-            failed.append(job.job_id)
+            self.transition(job.job_id, "pending", "the coordinator restarted; the job resumes from its last durable checkpoint once workers rejoin")
+            requeued.append(job.job_id)
         with self._tx() as db:
-            db.execute("UPDATE workers SET state = 'gone', job_id = NULL")
-        return failed
+            db.execute("UPDATE workers SET state = 'gone', job_id = NULL WHERE state != 'excluded'")
+        return requeued
 
 
 def _append_log(db: sqlite3.Connection, job_id: str, kind: str, record: dict[str, Any]) -> int:

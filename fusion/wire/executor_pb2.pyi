@@ -249,18 +249,24 @@ class WaitStepResponse(_message.Message):
     def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ..., sent_s: _Optional[_Mapping[int, float]] = ..., peak_memory_bytes: _Optional[int] = ..., dense_bytes: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class ApplyStepRequest(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "step", "optimizer_step", "auth")
+    __slots__ = ("job_id", "stage_idx", "step", "optimizer_step", "auth", "snapshot", "replicate_to", "replicate_bytes_per_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_TO_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     step: int
     optimizer_step: bool
     auth: str
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., optimizer_step: _Optional[bool] = ..., auth: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    replicate_to: str
+    replicate_bytes_per_s: float
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., optimizer_step: _Optional[bool] = ..., auth: _Optional[str] = ..., snapshot: _Optional[bool] = ..., replicate_to: _Optional[str] = ..., replicate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class ApplyStepResponse(_message.Message):
     __slots__ = ()
@@ -281,12 +287,14 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class UnloadJobRequest(_message.Message):
-    __slots__ = ("job_id", "auth")
+    __slots__ = ("job_id", "auth", "keep_snapshots")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     auth: str
-    def __init__(self, job_id: _Optional[str] = ..., auth: _Optional[str] = ...) -> None: ...
+    keep_snapshots: bool
+    def __init__(self, job_id: _Optional[str] = ..., auth: _Optional[str] = ..., keep_snapshots: _Optional[bool] = ...) -> None: ...
 
 class UnloadJobResponse(_message.Message):
     __slots__ = ()
@@ -371,3 +379,101 @@ class PingResponse(_message.Message):
     worker_name: str
     jobs: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, worker_name: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SnapshotInfo(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "stage_key", "step", "size_bytes", "sha256", "replica")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    STAGE_KEY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    stage_key: str
+    step: int
+    size_bytes: int
+    sha256: str
+    replica: bool
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., stage_key: _Optional[str] = ..., step: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., replica: _Optional[bool] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("info", "data", "auth")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    info: SnapshotInfo
+    data: bytes
+    auth: str
+    def __init__(self, info: _Optional[_Union[SnapshotInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class TakeSnapshotRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "step", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    step: int
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class TakeSnapshotResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: SnapshotInfo
+    def __init__(self, info: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ("job_id", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
+
+class GetSnapshotRequest(_message.Message):
+    __slots__ = ("job_id", "stage_key", "step", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_KEY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_key: str
+    step: int
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_key: _Optional[str] = ..., step: _Optional[int] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class PutSnapshotResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: SnapshotInfo
+    def __init__(self, info: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...
+
+class RestoreStageRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "step", "source_address", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    step: int
+    source_address: str
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., source_address: _Optional[str] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class RestoreStageResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: SnapshotInfo
+    def __init__(self, info: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...

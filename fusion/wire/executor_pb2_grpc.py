@@ -100,6 +100,31 @@ class ExecutorStub:
                 request_serializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksRequest.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksResponse.FromString,
                 _registered_method=True)
+        self.TakeSnapshot = channel.unary_unary(
+                '/fusion.wire.Executor/TakeSnapshot',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.TakeSnapshotRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.TakeSnapshotResponse.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/fusion.wire.Executor/ListSnapshots',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.ListSnapshotsResponse.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_stream(
+                '/fusion.wire.Executor/GetSnapshot',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.GetSnapshotRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
+        self.PutSnapshot = channel.stream_unary(
+                '/fusion.wire.Executor/PutSnapshot',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.SnapshotChunk.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.PutSnapshotResponse.FromString,
+                _registered_method=True)
+        self.RestoreStage = channel.unary_unary(
+                '/fusion.wire.Executor/RestoreStage',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.RestoreStageRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.RestoreStageResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -197,6 +222,46 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeSnapshot(self, request, context):
+        """Checkpoints (fusion/checkpoint). A snapshot is a stage's whole training state
+        (parameters, buffers, optimizer state, compression residuals, RNG) after `step`
+        optimizer steps, as one safetensors blob with a SHA-256; workers keep their own in host
+        memory and hold replicas of their peers'.
+        Snapshot a loaded stage now (between steps).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """The complete snapshots (own and replicas) this worker holds for a job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """Stream one snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutSnapshot(self, request_iterator, context):
+        """Store a snapshot streamed by a peer (a replica) or by the coordinator (a restore
+        source); it is kept only if complete and its checksum matches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreStage(self, request, context):
+        """Restore a loaded stage from a snapshot held here or fetched from another worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +329,31 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ProbeLinks,
                     request_deserializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksRequest.FromString,
                     response_serializer=fusion_dot_wire_dot_executor__pb2.ProbeLinksResponse.SerializeToString,
+            ),
+            'TakeSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeSnapshot,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.TakeSnapshotRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.TakeSnapshotResponse.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.ListSnapshotsResponse.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.GetSnapshotRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'PutSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutSnapshot,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.SnapshotChunk.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.PutSnapshotResponse.SerializeToString,
+            ),
+            'RestoreStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreStage,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.RestoreStageRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.RestoreStageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +707,141 @@ class Executor:
             '/fusion.wire.Executor/ProbeLinks',
             fusion_dot_wire_dot_executor__pb2.ProbeLinksRequest.SerializeToString,
             fusion_dot_wire_dot_executor__pb2.ProbeLinksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Executor/TakeSnapshot',
+            fusion_dot_wire_dot_executor__pb2.TakeSnapshotRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.TakeSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Executor/ListSnapshots',
+            fusion_dot_wire_dot_executor__pb2.ListSnapshotsRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.ListSnapshotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fusion.wire.Executor/GetSnapshot',
+            fusion_dot_wire_dot_executor__pb2.GetSnapshotRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fusion.wire.Executor/PutSnapshot',
+            fusion_dot_wire_dot_executor__pb2.SnapshotChunk.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.PutSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Executor/RestoreStage',
+            fusion_dot_wire_dot_executor__pb2.RestoreStageRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.RestoreStageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,8 @@ loss = "cross_entropy"
 
 [cluster]
 min_workers = 3
+spares = 1
+use_joiners = "always"
 
 [plan]
 strategy = "opfence"
@@ -75,6 +77,7 @@ directions = ["gradients"]
 replicate_every = 5
 durable_every = 20
 keep = 2
+replicate_share = 0.25
 
 [output]
 dir = "out/full"
@@ -148,12 +151,12 @@ def test_full_job_parses_every_section(tmp_path: Path) -> None:
         seed=1234,
         loss="cross_entropy",
     )
-    assert spec.cluster == ClusterSpec(min_workers=3)
+    assert spec.cluster == ClusterSpec(min_workers=3, spares=1, use_joiners="always")
     assert spec.plan == PlanSpec(strategy="opfence")
     assert spec.compression == CompressionSpec(
         mode="adatopk", keep_ratio=0.2, min_keep_ratio=0.005, directions=("gradients",)
     )
-    assert spec.checkpoint == CheckpointSpec(replicate_every=5, durable_every=20, keep=2)
+    assert spec.checkpoint == CheckpointSpec(replicate_every=5, durable_every=20, keep=2, replicate_share=0.25)
     assert spec.output == OutputSpec(dir="out/full")
     assert spec.micro_batch_size == 3
 

@@ -296,13 +296,13 @@ def test_recover_after_restart(db_path: Path) -> None:
 
     second = Store(db_path)
     try:
-        failed = second.recover()
-        assert sorted(failed) == ["planning", "running"]
+        requeued = second.recover()
+        assert sorted(requeued) == ["planning", "running"]
         for job_id in ("planning", "running"):
             row = second.job(job_id)
-            assert row.state == "failed"
+            assert row.state == "pending"
             assert row.reason is not None and "restart" in row.reason
-            assert row.finished_at is not None
+            assert row.finished_at is None
             assert "restart" in second.log_records(job_id, kind="event")[-1][3]["message"]
         for job_id in ("pending", "succeeded", "failed", "cancelled"):
             assert second.job(job_id) == before[job_id], f"{job_id} job changed on recover"
@@ -313,6 +313,18 @@ def test_recover_after_restart(db_path: Path) -> None:
         assert second.recover() == []  # idempotent
     finally:
         second.close()
+
+
+def test_checkpoint_records_keep_the_newest(db_path: Path) -> None:
+    store = Store(db_path)
+    try:
+        job_in(store, "running", "running")
+        for step in (10, 20, 30, 40):
+            store.add_checkpoint("running", step=step, path=f"/ck/{step}", sha256="ab" * 32, size_bytes=step, keep=3)
+        assert [c[0] for c in store.checkpoints("running")] == [20, 30, 40]
+        assert store.checkpoints("pending") == []
+    finally:
+        store.close()
 
 
 # ----------------------------------------------------------------- threads

@@ -1,0 +1,157 @@
+"""Snapshots: one stage's state after a given step, as a checksummed safetensors blob.
+
+A snapshot travels as bytes (to a buddy worker, to the coordinator) and is only ever turned
+back into tensors after its SHA-256 matched, by ``safetensors`` (which reads a JSON header
+and raw tensor bytes; nothing is unpickled). :class:`Assembler` rebuilds one from a chunked
+stream and refuses it unless every declared byte arrived and the checksum matches, so a
+replica cut mid-stream is never stored, let alone loaded. :class:`SnapshotStore` is the
+host-memory store a worker keeps (its own snapshots and the replicas it holds for peers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from fusion.errors import CheckpointError, NotFoundError
+
+#: Largest snapshot a worker accepts from the network.
+MAX_SNAPSHOT_BYTES = 64 << 30
+
+
+def stage_key(nodes: list[str] | tuple[str, ...], graph_fingerprint: str = "") -> str:
+    """Names a stage by its node set, so snapshots never cross into a different stage."""
+    h = hashlib.sha256(graph_fingerprint.encode())
+    for n in sorted(nodes):
+        h.update(b"\0" + n.encode())
+    return h.hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A stage's state after ``step`` optimizer steps."""
+
+    job_id: str
+    stage_idx: int
+    stage_key: str
+    step: int
+    data: bytes
+    sha256: str
+    replica: bool = False
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.data)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state, after checking the checksum (raises :class:`CheckpointError`)."""
+        return decode(self.data, self.sha256, what=f"snapshot of stage {self.stage_idx} at step {self.step}")
+
+
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, str]:
+    """Serialise a state: safetensors bytes and their hex SHA-256."""
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    flat: dict[str, torch.Tensor] = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr() if v.numel() else -1
+        # safetensors refuses tensors that share memory (tied weights): store a copy.
+        flat[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    data = save(flat, metadata=dict(metadata or {}))
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def decode(data: bytes, sha256: str, *, what: str = "snapshot") -> dict[str, torch.Tensor]:
+    """Tensors from snapshot bytes; refuses bytes whose checksum does not match."""
+    from safetensors.torch import load
+
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise CheckpointError(f"{what} is corrupt: SHA-256 {actual[:16]}… does not match the recorded {sha256[:16]}…")
+    try:
+        return load(bytes(data))
+    except Exception as e:  # safetensors raises its own error types for malformed headers
+        raise CheckpointError(f"{what} is not a valid safetensors blob: {e}") from None
+
+
+def make_snapshot(job_id: str, stage_idx: int, key: str, step: int, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
+    data, sha = encode(tensors, {"job_id": job_id, "stage_idx": str(stage_idx), "stage_key": key, "step": str(step)})
+    return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=sha)
+
+
+class Assembler:
+    """Rebuilds a snapshot from chunks; ``finish`` refuses anything short, long or corrupt."""
+
+    def __init__(self, job_id: str, stage_idx: int, key: str, step: int, size_bytes: int, sha256: str, *, replica: bool, max_bytes: int = MAX_SNAPSHOT_BYTES) -> None:
+        if not job_id or not key:
+            raise CheckpointError("a snapshot stream must name its job and stage key in the first chunk")
+        if size_bytes > max_bytes:
+            raise CheckpointError(f"snapshot of {size_bytes} bytes exceeds the {max_bytes}-byte limit")
+        if len(sha256) != 64:
+            raise CheckpointError("a snapshot stream must carry the blob's hex SHA-256")
+        self.meta = (job_id, stage_idx, key, step, sha256, replica)
+        self.size_bytes = size_bytes
+        self._buf = bytearray()
+
+    def add(self, data: bytes) -> None:
+        if len(self._buf) + len(data) > self.size_bytes:
+            raise CheckpointError(f"snapshot stream carries more than its declared {self.size_bytes} bytes")
+        self._buf += data
+
+    def finish(self) -> Snapshot:
+        job_id, stage_idx, key, step, sha256, replica = self.meta
+        if len(self._buf) != self.size_bytes:
+            raise CheckpointError(
+                f"snapshot of stage {stage_idx} at step {step} is incomplete: {len(self._buf)} of {self.size_bytes} bytes arrived"
+            )
+        data = bytes(self._buf)
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256:
+            raise CheckpointError(f"snapshot of stage {stage_idx} at step {step} is corrupt: its SHA-256 does not match")
+        return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=sha256, replica=replica)
+
+
+def chunks_of(data: bytes, chunk_bytes: int) -> Iterator[memoryview]:
+    view = memoryview(data)
+    for i in range(0, max(len(data), 1), chunk_bytes):
+        yield view[i : i + chunk_bytes]
+
+
+class SnapshotStore:
+    """A worker's snapshots in host memory: the newest ``keep`` per (job, stage key)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._items: dict[tuple[str, str], dict[int, Snapshot]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, snap: Snapshot) -> None:
+        with self._lock:
+            by_step = self._items.setdefault((snap.job_id, snap.stage_key), {})
+            by_step[snap.step] = snap
+            for old in sorted(by_step)[: -self.keep]:
+                del by_step[old]
+
+    def get(self, job_id: str, key: str, step: int) -> Snapshot:
+        with self._lock:
+            snap = self._items.get((job_id, key), {}).get(step)
+            if snap is None:
+                held = sorted(self._items.get((job_id, key), {}))
+                raise NotFoundError(f"no snapshot of stage {key} of job {job_id!r} at step {step} here (held steps: {held or 'none'})")
+            return snap
+
+    def list(self, job_id: str) -> list[Snapshot]:
+        with self._lock:
+            return [s for (j, _), by_step in self._items.items() if j == job_id for s in by_step.values()]
+
+    def drop_job(self, job_id: str) -> None:
+        with self._lock:
+            for k in [k for k in self._items if k[0] == job_id]:
+                del self._items[k]
