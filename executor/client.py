@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from executor.binding import ExecutorStub
+from executor.snapshots import assemble, snapshot_chunks
 from executor.status import call_with_retry, remote_error
 from executor.transport import (
     DEFAULT_CHUNK_BYTES,
@@ -27,6 +28,7 @@ from executor.transport import (
     scalar_to_wire,
 )
 from fusion.auth import KeyRing, process_keyring
+from fusion.checkpoint import Snapshot
 from fusion.errors import RemoteError
 from fusion.tls import open_channel
 from fusion.wire import executor_pb2 as epb
@@ -202,8 +204,14 @@ class ExecutorClient:
         request = epb.WaitStepRequest(job_id=job_id, stage_idx=stage_idx, step=step, timeout_s=timeout_s)
         return self._call(self.stub.WaitStep, request, f"WaitStep(stage {stage_idx}, step {step})", timeout_s + 30.0)
 
-    def apply_step(self, job_id: str, stage_idx: int, step: int, *, optimizer_step: bool = True) -> None:
-        request = epb.ApplyStepRequest(job_id=job_id, stage_idx=stage_idx, step=step, optimizer_step=optimizer_step)
+    def apply_step(
+        self, job_id: str, stage_idx: int, step: int, *, optimizer_step: bool = True,
+        snapshot: bool = False, replicate_to: str = "", replicate_bytes_per_s: float = 0.0,
+    ) -> None:
+        request = epb.ApplyStepRequest(
+            job_id=job_id, stage_idx=stage_idx, step=step, optimizer_step=optimizer_step,
+            snapshot=snapshot, replicate_to=replicate_to, replicate_bytes_per_s=replicate_bytes_per_s,
+        )
         self._call(self.stub.ApplyStep, request, f"ApplyStep(stage {stage_idx}, step {step})")
 
     def abort(self, job_id: str, reason: str) -> None:
@@ -213,8 +221,38 @@ class ExecutorClient:
         except RemoteError as e:
             logger.info("abort on %s failed: %s", self.address, e)
 
-    def unload_job(self, job_id: str) -> None:
-        self._call(self.stub.UnloadJob, epb.UnloadJobRequest(job_id=job_id), "UnloadJob", 30.0)
+    def unload_job(self, job_id: str, *, keep_snapshots: bool = False) -> None:
+        self._call(self.stub.UnloadJob, epb.UnloadJobRequest(job_id=job_id, keep_snapshots=keep_snapshots), "UnloadJob", 30.0)
+
+    # ------------------------------------------------------------- snapshots
+    def take_snapshot(self, job_id: str, stage_idx: int, step: int) -> epb.SnapshotInfo:
+        request = epb.TakeSnapshotRequest(job_id=job_id, stage_idx=stage_idx, step=step)
+        return self._call(self.stub.TakeSnapshot, request, f"TakeSnapshot(stage {stage_idx}, step {step})", 600.0).info
+
+    def list_snapshots(self, job_id: str, timeout_s: float = 10.0) -> list[epb.SnapshotInfo]:
+        response = self._call(self.stub.ListSnapshots, epb.ListSnapshotsRequest(job_id=job_id), "ListSnapshots", timeout_s, attempts=2)
+        return list(response.snapshots)
+
+    def get_snapshot(self, job_id: str, stage_key: str, step: int) -> Snapshot:
+        """Fetch a snapshot; it arrives checked (complete, checksum matching)."""
+        what = f"GetSnapshot(stage {stage_key}, step {step})"
+        request = epb.GetSnapshotRequest(job_id=job_id, stage_key=stage_key, step=step)
+        try:
+            return assemble(self.stub.GetSnapshot(request, timeout=transfer_timeout_s(1 << 32)), replica=True)
+        except grpc.RpcError as e:
+            raise remote_error(e, peer=self.address, what=what) from None
+
+    def put_snapshot(self, snap: Snapshot, *, rate_bytes_per_s: float = 0.0) -> epb.SnapshotInfo:
+        def chunks() -> Iterator[epb.SnapshotChunk]:
+            return snapshot_chunks(snap, self.pool.chunk_bytes, rate_bytes_per_s=rate_bytes_per_s)
+
+        timeout = transfer_timeout_s(snap.size_bytes) + (snap.size_bytes / rate_bytes_per_s if rate_bytes_per_s > 0 else 0.0)
+        what = f"PutSnapshot(stage {snap.stage_idx}, step {snap.step})"
+        return self._call(self.stub.PutSnapshot, chunks, what, timeout, attempts=1).info
+
+    def restore_stage(self, job_id: str, stage_idx: int, step: int, *, source_address: str = "") -> epb.SnapshotInfo:
+        request = epb.RestoreStageRequest(job_id=job_id, stage_idx=stage_idx, step=step, source_address=source_address)
+        return self._call(self.stub.RestoreStage, request, f"RestoreStage(stage {stage_idx}, step {step})", 600.0, attempts=1).info
 
 
 def run_parallel(calls: list[Callable[[], Any]], *, name: str = "call") -> list[Any]:

@@ -23,16 +23,18 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import CutSetting, RatioController
 from executor.runtime import TARGET_NAME
-from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
-from fusion.config import JobSpec
 from executor.status import POISONED_SENDER_METADATA
+from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
 from fusion.auth import new_key, wrap_job_key
+from fusion.checkpoint import stage_key
+from fusion.config import JobSpec
 from fusion.errors import FusionError, PoisonedInputError, RemoteError, StageError
 from fusion.graph.export import CapturedModel
 from fusion.graph.ir import ValueMeta
@@ -83,6 +85,14 @@ def tensor_value_spec(name: str, t: torch.Tensor) -> epb.ValueSpec:
     return epb.ValueSpec(name=name, kind="tensor", dtype=dtype_to_wire(t.dtype), shape=list(t.shape))
 
 
+@dataclass(frozen=True)
+class SnapshotRequest:
+    """Snapshot every stage after a step; replicate stage ``i``'s to ``buddies[i]``."""
+
+    buddies: Mapping[int, str] = field(default_factory=dict)
+    rate_bytes_per_s: float = 0.0
+
+
 class PipelineDriver:
     """Drives one job's stages on a set of workers."""
 
@@ -129,6 +139,8 @@ class PipelineDriver:
         # wrapped under that worker's control key (LoadStage.auth), never in clear.
         self.job_key = new_key()
         self.pool.keyring.set_job(job_id, self.job_key)
+        #: Each stage's identity for snapshots (its node set; see fusion.checkpoint.stage_key).
+        self.stage_keys = [stage_key(list(s.nodes), self.dag.fingerprint) for s in self.stages]
 
     # ------------------------------------------------------------- loading
     def load_request(self, spec: StageSpec) -> epb.LoadStageRequest:
@@ -173,8 +185,12 @@ class PipelineDriver:
             if stage_idx is None or stage_idx in (a, b)
         ]
 
-    def load(self) -> None:
-        """Build every stage on its worker and send it its initial parameters and buffers."""
+    def load(self, *, set_initial: bool = True) -> None:
+        """Build every stage on its worker and send it its initial parameters and buffers.
+
+        ``set_initial=False`` skips the parameters: the caller restores every stage from a
+        snapshot next (recovery), so sending the initial weights would be wasted traffic.
+        """
         state = self.model.state_dict()
 
         def load_one(spec: StageSpec) -> None:
@@ -183,8 +199,9 @@ class PipelineDriver:
             names = list(response.parameter_names) + list(response.buffer_names)
             self._param_names[spec.stage_idx] = list(response.parameter_names)
             self._state_names[spec.stage_idx] = set(names)
-            tensors = {n: state[n] for n in names if n in state}
-            client.set_state(self.job_id, spec.stage_idx, pb.TRANSFER_KIND_PARAMETER, tensors)
+            if set_initial:
+                tensors = {n: state[n] for n in names if n in state}
+                client.set_state(self.job_id, spec.stage_idx, pb.TRANSFER_KIND_PARAMETER, tensors)
 
         run_parallel([lambda s=s: load_one(s) for s in self.stages], name="load-stage")
         holders: dict[str, list[tuple[int, str]]] = {}
@@ -337,23 +354,35 @@ class PipelineDriver:
                 name="tied-push",
             )
 
-    def apply(self, step: int, *, optimizer_step: bool = True) -> None:
-        """Run the optimizer on every stage (or only zero the gradients)."""
-        run_parallel(
-            [lambda s=s: self.clients[s.stage_idx].apply_step(self.job_id, s.stage_idx, step, optimizer_step=optimizer_step) for s in self.stages],
-            name="apply",
-        )
+    def apply(self, step: int, *, optimizer_step: bool = True, snapshot: SnapshotRequest | None = None) -> None:
+        """Run the optimizer on every stage (or only zero the gradients); optionally snapshot."""
 
-    def train_step(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *, measure_memory: bool = False) -> StepStats:
+        def one(s: StageSpec) -> None:
+            kwargs: dict[str, Any] = {}
+            if snapshot is not None:
+                kwargs = {
+                    "snapshot": True,
+                    "replicate_to": snapshot.buddies.get(s.stage_idx, ""),
+                    "replicate_bytes_per_s": snapshot.rate_bytes_per_s,
+                }
+            self.clients[s.stage_idx].apply_step(self.job_id, s.stage_idx, step, optimizer_step=optimizer_step, **kwargs)
+
+        run_parallel([lambda s=s: one(s) for s in self.stages], name="apply")
+
+    def train_step(
+        self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *,
+        measure_memory: bool = False, snapshot: SnapshotRequest | None = None,
+    ) -> StepStats:
         """One full training step: forward, backward, tied-gradient sync, optimizer.
 
         ``step_s`` of the result covers all of it (``forward_backward`` alone reports only
-        its own part).
+        its own part). With ``snapshot``, every stage snapshots its state after the step in
+        the background (labelled ``step + 1``) and streams it to its buddy.
         """
         t0 = time.perf_counter()
         stats = self.forward_backward(step, inputs, target, measure_memory=measure_memory)
         self.sync_tied_gradients()
-        self.apply(step)
+        self.apply(step, snapshot=snapshot)
         stats.step_s = time.perf_counter() - t0
         return stats
 
@@ -366,6 +395,14 @@ class PipelineDriver:
             for name, g in got.items():
                 out.setdefault(self.dag.tied_params.get(name, name), g)
         return out
+
+    def canonical(self, name: str) -> str:
+        """One name for a parameter the model shares under several (tied weights)."""
+        return self.dag.tied_params.get(name, name)
+
+    def state_names(self, stage_idx: int) -> list[str]:
+        """The ``state_dict`` names stage ``stage_idx`` holds (known once loaded)."""
+        return sorted(self._state_names[stage_idx])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's ``state_dict`` under the original names.

@@ -29,10 +29,23 @@ from typing import Any
 import torch
 
 from executor.compression import CutCompression
+from executor.guard import Fault, InputGuard
 from executor.schedule import Action, stage_actions
 from executor.transport import Transfer, dtype_from_wire, scalar_kind
-from executor.guard import Fault, InputGuard
-from fusion.errors import NotFoundError, PoisonedInputError, StageError, StateError, WireError
+from fusion.checkpoint import (
+    Snapshot,
+    capture_volatile,
+    capture_weights,
+    make_snapshot,
+    restore_state,
+)
+from fusion.errors import (
+    NotFoundError,
+    PoisonedInputError,
+    StageError,
+    StateError,
+    WireError,
+)
 from fusion.graph.split import DRIVER, StageSpec
 from fusion.wire import tensor_pb2 as pb
 
@@ -211,10 +224,12 @@ class StageRuntime:
         micro_batch_weights: list[float],
         step_timeout_s: float = 600.0,
         compression: CutCompression | None = None,
+        stage_key: str = "",
         input_guard: InputGuard | None = None,
         fault: Fault | None = None,
     ) -> None:
         self.job_id = job_id
+        self.stage_key = stage_key
         #: Checks incoming activations/gradients for NaN/Inf and absurd norms (:mod:`executor.guard`).
         self.input_guard = input_guard if input_guard is not None else InputGuard()
         #: Test-only: corrupt what this stage sends (``--inject-fault``).
@@ -244,6 +259,9 @@ class StageRuntime:
         # Per micro-batch: (input leaves by name, outputs tuple, weighted loss or None).
         self._kept: dict[int, tuple[dict[str, torch.Tensor], tuple[Any, ...], torch.Tensor | None]] = {}
         self.meter = MemoryMeter({p.untyped_storage().data_ptr() for p in module.parameters()})
+        # Set while no snapshot is copying the weights; the optimizer waits for it.
+        self._weights_free = threading.Event()
+        self._weights_free.set()
 
     # ------------------------------------------------------------- receiving
     def check_transfer(self, header: pb.TransferHeader) -> None:
@@ -515,8 +533,15 @@ class StageRuntime:
             sends.append(self._send_tracked(result, src, header, raw, {}, encoded, dense))
         return sends
 
-    def apply_step(self, step: int, *, optimizer_step: bool) -> None:
-        """Run the optimizer (unless ``optimizer_step`` is false) and zero the gradients."""
+    def apply_step(
+        self, step: int, *, optimizer_step: bool, snapshot_to: Callable[[Snapshot], None] | None = None
+    ) -> None:
+        """Run the optimizer (unless ``optimizer_step`` is false) and zero the gradients.
+
+        With ``snapshot_to``, the state after this step (labelled ``step + 1``) is
+        snapshotted in the background and handed to ``snapshot_to``; the next optimizer step
+        waits for the copy, the next forward pass does not.
+        """
         result = self._step
         if result is None or result.step != step or not result.done.is_set():
             raise StateError(f"stage {self.spec.stage_idx} cannot apply step {step}: it has not finished it")
@@ -524,10 +549,55 @@ class StageRuntime:
             raise StateError(f"stage {self.spec.stage_idx} cannot apply step {step}: it failed ({result.error})")
         if self._last_applied == step:
             raise StateError(f"stage {self.spec.stage_idx} already applied step {step}")
+        self._weights_free.wait()
         if optimizer_step:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._last_applied = step
+        if snapshot_to is not None:
+            self._snapshot_async(step + 1, snapshot_to)
+
+    # ------------------------------------------------------------- snapshots
+    def _snapshot_async(self, label: int, sink: Callable[[Snapshot], None]) -> None:
+        volatile = capture_volatile(self.module, self.compression.feedback.state_dict())
+        self._weights_free.clear()
+
+        def work() -> None:
+            try:
+                state = capture_weights(self.module, self.optimizer)
+            except BaseException:
+                self._weights_free.set()
+                logger.exception("snapshot of stage %d at step %d failed", self.spec.stage_idx, label)
+                return
+            self._weights_free.set()
+            try:
+                sink(make_snapshot(self.job_id, self.spec.stage_idx, self.stage_key, label, {**state, **volatile}))
+            except BaseException:
+                logger.exception("storing the snapshot of stage %d at step %d failed", self.spec.stage_idx, label)
+
+        threading.Thread(target=work, name=f"snapshot-stage{self.spec.stage_idx}-{label}", daemon=True).start()
+
+    def _check_idle(self, what: str) -> None:
+        if self._step is not None and not self._step.done.is_set():
+            raise StateError(f"stage {self.spec.stage_idx} is running step {self._step.step}; cannot {what} now")
+
+    def snapshot(self, label: int) -> Snapshot:
+        """Snapshot the stage now, between steps (for a planned re-plan or hand-off)."""
+        self._check_idle("snapshot")
+        self._weights_free.wait()
+        volatile = capture_volatile(self.module, self.compression.feedback.state_dict())
+        state = capture_weights(self.module, self.optimizer)
+        return make_snapshot(self.job_id, self.spec.stage_idx, self.stage_key, label, {**state, **volatile})
+
+    def restore(self, snap: Snapshot) -> None:
+        """Load a snapshot of this very stage (checked by stage key and checksum)."""
+        if snap.stage_key != self.stage_key:
+            raise StateError(f"snapshot is of stage {snap.stage_key}, not of stage {self.spec.stage_idx} ({self.stage_key})")
+        self._check_idle("restore")
+        self._weights_free.wait()
+        restore_state(self.module, self.optimizer, snap.tensors(), load_residuals=self.compression.feedback.load_state_dict)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._last_applied = snap.step - 1
 
     # ------------------------------------------------------------- state
     def get_state(self, kind: int, names: list[str]) -> dict[str, torch.Tensor]:

@@ -21,8 +21,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,15 +30,23 @@ import torch
 
 from executor.access import ExecutorAccess
 from executor.binding import executor_handler
-from executor.guard import FAULT_HELP, Fault
 from executor.build import build_stage
-from executor.compression import CutCompression, CutSetting, decode_tensor
 from executor.client import ChannelPool, ExecutorClient
+from executor.compression import CutCompression, CutSetting, decode_tensor
+from executor.guard import FAULT_HELP, Fault
 from executor.runtime import StageRuntime
+from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
 from executor.status import rpc_errors
-from executor.transport import DEFAULT_CHUNK_BYTES, RawChunk, decode_transfer, encode_transfer_wire, grpc_message_options
-from fusion.errors import FusionError, NotFoundError, StateError, WireError
+from executor.transport import (
+    DEFAULT_CHUNK_BYTES,
+    RawChunk,
+    decode_transfer,
+    encode_transfer_wire,
+    grpc_message_options,
+)
+from fusion.checkpoint import Snapshot, SnapshotStore, stage_key
 from fusion.config import TrainSpec
+from fusion.errors import FusionError, NotFoundError, StateError, WireError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.tls import ServerTls, add_port, set_client_ca, warn_if_exposed
@@ -67,6 +75,8 @@ def train_spec(text: str) -> TrainSpec:
         return TrainSpec.from_dict(json.loads(text or "{}"))
     except json.JSONDecodeError as e:
         raise WireError(f"malformed train_json: {e}") from e
+
+
 def check_probe_targets(addresses: Sequence[str]) -> list[str]:
     """The distinct HOST:PORT addresses a ProbeLinks request names; ``WireError`` for junk."""
     if len(addresses) > MAX_PROBE_TARGETS:
@@ -91,8 +101,6 @@ def parse_probe_keys(text: str) -> dict[str, tuple[int, bytes]]:
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise WireError(f"malformed probe keys in ProbeLinks.auth: {e}") from e
     return keys
-
-
 
 
 class PeerSender:
@@ -154,6 +162,8 @@ class ExecutorService:
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._lock = threading.Lock()
+        self.snapshots = SnapshotStore(keep=2)
+        self.replicator = Replicator(self._replicate)
 
     def stage(self, job_id: str, stage_idx: int) -> StageRuntime:
         """The loaded stage, or ``NotFoundError`` naming what is loaded."""
@@ -199,6 +209,7 @@ class ExecutorService:
             send=sender,
             micro_batch_weights=weights,
             compression=compression,
+            stage_key=stage_key(list(request.nodes), request.graph_fingerprint),
             fault=self.fault,
         )
         key = (request.job_id, request.stage_idx)
@@ -289,8 +300,54 @@ class ExecutorService:
 
     @rpc_errors
     def ApplyStep(self, request: epb.ApplyStepRequest, context: grpc.ServicerContext) -> epb.ApplyStepResponse:
-        self.stage(request.job_id, request.stage_idx).apply_step(request.step, optimizer_step=request.optimizer_step)
+        sink = None
+        if request.snapshot:
+            buddy, rate = request.replicate_to, request.replicate_bytes_per_s
+
+            def sink(snap: Snapshot) -> None:
+                self.snapshots.put(snap)
+                if buddy:
+                    self.replicator.submit(snap, buddy, rate)
+
+        self.stage(request.job_id, request.stage_idx).apply_step(request.step, optimizer_step=request.optimizer_step, snapshot_to=sink)
         return epb.ApplyStepResponse()
+
+    # ------------------------------------------------------------- snapshots
+    def _replicate(self, snap: Snapshot, address: str, rate_bytes_per_s: float) -> None:
+        ExecutorClient(address, self.pool).put_snapshot(snap, rate_bytes_per_s=rate_bytes_per_s)
+
+    @rpc_errors
+    def TakeSnapshot(self, request: epb.TakeSnapshotRequest, context: grpc.ServicerContext) -> epb.TakeSnapshotResponse:
+        snap = self.stage(request.job_id, request.stage_idx).snapshot(request.step)
+        self.snapshots.put(snap)
+        return epb.TakeSnapshotResponse(info=snapshot_info(snap))
+
+    @rpc_errors
+    def ListSnapshots(self, request: epb.ListSnapshotsRequest, context: grpc.ServicerContext) -> epb.ListSnapshotsResponse:
+        return epb.ListSnapshotsResponse(snapshots=[snapshot_info(s) for s in self.snapshots.list(request.job_id)])
+
+    @rpc_errors
+    def GetSnapshot(self, request: epb.GetSnapshotRequest, context: grpc.ServicerContext) -> Iterator[epb.SnapshotChunk]:
+        snap = self.snapshots.get(request.job_id, request.stage_key, request.step)
+        return snapshot_chunks(snap, self.pool.chunk_bytes)
+
+    @rpc_errors
+    def PutSnapshot(self, request_iterator: Iterator[epb.SnapshotChunk], context: grpc.ServicerContext) -> epb.PutSnapshotResponse:
+        snap = assemble(request_iterator, replica=True)
+        self.snapshots.put(snap)
+        return epb.PutSnapshotResponse(info=snapshot_info(snap))
+
+    @rpc_errors
+    def RestoreStage(self, request: epb.RestoreStageRequest, context: grpc.ServicerContext) -> epb.RestoreStageResponse:
+        runtime = self.stage(request.job_id, request.stage_idx)
+        if request.source_address:
+            snap = ExecutorClient(request.source_address, self.pool).get_snapshot(request.job_id, runtime.stage_key, request.step)
+            self.snapshots.put(snap)
+        else:
+            snap = self.snapshots.get(request.job_id, runtime.stage_key, request.step)
+        runtime.restore(snap)
+        logger.info("restored stage %d of job %s to step %d", request.stage_idx, request.job_id, request.step)
+        return epb.RestoreStageResponse(info=snapshot_info(snap))
 
     @rpc_errors
     def Abort(self, request: epb.AbortRequest, context: grpc.ServicerContext) -> epb.AbortResponse:
@@ -302,7 +359,7 @@ class ExecutorService:
 
     @rpc_errors
     def UnloadJob(self, request: epb.UnloadJobRequest, context: grpc.ServicerContext) -> epb.UnloadJobResponse:
-        self.unload(request.job_id)
+        self.unload(request.job_id, keep_snapshots=request.keep_snapshots)
         return epb.UnloadJobResponse()
 
     @rpc_errors
@@ -320,7 +377,11 @@ class ExecutorService:
     @rpc_errors
     def ProfileModel(self, request: epb.ProfileModelRequest, context: grpc.ServicerContext) -> epb.ProfileModelResponse:
         from executor.build import build_model_graph, example_inputs, parse_device
-        from fusion.profiling import measure_device, measure_optimizer_s_per_byte, profile_graph
+        from fusion.profiling import (
+            measure_device,
+            measure_optimizer_s_per_byte,
+            profile_graph,
+        )
 
         device = parse_device(request.device)
         train = train_spec(request.train_json)
@@ -368,8 +429,11 @@ class ExecutorService:
     def Ping(self, request: epb.PingRequest, context: grpc.ServicerContext) -> epb.PingResponse:
         return epb.PingResponse(worker_name=self.worker_name, jobs=self.jobs())
 
-    def unload(self, job_id: str) -> None:
-        """Drop every stage of ``job_id`` (aborting a running step)."""
+    def unload(self, job_id: str, *, keep_snapshots: bool = False) -> None:
+        """Drop every stage of ``job_id`` (aborting a running step), and its snapshots unless kept."""
+        if not keep_snapshots:
+            self.snapshots.drop_job(job_id)
+            self.replicator.drop_job(job_id)
         with self._lock:
             keys = [k for k in self._stages if k[0] == job_id]
             runtimes = [self._stages.pop(k) for k in keys]
@@ -382,6 +446,7 @@ class ExecutorService:
     def close(self) -> None:
         for job in self.jobs():
             self.unload(job)
+        self.replicator.close()
         self.pool.close()
 
 

@@ -19,6 +19,7 @@ import grpc
 
 from fusion.errors import (
     AuthError,
+    CheckpointError,
     ConfigError,
     FusionError,
     GraphExportError,
@@ -39,6 +40,7 @@ _CODES: list[tuple[type[FusionError], grpc.StatusCode]] = [
     (RateLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (CheckpointError, grpc.StatusCode.DATA_LOSS),
     (WireError, grpc.StatusCode.INVALID_ARGUMENT),
     (PoisonedInputError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -49,9 +51,9 @@ _CODES: list[tuple[type[FusionError], grpc.StatusCode]] = [
     (StageError, grpc.StatusCode.INTERNAL),
     (RemoteError, grpc.StatusCode.UNAVAILABLE),
 ]
+
 #: Trailing metadata naming the stage that sent a tensor a stage rejected as poisoned.
 POISONED_SENDER_METADATA = "fusion-poisoned-sender"
-
 
 #: Codes worth retrying: the peer may be back in a moment.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})

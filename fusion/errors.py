@@ -68,6 +68,9 @@ class StateError(FusionError):
     """A request does not fit the current state (wrong step, stage not loaded, job aborted)."""
 
 
+class CheckpointError(FusionError):
+    """A snapshot or checkpoint is corrupt, incomplete, or does not belong to the stage it is
+    restored into; it is never loaded."""
 
 
 class AuthError(FusionError):

@@ -8,7 +8,13 @@
 """
 
 from fusion.checkpoint.durable import CheckpointDir, CheckpointFile
-from fusion.checkpoint.snapshot import Assembler, Snapshot, SnapshotStore, make_snapshot, stage_key
+from fusion.checkpoint.snapshot import (
+    Assembler,
+    Snapshot,
+    SnapshotStore,
+    make_snapshot,
+    stage_key,
+)
 from fusion.checkpoint.state import (
     TensorState,
     capture_volatile,
@@ -34,5 +40,6 @@ __all__ = [
     "model_state",
     "parameters_of",
     "restore_state",
+    "stage_subset",
     "stage_key",
 ]

@@ -28,7 +28,13 @@ import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.driver import PipelineDriver
-from fusion.checkpoint import CheckpointDir, CheckpointFile, make_snapshot, merge_states, stage_subset
+from fusion.checkpoint import (
+    CheckpointDir,
+    CheckpointFile,
+    make_snapshot,
+    merge_states,
+    stage_subset,
+)
 from fusion.errors import FusionError
 
 logger = logging.getLogger(__name__)

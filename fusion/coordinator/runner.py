@@ -1,37 +1,81 @@
-"""Run one job on a set of workers: plan, load stages, train, write the outputs.
+"""Run one job on a set of workers: plan, load stages, train, survive failures, write outputs.
 
 A :class:`JobRunner` is a thread owned by the coordinator. It moves the job through
 ``planning`` → ``running`` → ``succeeded`` (or ``failed``/``cancelled`` with a reason),
 records per-step metrics in SQLite and ``metrics.jsonl``, and at the end writes
-``model.safetensors``, ``loss.png``, ``plan.json`` and ``summary.json``. The coordinator
-stops a runner through :meth:`JobRunner.stop` (cancel, or a lost worker), which aborts the
-step in flight on every worker so nothing waits for a peer that is gone.
+``model.safetensors``, ``loss.png``, ``plan.json`` and ``summary.json``.
+
+Volunteers come and go (DESIGN.md, Checkpoints and failures), so the runner also:
+
+- asks every stage to **snapshot** its state every ``checkpoint.replicate_every`` steps and
+  stream it to a **buddy** worker (paced below the link's bandwidth), and writes a
+  **durable checkpoint** every ``checkpoint.durable_every`` steps (:class:`DurableWriter`);
+- on a failed step, finds the workers that are gone (or sent poisoned tensors), replaces
+  them with spares or re-plans onto the rest, restores every stage to the newest step that
+  all of them can reach (:mod:`fusion.coordinator.recovery`), and replays from there;
+- between steps, hands off the state of a worker that is leaving (Ctrl-C) and puts workers
+  that joined to use when that pays off.
+
+Every such event (``worker_lost``, ``replaced``, ``replanned``, ``restored_from``,
+``resumed_at_step``, …) goes to the job's log (``fusion status``) and ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from executor.client import ChannelPool, run_parallel
 from compress import AdaTopK
+from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import RatioController, cut_settings
-from executor.driver import PipelineDriver, StepStats
+from executor.driver import PipelineDriver, SnapshotRequest, StepStats
+from fusion import errors
+from fusion.checkpoint import CheckpointDir, merge_states
 from fusion.config import JobSpec
-from fusion.coordinator.outputs import JobOutputs
+from fusion.coordinator.outputs import METRICS_FILE, JobOutputs
+from fusion.coordinator.planning import (
+    Endpoint,
+    LinkTable,
+    Measurements,
+    ProfileCache,
+    measure,
+    plan_job,
+)
+from fusion.coordinator.recovery import (
+    Holdings,
+    RestorePoint,
+    WholeState,
+    choose_restore_point,
+    restore_stages,
+    snapshot_holdings,
+)
 from fusion.coordinator.store import Store, WorkerRow
-from fusion.errors import FusionError, StateError
+from fusion.errors import CheckpointError, FusionError, StateError
 from fusion.graph.export import capture
-from fusion.graph.split import split_stages
-from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
-from fusion.coordinator.planning import Endpoint, LinkTable, ProfileCache, measure, plan_job
+from fusion.graph.split import StageSpec, split_stages
+from fusion.training import (
+    build_job_dataset,
+    build_job_model,
+    example_micro_batch,
+    job_batch,
+)
 from scheduler.plan import Plan
 
 logger = logging.getLogger(__name__)
+
+#: Recoveries one job may go through before it is failed (a fault that keeps coming back).
+MAX_RECOVERIES = 20
+#: A joiner is used under ``use_joiners = "if_faster"`` when the re-plan is this much faster.
+JOINER_GAIN = 0.9
+#: How long a job with too few live workers waits for more before failing.
+WAIT_FOR_WORKERS_S = 300.0
 
 
 class JobRunner(threading.Thread):
@@ -50,6 +94,8 @@ class JobRunner(threading.Thread):
         profiles: ProfileCache,
         links: LinkTable,
         device: str = "cpu",
+        claim_idle: Callable[[JobRunner], list[WorkerRow]] | None = None,
+        release: Callable[[JobRunner, WorkerRow, str], None] | None = None,
     ) -> None:
         super().__init__(name=f"job-{job_id}", daemon=True)
         self.store = store
@@ -62,11 +108,25 @@ class JobRunner(threading.Thread):
         self.device = device
         self.profiles = profiles
         self.links = links
-        self.plan_workers: dict[str, WorkerRow] = {}
+        self.claim_idle = claim_idle or (lambda runner: [])
+        self.release = release or (lambda runner, worker, state: None)
+        self.checkpoints = CheckpointDir(Path(output_dir) / "checkpoints", keep=spec.checkpoint.keep)
+        self.stage_workers: list[WorkerRow] = []
+        self.buddies: dict[int, str] = {}
         self._stop_state: tuple[str, str] | None = None
         self._lock = threading.Lock()
         self._driver: PipelineDriver | None = None
+        self._lost: dict[str, str] = {}
+        self._leaving: dict[str, threading.Event] = {}
+        self._recoveries = 0
+        self._measurements: Measurements | None = None
+        self._measured: list[str] = []  # worker ids in measurement order
+        self._outputs: JobOutputs | None = None
+        self._history: list[tuple[int, float]] = []
+        self._durable: DurableWriter | None = None
+        self._idle_seen: frozenset[str] = frozenset()
 
+    # ------------------------------------------------------------- control from the coordinator
     @property
     def worker_ids(self) -> set[str]:
         return {w.worker_id for w in self.workers}
@@ -80,44 +140,70 @@ class JobRunner(threading.Thread):
         if driver is not None:
             driver.abort(reason)
 
+    def worker_lost(self, worker_id: str, reason: str) -> None:
+        """A worker stopped heart-beating: abort the step; the loop recovers without it."""
+        with self._lock:
+            self._lost[worker_id] = reason
+            driver = self._driver
+            in_plan = any(w.worker_id == worker_id for w in self.stage_workers)
+        if driver is not None and in_plan:
+            driver.abort(reason)
+
+    def worker_leaving(self, worker_id: str) -> threading.Event:
+        """A worker wants to leave: its state is handed off at the next step boundary.
+
+        The returned event is set once the job no longer needs the worker.
+        """
+        with self._lock:
+            event = self._leaving.setdefault(worker_id, threading.Event())
+        if not self.is_alive():
+            event.set()
+        return event
+
     def _stopping(self) -> tuple[str, str] | None:
         with self._lock:
             return self._stop_state
 
+    @property
+    def driver(self) -> PipelineDriver:
+        assert self._driver is not None
+        return self._driver
+
+    # ------------------------------------------------------------- the job
     def run(self) -> None:
         outputs = JobOutputs(self.output_dir)
-        driver: PipelineDriver | None = None
-        steps: list[int] = []
-        losses: list[float] = []
+        self._outputs = outputs
         t_start = time.time()
         try:
             self.store.transition(self.job_id, "planning")
-            driver, plan, dataset = self._plan(outputs)
-            with self._lock:
-                self._driver = driver
-                if self._stop_state is not None:
-                    raise StateError(self._stop_state[1])
-            driver.load()
+            self._prepare()
+            self._measure(self.workers)
+            self._configure(self._planning_set(self.workers), why="planned", same_stages=False)
+            step = self._resume_from_durable()
             self.store.transition(self.job_id, "running")
-            for step in range(self.spec.train.steps):
+            while step < self.spec.train.steps:
                 if self._stopping() is not None:
                     break
-                x, y = job_batch(self.spec, dataset, step)
-                stats = driver.train_step(step, (x,), y)
-                self._refresh_links(stats, plan)
-                record = self._record(stats, x, plan)
-                outputs.append_metrics(record)
-                self.store.log(self.job_id, "metric", record)
-                self.store.set_progress(self.job_id, step=step + 1, loss=stats.loss, samples_per_s=record["samples_per_s"])
-                steps.append(step)
-                losses.append(stats.loss)
+                step = self._between_steps(step)
+                x, y = job_batch(self.spec, self.dataset, step)
+                try:
+                    stats = self.driver.train_step(step, (x,), y, snapshot=self._snapshot_request(step))
+                except FusionError as e:
+                    if self._stopping() is not None:
+                        raise
+                    step = self._recover(e, step)
+                    continue
+                self._after_step(stats, x, step)
+                step += 1
             stop = self._stopping()
             if stop is not None:
                 raise StateError(stop[1])
-            state_dict = driver.state_dict()
-            outputs.write_model(state_dict, metadata={"job_id": self.job_id, "model": self.spec.model.name, "steps": str(len(steps))})
-            outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
-            outputs.write_summary(self._summary("succeeded", None, steps, losses, t_start))
+            if self._durable is not None:
+                self._durable.wait()
+            state_dict = self.driver.state_dict()
+            outputs.write_model(state_dict, metadata={"job_id": self.job_id, "model": self.spec.model.name, "steps": str(self.spec.train.steps)})
+            self._plot(outputs)
+            outputs.write_summary(self._summary("succeeded", None, t_start))
             self.store.transition(self.job_id, "succeeded")
         except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
             stop = self._stopping()
@@ -126,25 +212,376 @@ class JobRunner(threading.Thread):
                 logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
             # Record the end at once (the summary is quick); the plot and the clean-up after
             # a lost worker can take seconds.
-            outputs.write_summary(self._summary(state, reason, steps, losses, t_start))
+            outputs.write_summary(self._summary(state, reason, t_start))
             try:
                 self.store.transition(self.job_id, state, reason)
             except FusionError as e2:
                 logger.error("job %s: could not record its end (%s): %s", self.job_id, reason, e2)
-            if steps:
-                outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
+            if self._history:
+                self._plot(outputs)
         finally:
+            with self._lock:
+                leaving = list(self._leaving.values())
+            for event in leaving:
+                event.set()
+            if self._durable is not None:
+                self._durable.close()
             outputs.close()
-            if driver is not None:
-                driver.close()
+            if self._driver is not None:
+                self._driver.close()
             self.on_done(self)
 
+    def _after_step(self, stats: StepStats, x: Any, step: int) -> None:
+        self._refresh_links(stats)
+        record = self._record(stats, x)
+        assert self._outputs is not None
+        self._outputs.append_metrics(record)
+        self.store.log(self.job_id, "metric", record)
+        self.store.set_progress(self.job_id, step=step + 1, loss=stats.loss, samples_per_s=record["samples_per_s"])
+        self._history.append((step, stats.loss))
+        done = step + 1
+        if done % self.spec.checkpoint.durable_every == 0 and done < self.spec.train.steps:
+            if self._durable is None:
+                self._durable = DurableWriter(self)
+            self._durable.submit(done, self.driver)
+
+    def _event(self, event: str, message: str, *, to_metrics: bool = True, **extra: Any) -> None:
+        """Log a job event (``fusion status``); changes of course also go to metrics.jsonl."""
+        record = {"event": event, "message": message, **extra}
+        self.store.log(self.job_id, "event", record)
+        if to_metrics and self._outputs is not None:
+            self._outputs.append_metrics(record)
+        logger.info("job %s: %s: %s", self.job_id, event, message)
+
+    # ------------------------------------------------------------- planning
+    def _prepare(self) -> None:
+        spec = self.spec
+        self.model = build_job_model(spec)
+        self.dataset = build_job_dataset(spec)
+        example_x, self.example_y = example_micro_batch(spec, self.dataset)
+        self.captured = capture(self.model, (example_x,))
+
+    def _endpoint(self, w: WorkerRow) -> Endpoint:
+        return Endpoint(
+            name=w.name,
+            address=w.address,
+            matmul_flops=float(w.resources.get("matmul_flops") or 1.0e12),
+            memory_bytes=int(w.resources["device_memory_bytes"]) if w.resources.get("device_memory_bytes") else None,
+            device_name=str(w.resources.get("device_name", "")),
+        )
+
+    def _measure(self, workers: Sequence[WorkerRow]) -> None:
+        """Profile the model (cached) and probe the links between ``workers``."""
+        endpoints = [self._endpoint(w) for w in workers]
+        t0 = time.perf_counter()
+        m = measure(self.spec, self.model, self.captured, self.dataset, endpoints, self.pool, device=self.device, cache=self.profiles)
+        for i, a in enumerate(endpoints):
+            for j, b in enumerate(endpoints):
+                if i != j:
+                    self.links.set(a.address, b.address, m.topology.latency_s[i][j], m.topology.bandwidth_bytes_per_s[i][j])
+        self._measurements = m
+        self._measured = [w.worker_id for w in workers]
+        self.store.log(self.job_id, "event", {"event": "measured", "message": f"profiled the model and {len(endpoints)} workers' links in {time.perf_counter() - t0:.1f}s"})
+
+    def _planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
+        """The workers to plan over: all but the job's spares (at least one)."""
+        keep = max(1, len(workers) - self.spec.cluster.spares)
+        return list(workers[:keep])
+
+    def _plan_over(self, workers: Sequence[WorkerRow]) -> Plan:
+        assert self._measurements is not None
+        if any(w.worker_id not in self._measured for w in workers):
+            self._measure(list(self.workers))
+        assert self._measurements is not None
+        indices = [self._measured.index(w.worker_id) for w in workers]
+        return plan_job(self.spec, self._measurements.subset(indices))
+
+    def _configure(self, workers: Sequence[WorkerRow], *, why: str, same_stages: bool, replace: dict[str, WorkerRow] | None = None, note: str = "") -> None:
+        """Build (and load) the driver for a new placement.
+
+        ``same_stages``: keep the current stages and swap workers per ``replace`` (old worker
+        id → new worker); otherwise plan over ``workers`` afresh. The new driver's stages are
+        loaded without parameters when a restore follows (``why`` other than ``planned``).
+        """
+        t0 = time.perf_counter()
+        if same_stages:
+            assert replace is not None
+            stage_workers = [replace.get(w.worker_id, w) for w in self.stage_workers]
+            plan = dataclasses.replace(self.plan, stages=tuple(dataclasses.replace(s, worker=w.name) for s, w in zip(self.plan.stages, stage_workers)))
+            stages = self.stages
+        else:
+            plan = self._plan_over(workers)
+            by_name = {w.name: w for w in workers}
+            stage_workers = [by_name[s.worker] for s in plan.stages]
+            stages = split_stages(self.captured.dag, plan.assignment())
+        old = self._driver
+        if old is not None:
+            # The old stages go; their snapshots stay (the restore reads them).
+            addresses = {w.address for w in self.workers}
+            run_parallel([lambda a=a: _quiet(lambda: ExecutorClient(a, self.pool).unload_job(self.job_id, keep_snapshots=True)) for a in addresses], name="unload")
+        self.plan, self.stages, self.stage_workers = plan, stages, stage_workers
+        driver = self._make_driver(plan, stages, stage_workers)
+        with self._lock:
+            self._driver = driver
+            if self._stop_state is not None:
+                raise StateError(self._stop_state[1])
+        self.store.set_plan(self.job_id, plan.to_dict(), [w.name for w in stage_workers])
+        assert self._outputs is not None
+        self._outputs.write_plan(plan.to_dict())
+        driver.load(set_initial=why == "planned")
+        self.buddies = self._choose_buddies()
+        predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
+        where = ", ".join(w.name for w in stage_workers)
+        buddies = ", ".join(f"{stage_workers[i].name}→{self._name_of(a)}" for i, a in sorted(self.buddies.items()))
+        self._event(why, f"{note}{plan.strategy}: {len(stages)} stage(s) on {where}{predicted}; replicas {buddies or 'none'} ({time.perf_counter() - t0:.2f}s)",
+                    to_metrics=why != "planned", stages=[w.name for w in stage_workers], buddies={stage_workers[i].name: self._name_of(a) for i, a in self.buddies.items()})
+
+    def _make_driver(self, plan: Plan, stages: Sequence[StageSpec], stage_workers: Sequence[WorkerRow]) -> PipelineDriver:
+        spec = self.spec
+        settings = cut_settings([(c.src_stage, c.dst_stage, c.codec, c.keep_ratio) for c in plan.cuts], directions=spec.compression.directions)
+        addresses = [w.address for w in stage_workers]
+        controller = None
+        if spec.compression.mode == "adatopk" and settings:
+            controller = RatioController(
+                AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
+                link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
+            )
+        return PipelineDriver(
+            job_id=self.job_id, job=spec, model=self.model, captured=self.captured, stages=stages, addresses=addresses,
+            example_target=self.example_y, device=self.device, pool=self.pool, cut_settings=settings, ratio_controller=controller,
+        )
+
+    def _name_of(self, address: str) -> str:
+        return next((w.name for w in self.workers if w.address == address), address)
+
+    def _choose_buddies(self) -> dict[int, str]:
+        """Each stage's replica holder: the other held worker on the fastest link from it.
+
+        Links within a factor of two count as equal; ties go round the ring of stages (and
+        spares), so replicas spread out instead of piling on one worker.
+        """
+        ring = list(dict.fromkeys([w.address for w in self.stage_workers] + [w.address for w in self.workers]))
+        if len(ring) < 2:
+            return {}
+        out: dict[int, str] = {}
+        for i, w in enumerate(self.stage_workers):
+            start = ring.index(w.address)
+            order = [ring[(start + k) % len(ring)] for k in range(1, len(ring))]
+
+            def bandwidth(b: str, a: str = w.address) -> float:
+                fit = self.links.get(a, b)
+                return fit[1] if fit is not None else 0.0
+
+            best = max(bandwidth(b) for b in order)
+            out[i] = next(b for b in order if bandwidth(b) * 2 >= best)
+        return out
+
+    def _snapshot_request(self, step: int) -> SnapshotRequest | None:
+        done = step + 1
+        ck = self.spec.checkpoint
+        if done >= self.spec.train.steps or (done % ck.replicate_every and done % ck.durable_every):
+            return None
+        rate = 0.0
+        fits = [self.links.get(self.stage_workers[i].address, b) for i, b in self.buddies.items()]
+        known = [f[1] for f in fits if f is not None]
+        if known:
+            rate = ck.replicate_share * min(known)
+        return SnapshotRequest(buddies=dict(self.buddies) if done % ck.replicate_every == 0 else {}, rate_bytes_per_s=rate)
+
+    # ------------------------------------------------------------- failures
+    def _find_lost(self, error: FusionError) -> dict[str, tuple[str, str]]:
+        """Workers to drop after a failed step: worker id -> (reason, new state)."""
+        lost: dict[str, tuple[str, str]] = {}
+        poisoned = getattr(errors, "PoisonedInputError", None)
+        if poisoned is not None and isinstance(error, poisoned):
+            sender = int(getattr(error, "sender_stage", -1))
+            if 0 <= sender < len(self.stage_workers):
+                w = self.stage_workers[sender]
+                lost[w.worker_id] = (f"worker {w.name} ({w.address}) sent poisoned tensors: {error}", "excluded")
+        with self._lock:
+            flagged = dict(self._lost)
+            self._lost.clear()
+        for wid, reason in flagged.items():
+            lost.setdefault(wid, (reason, "gone"))
+
+        def answers(w: WorkerRow) -> bool:
+            try:
+                ExecutorClient(w.address, self.pool).ping(timeout_s=2.0, attempts=1)
+                return True
+            except FusionError:
+                return False
+
+        for w, ok in zip(self.workers, run_parallel([lambda w=w: answers(w) for w in self.workers], name="ping")):
+            if not ok:
+                lost.setdefault(w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {_reason(error)}", "gone"))
+        return lost
+
+    def _recover(self, error: FusionError, failed_step: int) -> int:
+        """Recover from a failed step; returns the step to resume at (or re-raises)."""
+        t0 = time.perf_counter()
+        lost = self._find_lost(error)
+        if not lost:
+            raise error
+        self._recoveries += 1
+        if self._recoveries > MAX_RECOVERIES:
+            raise StateError(f"gave up after {MAX_RECOVERIES} recoveries; last: {_reason(error)}")
+        for wid, (reason, state) in lost.items():
+            w = next((w for w in self.workers if w.worker_id == wid), None)
+            if w is None:
+                continue
+            self._event("worker_excluded" if state == "excluded" else "worker_lost", reason, worker=w.name, failed_step=failed_step)
+            self.release(self, w, state)
+        self.workers = [w for w in self.workers if w.worker_id not in lost]
+        old_keys = list(self.driver.stage_keys)
+        # Snapshots are read from every worker still here, before any of them is reloaded.
+        held = snapshot_holdings(self.job_id, [w.address for w in self.workers], self.pool)
+        self._place(lost=set(lost))
+        point = self._restore(old_keys, held)
+        self._event("resumed_at_step", f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) after {time.perf_counter() - t0:.2f}s",
+                    step=point.step, failed_step=failed_step, recover_s=round(time.perf_counter() - t0, 3))
+        return point.step
+
+    def _place(self, *, lost: set[str]) -> None:
+        """A new placement without the ``lost`` workers: spares step in, else re-plan."""
+        self._claim()
+        in_plan = {w.worker_id for w in self.stage_workers}
+        spares = [w for w in self.workers if w.worker_id not in in_plan]
+        gone = [w for w in self.stage_workers if w.worker_id in lost]
+        if not gone:  # only spares were lost: the stages stay where they are
+            self._configure(self.stage_workers, why="replaced", same_stages=True, replace={})
+            return
+        if len(spares) >= len(gone):
+            replace = {w.worker_id: s for w, s in zip(gone, spares)}
+            note = ", ".join(f"{w.name} → {replace[w.worker_id].name}" for w in gone) + "; "
+            self._configure(self.stage_workers, why="replaced", same_stages=True, replace=replace, note=note)
+            return
+        self._wait_for_workers()
+        self._configure(self._planning_set(self.workers), why="replanned", same_stages=False)
+
+    def _wait_for_workers(self) -> None:
+        deadline = time.monotonic() + WAIT_FOR_WORKERS_S
+        if not self.workers:
+            self._event("waiting_for_workers", "no live worker left; waiting for one to join")
+        while not self.workers:
+            if self._stopping() is not None or time.monotonic() > deadline:
+                raise StateError(f"no live worker left and none joined within {WAIT_FOR_WORKERS_S:.0f}s")
+            time.sleep(0.5)
+            self._claim(force=True)
+
+    def _restore(self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None) -> RestorePoint:
+        """Bring every stage of the current driver to the newest step they can all reach."""
+        bad: set[Path] = set()
+        while True:
+            durable = [c for c in self.checkpoints.list() if c.path not in bad]
+            point = choose_restore_point(old_keys, held, durable, at_most=at_most)
+            whole = WholeState(
+                point, job_id=self.job_id, old_keys=old_keys, held=held, pool=self.pool, checkpoints=self.checkpoints,
+                initial=self.model.state_dict, canonical=self.driver.canonical,
+            )
+            try:
+                sources = restore_stages(self.driver, point, held, whole)
+            except CheckpointError as e:
+                if point.durable is None:
+                    raise
+                self._event("checkpoint_corrupt", f"{point.durable.path.name} failed its checks and was skipped: {e}")
+                bad.add(point.durable.path)
+                continue
+            text = "; ".join(f"stage {i} ({self.stage_workers[i].name}) from {s}" for i, s in sorted(sources.items()))
+            self._event("restored_from", text, step=point.step, source=point.source)
+            self._history = [(s, loss) for s, loss in self._history if s < point.step]
+            self.store.set_progress(self.job_id, step=point.step, loss=self._history[-1][1] if self._history else float("nan"), samples_per_s=0.0)
+            return point
+
+    def _resume_from_durable(self) -> int:
+        """After a coordinator restart: continue from the newest durable checkpoint."""
+        if not self.checkpoints.list():
+            return 0
+        point = self._restore(self.driver.stage_keys, {})
+        self._history = _read_history(Path(self.output_dir) / METRICS_FILE, point.step)
+        self._event("resumed_at_step", f"resumed at step {point.step} from {point.describe()}", step=point.step)
+        return point.step
+
+    # ------------------------------------------------------------- between steps
+    def _claim(self, *, force: bool = False) -> list[WorkerRow]:
+        """Take idle workers from the coordinator (used as spares or in the next re-plan)."""
+        joined = [w for w in self.claim_idle(self) if w.worker_id not in self.worker_ids]
+        self.workers.extend(joined)
+        for w in joined:
+            self._event("worker_joined", f"worker {w.name} ({w.address}) joined the job", worker=w.name)
+        return joined
+
+    def _between_steps(self, step: int) -> int:
+        """Leavers hand off, silent spares are dropped, joiners are put to use."""
+        with self._lock:
+            leaving = {wid for wid, ev in self._leaving.items() if not ev.is_set() and wid in self.worker_ids}
+            flagged = {wid: r for wid, r in self._lost.items() if wid not in {w.worker_id for w in self.stage_workers}}
+            for wid in flagged:
+                self._lost.pop(wid, None)
+        for wid, reason in flagged.items():  # a spare stopped heart-beating: just let it go
+            w = next((w for w in self.workers if w.worker_id == wid), None)
+            if w is not None:
+                self._event("worker_lost", reason, worker=w.name, failed_step=step)
+                self.workers.remove(w)
+                self.release(self, w, "gone")
+                self.buddies = self._choose_buddies()
+        if leaving:
+            self._handoff(step, leaving)
+            return step
+        policy = self.spec.cluster.use_joiners
+        if policy == "never":
+            return step
+        joined = self._claim()
+        if not joined:
+            return step
+        if policy == "if_faster" and not self._faster_with_joiners():
+            return step
+        self._reconfigure_planned(step, exclude=set(), why="replanned")
+        return step
+
+    def _faster_with_joiners(self) -> bool:
+        current = self.plan.predicted_step_s
+        candidate = self._plan_over(self._planning_set(self.workers))
+        faster = current is not None and candidate.predicted_step_s is not None and candidate.predicted_step_s < JOINER_GAIN * current
+        self._event("replan_considered", f"with {len(self.workers)} workers the plan would take {candidate.predicted_step_s}s/step vs {current}s now: {'re-planning' if faster else 'keeping the plan'}")
+        return faster
+
+    def _handoff(self, step: int, leaving: set[str]) -> None:
+        names = [w.name for w in self.workers if w.worker_id in leaving]
+        self._event("worker_leaving", f"{', '.join(names)} asked to leave; handing off their state at step {step}", workers=names)
+        self._reconfigure_planned(step, exclude=leaving, why="replanned")
+        with self._lock:
+            events = [self._leaving[wid] for wid in leaving]
+        for w in [w for w in self.workers if w.worker_id in leaving]:
+            self.workers.remove(w)
+            self.release(self, w, "gone")
+        for ev in events:
+            ev.set()
+
+    def _reconfigure_planned(self, step: int, *, exclude: set[str], why: str) -> None:
+        """A re-plan between steps: snapshot every stage now, move, restore — nothing redone."""
+        t0 = time.perf_counter()
+        driver = self.driver
+        old_keys = list(driver.stage_keys)
+        run_parallel([lambda i=i: driver.clients[i].take_snapshot(self.job_id, i, step) for i in range(len(driver.stages))], name="take-snapshot")
+        held = snapshot_holdings(self.job_id, [w.address for w in self.workers], self.pool)
+        keep = [w for w in self.workers if w.worker_id not in exclude]
+        if not keep:
+            raise StateError("every worker of the job is leaving")
+        held_workers = self.workers
+        self.workers = keep  # plan over the ones that stay; the leavers still serve their snapshots
+        try:
+            self._configure(self._planning_set(keep), why=why, same_stages=False)
+            self._restore(old_keys, held, at_most=step)
+        finally:
+            self.workers = [w for w in held_workers if w.worker_id not in exclude] + [w for w in held_workers if w.worker_id in exclude]
+        self._event("resumed_at_step", f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)", step=step)
+
+    # ------------------------------------------------------------- records
     def _diagnose(self, e: BaseException) -> str:
         """The failure reason; names the workers that no longer answer, if any."""
         reason = _reason(e)
         if not isinstance(e, FusionError):
             return reason
-        from executor.client import ExecutorClient
 
         def answers(w: WorkerRow) -> bool:
             try:
@@ -159,76 +596,18 @@ class JobRunner(threading.Thread):
             return f"worker {', '.join(gone)} stopped answering: {reason}"
         return reason
 
-    def _plan(self, outputs: JobOutputs) -> tuple[PipelineDriver, Plan, Any]:
-        """Measure (profile, links, executor overhead), plan with the job's strategy, build the driver."""
-        spec = self.spec
-        model = build_job_model(spec)
-        dataset = build_job_dataset(spec)
-        example_x, example_y = example_micro_batch(spec, dataset)
-        captured = capture(model, (example_x,))
-        endpoints = [
-            Endpoint(
-                name=w.name,
-                address=w.address,
-                matmul_flops=float(w.resources.get("matmul_flops") or 1.0e12),
-                memory_bytes=int(w.resources["device_memory_bytes"]) if w.resources.get("device_memory_bytes") else None,
-                device_name=str(w.resources.get("device_name", "")),
-            )
-            for w in self.workers
-        ]
-        t0 = time.perf_counter()
-        measurements = measure(spec, model, captured, dataset, endpoints, self.pool, device=self.device, cache=self.profiles)
-        for i, a in enumerate(endpoints):
-            for j, b in enumerate(endpoints):
-                if i != j:
-                    self.links.set(a.address, b.address, measurements.topology.latency_s[i][j], measurements.topology.bandwidth_bytes_per_s[i][j])
-        self.store.log(self.job_id, "event", {"event": "measured", "message": f"profiled the model and {len(endpoints)} workers' links in {time.perf_counter() - t0:.1f}s"})
-        plan = plan_job(spec, measurements)
-        self.plan_workers = {w.name: w for w in self.workers}
-        used = [self.plan_workers[s.worker] for s in plan.stages]
-        stages = split_stages(captured.dag, plan.assignment())
-        self.store.set_plan(self.job_id, plan.to_dict(), [w.name for w in used])
-        outputs.write_plan(plan.to_dict())
-        predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
-        self.store.log(
-            self.job_id,
-            "event",
-            {"event": "planned", "message": f"{plan.strategy}: {len(stages)} stage(s) on {', '.join(w.name for w in used)}{predicted} ({plan.planning_s:.2f}s)"},
-        )
-        settings = cut_settings([(c.src_stage, c.dst_stage, c.codec, c.keep_ratio) for c in plan.cuts], directions=spec.compression.directions)
-        controller = None
-        if spec.compression.mode == "adatopk" and settings:
-            addresses = [w.address for w in used]
-            controller = RatioController(
-                AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
-                link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
-            )
-        driver = PipelineDriver(
-            job_id=self.job_id,
-            job=spec,
-            model=model,
-            captured=captured,
-            stages=stages,
-            addresses=[w.address for w in used],
-            example_target=example_y,
-            device=self.device,
-            pool=self.pool,
-            cut_settings=settings,
-            ratio_controller=controller,
-        )
-        return driver, plan, dataset
-
-    def _refresh_links(self, stats: StepStats, plan: Plan) -> None:
+    def _refresh_links(self, stats: StepStats) -> None:
         """Fold the step's transfers into the link estimates (one message per micro-batch)."""
         m = self.spec.train.micro_batches
         for (s, d), size in stats.sent_bytes.items():
             seconds = stats.sent_s.get((s, d), 0.0)
-            a, b = self.plan_workers[plan.stages[s].worker].address, self.plan_workers[plan.stages[d].worker].address
+            a, b = self.stage_workers[s].address, self.stage_workers[d].address
             if seconds > 0 and size > 0:
                 self.links.observe(a, b, size // m, seconds / m)
 
-    def _record(self, stats: StepStats, x: Any, plan: Plan) -> dict[str, Any]:
+    def _record(self, stats: StepStats, x: Any) -> dict[str, Any]:
         batch = int(x.shape[0])
+        names = [w.name for w in self.stage_workers]
         record: dict[str, Any] = {
             "step": stats.step,
             "loss": stats.loss,
@@ -237,44 +616,126 @@ class JobRunner(threading.Thread):
         }
         if x.dim() == 2 and not x.is_floating_point():  # token ids (B, T)
             record["tokens_per_s"] = x.numel() / stats.step_s if stats.step_s > 0 else 0.0
-        record["bytes_per_link"] = {
-            f"{plan.stages[s].worker}->{plan.stages[d].worker}": size for (s, d), size in sorted(stats.sent_bytes.items())
-        }
-        record["compute_s"] = {plan.stages[s].worker: round(c, 6) for s, c in sorted(stats.compute_s.items())}
+        record["bytes_per_link"] = {f"{names[s]}->{names[d]}": size for (s, d), size in sorted(stats.sent_bytes.items())}
+        record["compute_s"] = {names[s]: round(c, 6) for s, c in sorted(stats.compute_s.items())}
         links = {}
         for s, d in sorted(stats.sent_bytes):
-            a, b = self.plan_workers[plan.stages[s].worker], self.plan_workers[plan.stages[d].worker]
-            fit = self.links.get(a.address, b.address)
+            fit = self.links.get(self.stage_workers[s].address, self.stage_workers[d].address)
             if fit is not None:
-                links[f"{a.name}->{b.name}"] = round(fit[1], 1)
+                links[f"{names[s]}->{names[d]}"] = round(fit[1], 1)
         record["link_bandwidth_bytes_per_s"] = links
         if stats.keep_ratios:
             record["compression"] = {
-                f"{plan.stages[s].worker}->{plan.stages[d].worker}": {
+                f"{names[s]}->{names[d]}": {
                     "keep_ratio": round(ratio, 5),
                     "dense_bytes": stats.dense_bytes.get((s, d), 0),
                     "sent_bytes": stats.sent_bytes.get((s, d), 0),
                 }
                 for (s, d), ratio in sorted(stats.keep_ratios.items())
             }
-        if plan.predicted_step_s is not None:
-            record["predicted_step_s"] = round(plan.predicted_step_s, 6)
+        if self.plan.predicted_step_s is not None:
+            record["predicted_step_s"] = round(self.plan.predicted_step_s, 6)
         return record
 
-    def _summary(self, state: str, reason: str | None, steps: list[int], losses: list[float], t_start: float) -> dict[str, Any]:
+    def _plot(self, outputs: JobOutputs) -> None:
+        steps = [s for s, _ in self._history]
+        losses = [loss for _, loss in self._history]
+        outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
+
+    def _summary(self, state: str, reason: str | None, t_start: float) -> dict[str, Any]:
+        losses = [loss for _, loss in self._history]
         return {
             "job_id": self.job_id,
             "name": self.spec.name,
             "state": state,
             "reason": reason,
-            "steps_done": len(steps),
+            "steps_done": len(self._history),
             "steps": self.spec.train.steps,
             "first_loss": losses[0] if losses else None,
             "final_loss": losses[-1] if losses else None,
             "wall_s": round(time.time() - t_start, 3),
             "workers": [w.name for w in self.workers],
+            "recoveries": self._recoveries,
             "spec": self.spec.to_dict(),
         }
+
+
+class DurableWriter:
+    """Writes durable checkpoints in the background from the stages' snapshots.
+
+    Training goes on while a checkpoint is fetched and written; if the previous one is still
+    being written when the next is due, the next is skipped (the newer one will come).
+    """
+
+    def __init__(self, runner: JobRunner) -> None:
+        self.runner = runner
+        self._thread: threading.Thread | None = None
+
+    def submit(self, step: int, driver: PipelineDriver) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            logger.info("job %s: durable checkpoint at step %d skipped (the previous one is still being written)", self.runner.job_id, step)
+            return
+        keys, addresses = list(driver.stage_keys), list(driver.addresses)
+        self._thread = threading.Thread(target=self._write, args=(step, keys, addresses, driver.canonical), name=f"durable-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, keys: list[str], addresses: list[str], canonical: Callable[[str], str]) -> None:
+        r = self.runner
+        t0 = time.perf_counter()
+        try:
+            states = run_parallel(
+                [lambda k=k, a=a: _fetch_when_ready(ExecutorClient(a, r.pool), r.job_id, k, step).tensors() for k, a in zip(keys, addresses)],
+                name="durable-fetch",
+            )
+            ckpt = r.checkpoints.write(step, merge_states(states, canonical), {"job_id": r.job_id})
+            r.store.add_checkpoint(r.job_id, step=step, path=str(ckpt.path), sha256=ckpt.sha256, size_bytes=ckpt.size_bytes, keep=r.spec.checkpoint.keep)
+            r.store.log(r.job_id, "event", {"event": "checkpoint", "message": f"durable checkpoint at step {step}: {ckpt.path.name}, {ckpt.size_bytes / 1e6:.1f} MB in {time.perf_counter() - t0:.2f}s", "step": step})
+        except (FusionError, OSError) as e:
+            logger.warning("job %s: durable checkpoint at step %d failed: %s", r.job_id, step, e)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+
+def _fetch_when_ready(client: ExecutorClient, job_id: str, key: str, step: int, timeout_s: float = 120.0) -> Any:
+    """A stage's snapshot, once its background copy has finished."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.get_snapshot(job_id, key, step)
+        except errors.RemoteError as e:
+            if e.code != "NOT_FOUND" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _read_history(path: Path, before: int) -> list[tuple[int, float]]:
+    """(step, loss) of the steps before ``before`` from an earlier run's metrics.jsonl."""
+    out: dict[int, float] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "loss" in rec and "step" in rec and "event" not in rec and int(rec["step"]) < before:
+            out[int(rec["step"])] = float(rec["loss"])
+    return sorted(out.items())
+
+
+def _quiet(call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except FusionError as e:
+        logger.info("ignored during re-placement: %s", e)
 
 
 def _reason(e: BaseException) -> str:

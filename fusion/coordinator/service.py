@@ -33,11 +33,11 @@ import grpc
 
 from executor.client import ChannelPool
 from executor.status import rpc_errors
+from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
 from fusion.config import JobSpec
 from fusion.coordinator.planning import LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
-from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
 from fusion.errors import AuthError, ConfigError, RateLimitError, WireError
 from fusion.tls import ServerTls, add_port
 from fusion.wire import coordinator_pb2 as cpb
@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 AUTH_METADATA = "fusion-auth"
 #: How many recent events ``fusion status`` shows.
 STATUS_EVENTS = 20
+#: How long a leaving worker waits for its jobs to hand its state off.
+HANDOFF_TIMEOUT_S = 120.0
 
 
 def _hash(secret: str) -> str:
@@ -116,9 +118,9 @@ class CoordinatorService:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._background, name="coordinator-loop", daemon=True)
-        failed = store.recover()
-        if failed:
-            logger.warning("failed %d job(s) that were running when the coordinator stopped: %s", len(failed), failed)
+        requeued = store.recover()
+        if requeued:
+            logger.warning("%d job(s) were running when the coordinator stopped; they resume from their checkpoints once workers rejoin: %s", len(requeued), requeued)
 
     def start(self) -> None:
         self._loop.start()
@@ -130,7 +132,7 @@ class CoordinatorService:
         with self._lock:
             runners = list(self._runners.values())
         for r in runners:
-            r.stop("failed", "the coordinator shut down")
+            r.stop("pending", "the coordinator shut down; the job resumes from its last durable checkpoint when it restarts")
         for r in runners:
             r.join(timeout=30)
         if self._loop.is_alive():
@@ -161,9 +163,9 @@ class CoordinatorService:
             raise self._failed(host, AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN"))
 
     def _check_worker(self, context: grpc.ServicerContext, worker_id: str) -> None:
-        host = self._refuse_flooders(context)
         from fusion.errors import NotFoundError
 
+        host = self._refuse_flooders(context)
         try:
             row = self.store.worker(worker_id)
         except NotFoundError:
@@ -208,9 +210,16 @@ class CoordinatorService:
     def Deregister(self, request: cpb.DeregisterRequest, context: grpc.ServicerContext) -> cpb.DeregisterResponse:
         self._check_worker(context, request.worker_id)
         row = self.store.worker(request.worker_id)
+        reason = request.reason or "deregistered"
+        with self._lock:
+            runners = [r for r in self._runners.values() if request.worker_id in r.worker_ids]
+        # A worker that leaves cleanly hands its state off first: its jobs move it elsewhere
+        # at their next step boundary, and only then is it let go.
+        handed = all(r.worker_leaving(request.worker_id).wait(HANDOFF_TIMEOUT_S) for r in runners)
         self.store.set_worker_state(request.worker_id, "gone")
-        logger.info("worker %s left: %s", row.name, request.reason or "deregistered")
-        self._fail_jobs_of(request.worker_id, f"worker {row.name} ({row.address}) left: {request.reason or 'deregistered'}")
+        logger.info("worker %s left: %s", row.name, reason)
+        if not handed:
+            self._fail_jobs_of(request.worker_id, f"worker {row.name} ({row.address}) left before its state was handed off: {reason}")
         return cpb.DeregisterResponse()
 
     @rpc_errors
@@ -326,11 +335,30 @@ class CoordinatorService:
                 self._fail_jobs_of(w.worker_id, f"worker {w.name} ({w.address}) stopped heart-beating ({silent_s:.1f}s without a heartbeat)")
 
     def _fail_jobs_of(self, worker_id: str, reason: str) -> None:
+        """Tell the jobs using a worker that it is gone; they recover without it."""
         with self._lock:
             runners = [r for r in self._runners.values() if worker_id in r.worker_ids]
         for r in runners:
-            self.store.log(r.job_id, "event", {"event": "worker_lost", "message": reason})
-            r.stop("failed", reason)
+            r.worker_lost(worker_id, reason)
+
+    def _claim_idle(self, runner: JobRunner) -> list[WorkerRow]:
+        """Idle workers for a running job (late joiners), unless a pending job waits for them."""
+        with self._lock:
+            if self._stop.is_set() or self.store.jobs("pending"):
+                return []
+            idle = self.store.workers("idle")
+            for w in idle:
+                self.store.set_worker_state(w.worker_id, "busy", runner.job_id)
+            return idle
+
+    def _release(self, runner: JobRunner, worker: WorkerRow, state: str) -> None:
+        """A job let a worker go: ``gone`` (lost or left), ``excluded`` (poisoned) or ``idle``."""
+        with self._lock:
+            row = self.store.worker(worker.worker_id)
+            if row.state in ("busy", "idle") or state == "excluded":
+                self.store.set_worker_state(worker.worker_id, state, None)
+        if state == "excluded":
+            logger.warning("worker %s (%s) excluded by job %s", worker.name, worker.address, runner.job_id)
 
     def _start_pending_jobs(self) -> None:
         with self._lock:
@@ -344,6 +372,7 @@ class CoordinatorService:
                 runner = JobRunner(
                     store=self.store, job_id=job.job_id, spec=spec, workers=idle, output_dir=job.output_dir,
                     pool=self.pool, on_done=self._job_done, device=self.device, profiles=self.profiles, links=self.links,
+                    claim_idle=self._claim_idle, release=self._release,
                 )
                 self._runners[job.job_id] = runner
                 runner.start()

@@ -112,7 +112,7 @@ def check_outputs(job_dir: Path, job_file: Path, steps: int) -> None:
     """Outputs exist, the loss fell, the model loads and equals single-process training."""
     for name in ("model.safetensors", "metrics.jsonl", "loss.png", "plan.json", "summary.json"):
         assert (job_dir / name).exists(), name
-    metrics = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in map(json.loads, (job_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in m]
     assert [m["step"] for m in metrics] == list(range(steps))
     assert all("bytes_per_link" in m and "samples_per_s" in m for m in metrics)
     losses = [m["loss"] for m in metrics]
@@ -189,7 +189,7 @@ def test_opfence_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
     plan = json.loads((job_dir / "plan.json").read_text())
     assert plan["strategy"] == "opfence" and plan["predicted_step_s"] > 0
     assert all(st["compute_s"] is not None and st["peak_memory_bytes"] > 0 for st in plan["stages"])
-    metrics = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in map(json.loads, (job_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in m]
     assert all("predicted_step_s" in m for m in metrics)
     events = " ".join(e["message"] for e in s["events"])
     assert "measured" in events or "profiled" in events
@@ -349,21 +349,30 @@ def long_job(path: Path, out: Path, steps: int) -> Path:
     """)
 
 
-def test_killed_worker_fails_the_job_within_the_heartbeat_timeout(small_fleet: Fleet, tmp_path: Path) -> None:
+def test_killed_worker_is_dropped_and_the_job_goes_on(small_fleet: Fleet, tmp_path: Path) -> None:
     cli = Cli(small_fleet.coordinator_address, TOKEN, child_env())
     job_id = cli.submit(long_job(tmp_path / "long.toml", tmp_path / "out", 100000))
     cli.wait(job_id, states=("running",), timeout=120)
     while cli.status(job_id)["step"] < 2:
         time.sleep(0.2)
-    small_fleet.workers["s1"].kill()
+    victim = cli.status(job_id)["plan"]["stages"][0]["worker"]
+    small_fleet.workers[victim].kill()
     killed_at = time.time()
-    s = cli.wait(job_id, states=("failed",), timeout=30)
-    delay = s["finished_at"] - killed_at
-    print(f"job failed {delay:.2f}s after the kill")
-    assert delay < 3.0 + 3.0  # heartbeat timeout plus slack
-    assert "s1" in s["reason"], s["reason"]
-    assert not (Path(s["output_dir"]) / "model.safetensors").exists()
-    assert json.loads((Path(s["output_dir"]) / "summary.json").read_text())["state"] == "failed"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = cli.status(job_id)
+        events = {e["event"]: e for e in s["events"]}
+        if "resumed_at_step" in events and s["step"] > events["resumed_at_step"]["step"] + 2:
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"job did not resume: {s}")
+    print(f"resumed {events['resumed_at_step']['time'] - killed_at:.2f}s after the kill: {events['resumed_at_step']['message']}")
+    assert s["state"] == "running"
+    assert victim in events["worker_lost"]["message"]
+    assert victim not in [st["worker"] for st in s["plan"]["stages"]]
+    r = cli.run("cancel", job_id)
+    assert r.returncode == 0 and cli.status(job_id)["state"] == "cancelled"
 
 
 def test_restarted_coordinator_still_reports_finished_jobs(small_fleet: Fleet, tmp_path: Path) -> None:
