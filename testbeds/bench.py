@@ -145,7 +145,8 @@ class FusionFleet:
             stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
         )
         wait_for_line(log, r"listening on", proc, 60.0)
-        workers = []
+        # One worker at a time: each measures its matmul speed at start-up, and workers that
+        # start together on one machine's cores would each measure a random share of it.
         for host in tb.hosts:
             wport = tb.free_port(host)
             tb.expose(host, wport)
@@ -156,8 +157,6 @@ class FusionFleet:
                  "--name", host, "--listen", f"{tb.address(host)}:{wport}", "--torch-threads", str(torch_threads), "--log-level", "INFO"],
                 stdout=open(wlog, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
             )
-            workers.append((wlog, p))
-        for wlog, p in workers:
             wait_for_line(wlog, r"fusion-worker ready", p, 120.0)
 
     def run(self, spec: JobSpec, system: str, *, timeout_s: float) -> Run:
