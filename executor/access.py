@@ -56,7 +56,7 @@ POLICY: dict[str, frozenset[str]] = {
         m: frozenset({SCHEME_CONTROL})
         for m in (
             "LoadStage", "SetState", "GetState", "RunStep", "WaitStep", "ApplyStep", "Abort", "UnloadJob",
-            "Ping", "ProfileModel", "ProbeLinks",
+            "Ping", "ProfileModel", "ProbeLinks", "AdmitJob",
         )
     },
     "Send": frozenset({SCHEME_JOB, SCHEME_CONTROL}),

@@ -301,6 +301,10 @@ class PipelineDriver:
                     self.cut_settings[cut].keep_ratio = ratio
         return stats
 
+    def admit(self, addresses: Sequence[str]) -> None:
+        """Give workers that host no stage (spares holding replicas) this job's key."""
+        run_parallel([lambda a=a: ExecutorClient(a, self.pool).admit_job(self.job_id, self._wrapped_job_key(a)) for a in addresses], name="admit")
+
     def _wrapped_job_key(self, address: str) -> str:
         control = self.pool.keyring.control(address)
         return wrap_job_key(control, self.job_key) if control is not None else ""

@@ -42,6 +42,10 @@ WARMUP_OBSERVATIONS = 3
 EMA_WEIGHT = 0.2
 #: Norms below this are treated as this (log of zero).
 NORM_FLOOR = 1e-30
+#: A tensor whose root-mean-square value is at most this is never rejected for its norm:
+#: gradients that were near zero (a path the loss barely used yet) legitimately grow by
+#: orders of magnitude, while a poisoned update is large in absolute terms.
+RMS_FLOOR = 1.0
 
 _KINDS = {pb.TRANSFER_KIND_ACTIVATION: "activation", pb.TRANSFER_KIND_GRADIENT: "gradient"}
 
@@ -81,13 +85,14 @@ class InputGuard:
                 bad = int((~torch.isfinite(x)).sum())
                 self._reject(src_stage_idx, f"{what} {name!r} has {bad} NaN/Inf value(s) of {x.numel()}")
             norms[name] = float(torch.linalg.vector_norm(x))
+        floors = {name: RMS_FLOOR * math.sqrt(t.numel()) for name, t in tensors.items() if name in norms}
         with self._lock:
             for name, norm in norms.items():
                 stats = self._stats.get((kind, src_stage_idx, name))
                 if stats is None or stats.count < self.warmup:
                     continue
                 log_norm = math.log(max(norm, NORM_FLOOR))
-                if log_norm - stats.mean_log_norm > self.max_log_ratio:
+                if log_norm - stats.mean_log_norm > self.max_log_ratio and norm > floors[name]:
                     typical = math.exp(stats.mean_log_norm)
                     self.num_rejected += 1
                     raise PoisonedInputError(

@@ -317,6 +317,13 @@ class ExecutorService:
         ExecutorClient(address, self.pool).put_snapshot(snap, rate_bytes_per_s=rate_bytes_per_s)
 
     @rpc_errors
+    def AdmitJob(self, request: epb.AdmitJobRequest, context: grpc.ServicerContext) -> epb.AdmitJobResponse:
+        if not request.job_id:
+            raise WireError("AdmitJob needs a job_id")
+        self.access.add_job(request.job_id, request.auth)
+        return epb.AdmitJobResponse()
+
+    @rpc_errors
     def TakeSnapshot(self, request: epb.TakeSnapshotRequest, context: grpc.ServicerContext) -> epb.TakeSnapshotResponse:
         snap = self.stage(request.job_id, request.stage_idx).snapshot(request.step)
         self.snapshots.put(snap)

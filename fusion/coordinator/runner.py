@@ -329,6 +329,9 @@ class JobRunner(threading.Thread):
         assert self._outputs is not None
         self._outputs.write_plan(plan.to_dict())
         driver.load(set_initial=why == "planned")
+        in_plan = {w.worker_id for w in stage_workers}
+        spares = [w.address for w in self.workers if w.worker_id not in in_plan]
+        run_parallel([lambda a=a: _quiet(lambda: driver.admit([a])) for a in spares], name="admit")
         self.buddies = self._choose_buddies()
         predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
         where = ", ".join(w.name for w in stage_workers)

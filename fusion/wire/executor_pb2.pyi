@@ -477,3 +477,15 @@ class RestoreStageResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: SnapshotInfo
     def __init__(self, info: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...
+
+class AdmitJobRequest(_message.Message):
+    __slots__ = ("job_id", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class AdmitJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

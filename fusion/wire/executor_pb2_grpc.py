@@ -125,6 +125,11 @@ class ExecutorStub:
                 request_serializer=fusion_dot_wire_dot_executor__pb2.RestoreStageRequest.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_executor__pb2.RestoreStageResponse.FromString,
                 _registered_method=True)
+        self.AdmitJob = channel.unary_unary(
+                '/fusion.wire.Executor/AdmitJob',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.AdmitJobRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.AdmitJobResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -262,6 +267,14 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmitJob(self, request, context):
+        """Let a worker that hosts no stage of a job (a spare holding replicas) take part in it:
+        `auth` carries the job key, wrapped as in LoadStage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -354,6 +367,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.RestoreStage,
                     request_deserializer=fusion_dot_wire_dot_executor__pb2.RestoreStageRequest.FromString,
                     response_serializer=fusion_dot_wire_dot_executor__pb2.RestoreStageResponse.SerializeToString,
+            ),
+            'AdmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmitJob,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.AdmitJobRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.AdmitJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -842,6 +860,33 @@ class Executor:
             '/fusion.wire.Executor/RestoreStage',
             fusion_dot_wire_dot_executor__pb2.RestoreStageRequest.SerializeToString,
             fusion_dot_wire_dot_executor__pb2.RestoreStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Executor/AdmitJob',
+            fusion_dot_wire_dot_executor__pb2.AdmitJobRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.AdmitJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
