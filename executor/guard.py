@@ -128,8 +128,8 @@ class Fault:
         """``KIND`` or ``KIND@STEP``; ``None`` for none."""
         if not text:
             return None
-        kind, _, step = text.partition("@")
-        if kind not in FAULTS or (step and not step.isdigit()):
+        kind, at, step = text.partition("@")
+        if kind not in FAULTS or (at and not step.isdigit()):
             raise ConfigError(f"--inject-fault takes one of {', '.join(FAULTS)}, optionally @STEP; got {text!r}")
         return cls(kind=kind, from_step=int(step or 0))
 
