@@ -55,8 +55,10 @@ def capture_weights(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     """Parameters and their optimizer state: what only the next optimizer step changes."""
     out: TensorState = {}
     with torch.no_grad():
+        copies: dict[int, torch.Tensor] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):  # tied names each get an entry
+            out[PARAM + name] = copies.setdefault(id(p), _copy(p))
         for name, p in module.named_parameters():
-            out[PARAM + name] = _copy(p)
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     out[f"{OPTIM}{name}/{key}"] = _copy(value)
