@@ -8,8 +8,16 @@ that receives its gradients, and the driver names it.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import secrets
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,8 +25,10 @@ import pytest
 from executor.client import ChannelPool, ExecutorClient
 from executor.local import LocalCluster, train_distributed
 from fusion.auth import AUTH_METADATA, SCHEME_CONTROL, SCHEME_JOB, process_keyring, sign
-from fusion.config import JobSpec
+from fusion.config import JobSpec, load_job
+from fusion.coordinator.client import CoordinatorClient
 from fusion.errors import PoisonedInputError
+from fusion.launch import Fleet
 from fusion.wire import executor_pb2 as epb
 
 JOB = JobSpec.from_dict(
@@ -94,3 +104,70 @@ def test_nan_gradients_are_detected_and_the_sender_named() -> None:
         assert info.value.sender_stage == 1
         assert info.value.address == c.addresses[1]
         assert "NaN" in info.value.reason
+
+
+def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path: Path) -> None:
+    """A real coordinator and three real workers; the middle one turns poisonous at step 5."""
+    token = "poison-token"
+    job_path = tmp_path / "job.toml"
+    job_path.write_text(textwrap.dedent(f"""
+        name = "poisoned"
+        [model]
+        name = "gpt2"
+        preset = "tiny"
+        [data]
+        batch_size = 4
+        seq_len = 16
+        [train]
+        steps = 16
+        micro_batches = 2
+        optimizer = "sgd"
+        lr = 0.05
+        seed = 3
+        [cluster]
+        min_workers = 3
+        spares = 0
+        [plan]
+        strategy = "uniform"
+        [checkpoint]
+        replicate_every = 2
+        [output]
+        dir = "{tmp_path / 'out'}"
+    """))
+    with Fleet(tmp_path / "logs") as fleet:
+        fleet.start_coordinator(token=token, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0)
+        # Workers join one after another: the uniform plan puts them on stages in join order,
+        # so the faulty worker hosts stage 1 and sends (NaN) gradients to stage 0.
+        fleet.start_worker("w0", token=token)
+        fleet.start_worker("bad", token=token, extra_args=["--inject-fault", "nan-gradients@5"])
+        fleet.start_worker("w2", token=token)
+        with CoordinatorClient(fleet.coordinator_address, token) as client:
+            job_id = client.submit(load_job(job_path))
+            deadline = time.monotonic() + 240
+            while (s := client.status(job_id))["state"] not in ("succeeded", "failed", "cancelled"):
+                assert time.monotonic() < deadline, s
+                time.sleep(0.2)
+            assert s["state"] == "succeeded", s
+            states = {w.name: w.state for w in client.workers()}
+        records = [json.loads(line) for line in (Path(s["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        events = [r for r in records if "event" in r]
+        print("\n".join(f"{e['event']}: {e.get('message', '')}" for e in s["events"]))
+        planned = next(e for e in s["events"] if e["event"] == "planned")
+        assert planned["stages"][1] == "bad", planned
+        excluded = [e for e in events if e["event"] == "worker_excluded"]
+        assert [e["worker"] for e in excluded] == ["bad"], events
+        assert excluded[0]["failed_step"] == 5 and "NaN" in excluded[0]["message"], excluded
+        assert not any(e["event"] == "worker_lost" for e in events), events
+        replanned = [e for e in events if e["event"] == "replanned"]
+        assert replanned and "bad" not in replanned[-1]["stages"] and len(replanned[-1]["stages"]) == 2, events
+        assert "bad" not in [st["worker"] for st in s["plan"]["stages"]]
+        losses = {r["step"]: r["loss"] for r in records if "event" not in r}
+        assert sorted(losses) == list(range(16))
+        assert all(math.isfinite(v) for v in losses.values()), losses
+        assert states["bad"] == "excluded" and states["w0"] == "idle" and states["w2"] == "idle", states
+        # The CLI shows the same.
+        out = subprocess.run(
+            [sys.executable, "-m", "fusion.cli.main", "workers", "--coordinator", fleet.coordinator_address, "--token", token],
+            capture_output=True, text=True, timeout=60, env=fleet.env, check=True,
+        ).stdout
+        assert re.search(r"^bad\s+\S+\s+excluded", out, re.M), out
