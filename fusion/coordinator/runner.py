@@ -425,6 +425,7 @@ class JobRunner(threading.Thread):
         lost = self._find_lost(error)
         if not lost:
             raise error
+        t_found = time.perf_counter()
         self._recoveries += 1
         if self._recoveries > MAX_RECOVERIES:
             raise StateError(f"gave up after {MAX_RECOVERIES} recoveries; last: {_reason(error)}")
@@ -438,10 +439,15 @@ class JobRunner(threading.Thread):
         old_keys = list(self.driver.stage_keys)
         # Snapshots are read from every worker still here, before any of them is reloaded.
         held = snapshot_holdings(self.job_id, [w.address for w in self.workers], self.pool)
+        t_held = time.perf_counter()
         self._place(lost=set(lost))
+        t_placed = time.perf_counter()
         point = self._restore(old_keys, held)
-        self._event("resumed_at_step", f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) after {time.perf_counter() - t0:.2f}s",
-                    step=point.step, failed_step=failed_step, recover_s=round(time.perf_counter() - t0, 3))
+        t_end = time.perf_counter()
+        phases = {"find_lost_s": t_found - t0, "list_snapshots_s": t_held - t_found, "place_and_load_s": t_placed - t_held, "restore_s": t_end - t_placed}
+        self._event("resumed_at_step", f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) after {t_end - t0:.2f}s "
+                    f"({', '.join(f'{k[:-2]} {v:.2f}s' for k, v in phases.items())})",
+                    step=point.step, failed_step=failed_step, recover_s=round(t_end - t0, 3), **{k: round(v, 3) for k, v in phases.items()})
         return point.step
 
     def _place(self, *, lost: set[str]) -> None:
