@@ -3,7 +3,10 @@
 Real executor processes on loopback: calls without a credential, with a forged one, with
 a replayed one, or with a job key of another job are refused before any handler runs; a
 worker started with the test-only ``--inject-fault nan-gradients`` is caught by the stage
-that receives its gradients, and the driver names it.
+that receives its gradients, and the driver names it; end to end, the coordinator excludes
+that worker and the job re-plans and finishes with finite losses. Every coordinator RPC
+refuses a missing or wrong token (or session), and a transfer that declares an oversized
+tensor is refused after its header, before its payload is read.
 """
 
 from __future__ import annotations
@@ -20,16 +23,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
+import torch
 
 from executor.client import ChannelPool, ExecutorClient
+from executor.driver import PipelineDriver
+from executor.transport import tensor_meta
 from executor.local import LocalCluster, train_distributed
 from fusion.auth import AUTH_METADATA, SCHEME_CONTROL, SCHEME_JOB, process_keyring, sign
 from fusion.config import JobSpec, load_job
 from fusion.coordinator.client import CoordinatorClient
 from fusion.errors import PoisonedInputError
+from fusion.graph.export import capture
+from fusion.graph.split import split_stages
 from fusion.launch import Fleet
+from fusion.training import build_job_dataset, build_job_model, example_micro_batch
+from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import executor_pb2 as epb
+from fusion.wire import tensor_pb2 as pb
+from scheduler.baselines import uniform_assignment
 
 JOB = JobSpec.from_dict(
     {
@@ -171,3 +184,116 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
             capture_output=True, text=True, timeout=60, env=fleet.env, check=True,
         ).stdout
         assert re.search(r"^bad\s+\S+\s+excluded", out, re.M), out
+
+
+# ----------------------------------------------------------------- oversized transfers
+CHUNK_BYTES = 1 << 20
+#: What the hostile stream would deliver if the executor kept reading: 256 MiB.
+HOSTILE_CHUNKS = 256
+
+
+@pytest.fixture(scope="module")
+def waiting_stage() -> Iterator[tuple[LocalCluster, PipelineDriver]]:
+    """Two real executors with a GPT-2 tiny job loaded; stage 1 waits for step 0's activations."""
+    with LocalCluster(2, torch_threads=1, extra_args=["--chunk-bytes", str(CHUNK_BYTES)]) as c:
+        model = build_job_model(JOB)
+        x, y = example_micro_batch(JOB, build_job_dataset(JOB))
+        captured = capture(model, (x,))
+        stages = split_stages(captured.dag, uniform_assignment(captured.dag, 2))
+        pool = ChannelPool(chunk_bytes=CHUNK_BYTES)
+        driver = PipelineDriver(job_id="oversized", job=JOB, model=model, captured=captured, stages=stages,
+                                addresses=c.addresses, example_target=y, pool=pool)
+        try:
+            driver.load()
+            for s in stages:
+                driver.clients[s.stage_idx].run_step(driver.job_id, s.stage_idx, 0, JOB.train.micro_batches, epb.SCHEDULE_1F1B)
+            yield c, driver
+        finally:
+            driver.close()
+            pool.close()
+
+
+def _hostile_send(driver: PipelineDriver, header: pb.TransferHeader) -> tuple[grpc.StatusCode, str, int]:
+    """Stream ``header`` then up to 256 MiB of payload; returns (code, details, chunks the client was asked for)."""
+    pulled = 0
+
+    def chunks() -> Iterator[pb.TensorChunk]:
+        nonlocal pulled
+        yield pb.TensorChunk(header=header)
+        block = b"\x7f" * CHUNK_BYTES
+        for _ in range(HOSTILE_CHUNKS):
+            pulled += 1
+            yield pb.TensorChunk(data=block)
+            time.sleep(0.002)  # a steady sender: the cut must come from the server, not from a burst
+
+    channel = driver.pool.get(driver.addresses[1])
+    send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString,
+                                response_deserializer=epb.SendResponse.FromString)
+    metadata = driver.pool.keyring.metadata(driver.addresses[1], "Send", driver.job_id)
+    with pytest.raises(grpc.RpcError) as info:
+        send(chunks(), timeout=60, metadata=metadata)
+    return info.value.code(), info.value.details() or "", pulled
+
+
+@pytest.mark.parametrize("case", ["over-limit", "over-expected-shape"])
+def test_oversized_tensor_is_refused_before_its_payload_is_read(waiting_stage: tuple[LocalCluster, PipelineDriver], case: str) -> None:
+    cluster, driver = waiting_stage
+    header = pb.TransferHeader(job_id=driver.job_id, stage_idx=1, src_stage_idx=0, step=0, micro_batch_idx=0,
+                               kind=pb.TRANSFER_KIND_ACTIVATION)
+    # Every value stage 1 takes from stage 0, correctly declared but the last.
+    names = [n for n, src in driver.stages[1].inputs if src == 0 and driver.dag.node(n).value.kind == "tensor"]
+    for n in names[:-1]:
+        meta = driver.dag.node(n).value
+        header.tensors.append(tensor_meta(n, torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype))))
+    name = names[-1]
+    if case == "over-limit":  # 16 GiB declared, above the executor's 8 GiB transfer limit
+        header.tensors.append(pb.TensorMeta(name=name, dtype=pb.DTYPE_FLOAT32, shape=[4 << 30], size_bytes=16 << 30))
+        words = ("above the limit",)
+    else:  # 256 MiB declared for a value the plan says is a few KiB
+        header.tensors.append(pb.TensorMeta(name=name, dtype=pb.DTYPE_FLOAT32, shape=[64 << 20], size_bytes=256 << 20))
+        words = ("shape", name)
+    worker = psutil.Process(cluster.processes[1].pid)
+    rss_before = worker.memory_info().rss
+    code, details, pulled = _hostile_send(driver, header)
+    rss_growth = worker.memory_info().rss - rss_before
+    print(f"{case}: {code.name} after the client produced {pulled} of {HOSTILE_CHUNKS} 1 MiB chunks; worker RSS {rss_growth / 2**20:+.1f} MiB")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert all(w in details for w in words), details
+    # The stream is cut after the header: the client is not even asked for most of the payload
+    # (HTTP/2 flow control lets a few MiB be in flight), and the worker did not buffer it.
+    assert pulled < HOSTILE_CHUNKS // 8, pulled
+    assert rss_growth < 32 << 20, rss_growth
+    assert ExecutorClient(driver.addresses[1], driver.pool).ping().worker_name == "local-1"
+
+
+def test_every_coordinator_rpc_refuses_missing_and_wrong_credentials(tmp_path: Path) -> None:
+    """Job-owner calls need the token; worker calls the worker's own session, not the token."""
+    token = "coordinator-token"
+    service = cpb.DESCRIPTOR.services_by_name["Coordinator"]
+    with Fleet(tmp_path / "logs") as fleet:
+        address = fleet.start_coordinator(token=token, state_dir=tmp_path / "state", extra_args=["--auth-failure-burst", "1000"])
+        with CoordinatorClient(address, token) as owner:
+            registered = owner.register("probe", "127.0.0.1:9", cpb.WorkerResources())
+        channel = grpc.insecure_channel(address)
+        worker_calls = {"Heartbeat": cpb.HeartbeatRequest(worker_id=registered.worker_id),
+                        "Deregister": cpb.DeregisterRequest(worker_id=registered.worker_id, reason="test")}
+        try:
+            for method in service.methods:
+                request = worker_calls.get(method.name)
+                body = request.SerializeToString() if request is not None else b""
+                call = channel.unary_unary(f"/{service.full_name}/{method.name}", request_serializer=None, response_deserializer=None)
+                wrong = ["", "not-the-token", token[:-1]]
+                if request is not None:
+                    wrong += [token, "x" * 43]  # the token is not a worker's session
+                for credential in wrong:
+                    metadata = ((AUTH_METADATA, credential),) if credential else ()
+                    with pytest.raises(grpc.RpcError) as info:
+                        call(body, timeout=10, metadata=metadata)
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method.name, credential, info.value.details())
+            # The right credentials work (and the worker is still registered: nothing above got through).
+            with CoordinatorClient(address, registered.session) as worker:
+                assert worker.heartbeat(registered.worker_id)
+            with CoordinatorClient(address, token) as owner:
+                assert [w.state for w in owner.workers()] == ["idle"]
+        finally:
+            channel.close()
