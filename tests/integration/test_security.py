@@ -29,8 +29,8 @@ import torch
 
 from executor.client import ChannelPool, ExecutorClient
 from executor.driver import PipelineDriver
-from executor.transport import tensor_meta
 from executor.local import LocalCluster, train_distributed
+from executor.transport import tensor_meta
 from fusion.auth import AUTH_METADATA, SCHEME_CONTROL, SCHEME_JOB, process_keyring, sign
 from fusion.config import JobSpec, load_job
 from fusion.coordinator.client import CoordinatorClient
@@ -183,7 +183,7 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
             [sys.executable, "-m", "fusion.cli.main", "workers", "--coordinator", fleet.coordinator_address, "--token", token],
             capture_output=True, text=True, timeout=60, env=fleet.env, check=True,
         ).stdout
-        assert re.search(r"^bad\s+\S+\s+excluded", out, re.M), out
+        assert re.search(r"^bad\s+\S+\s+excluded", out, re.MULTILINE), out
 
 
 # ----------------------------------------------------------------- oversized transfers

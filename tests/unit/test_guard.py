@@ -12,7 +12,13 @@ import math
 import pytest
 import torch
 
-from executor.guard import MAX_NORM_RATIO, RMS_FLOOR, WARMUP_OBSERVATIONS, Fault, InputGuard
+from executor.guard import (
+    MAX_NORM_RATIO,
+    RMS_FLOOR,
+    WARMUP_OBSERVATIONS,
+    Fault,
+    InputGuard,
+)
 from fusion.errors import ConfigError, PoisonedInputError
 from fusion.wire import tensor_pb2 as pb
 
