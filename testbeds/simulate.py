@@ -249,17 +249,20 @@ def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tu
     return int(max(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
 
 
-def driver_s(job: JobCosts, stages: list, stage_workers: list[int], topology: Topology, driver: int | None) -> float:
+def driver_s(job: JobCosts, stages: list, stage_workers: list[int], topology: Topology, driver: int | None, bottleneck_s: float) -> float:
     """Seconds per step the driver's control path adds to the estimator's step when the
     driver (the coordinator, on host ``driver``) is not next to the stages.
 
     The estimator's ``control_s`` is calibrated with the stage on the driver's own host. Over
     a link with round trip ``rtt_s = lat(d→w) + lat(w→d)`` each step also pays: starting the
     step, the end of the long-poll for its completion and the optimizer call, about
-    ``2.5 · max rtt`` over the stages; and the feeding: every micro-batch's inputs go to the
-    input stage and its targets to the loss stage as synchronous sends, one after the other
-    per stage, which the stage's compute cannot start before, so
-    ``max_s Σ_sends (rtt_s + bytes / bw(d→s))``, not overlapped.
+    ``2.5 · max rtt`` over the stages; and the feeding. Every micro-batch's inputs go to the
+    input stage and its targets to the loss stage as synchronous sends, one after the other,
+    ``φ = Σ_sends (rtt + bytes / bw(d→s))`` per micro-batch (the slowest stage's). The feed
+    is one more element of the pipeline: its first micro-batch delays the start, and the
+    later ones cost only where they are slower than the pipeline's period ``B``:
+
+        driver = 2.5 · max rtt + φ + (M − 1) · max(0, φ − B)
     """
     if driver is None:
         return 0.0
@@ -276,8 +279,9 @@ def driver_s(job: JobCosts, stages: list, stage_workers: list[int], topology: To
             sends.append(sum(job.dag.node(n).out_bytes for n in inputs))
         if spec.is_loss_stage:
             sends.append(job.target_bytes)
-        feeds.append(m * sum(rtt + size / topology.bandwidth_bytes_per_s[driver][w] for size in sends))
-    return 2.5 * max(rtts) + max(feeds)
+        feeds.append(sum(rtt + size / topology.bandwidth_bytes_per_s[driver][w] for size in sends))
+    feed = max(feeds)
+    return 2.5 * max(rtts) + feed + (m - 1) * max(0.0, feed - bottleneck_s)
 
 
 def simulate_plan(
@@ -333,7 +337,7 @@ def simulate_plan(
         wa, wc = stage_workers[a], stage_workers[c]
         per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
-    control_path_s = driver_s(job, stages, stage_workers, topology, driver)
+    control_path_s = driver_s(job, stages, stage_workers, topology, driver, est.bottleneck_s)
     step_s = est.step_s
     if cores:
         work_s = m * sum(est.stage_compute_s) / min(cores, len(stage_workers))

@@ -125,10 +125,12 @@ def test_uniform_equals_the_estimator_plus_the_driver(tiny: sim.JobCosts) -> Non
     far = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=0)
     assert near.detail["driver_s"] == 0.0
     assert near.step_s == pytest.approx(near.detail["estimator_step_s"])
-    # Stage 1 (the loss stage) is remote: 2.5 round trips + M target sends of (rtt + bytes / bw).
+    # Stage 1 (the loss stage) is remote: 2.5 round trips, then the target feed as one more
+    # pipeline element: its first send, and the later ones where slower than the period.
     rtt = 0.02
-    feed = 4 * (rtt + tiny.target_bytes / (100 * MBPS))
-    assert far.detail["driver_s"] == pytest.approx(2.5 * rtt + feed)
+    feed = rtt + tiny.target_bytes / (100 * MBPS)
+    period = far.detail["bottleneck_s"]
+    assert far.detail["driver_s"] == pytest.approx(2.5 * rtt + feed + 3 * max(0.0, feed - period))
 
 
 def test_compression_shrinks_a_slow_cut(tiny: sim.JobCosts) -> None:
