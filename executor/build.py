@@ -8,8 +8,10 @@ node list in the request. Parameters arrive afterwards as tensors (``SetState``)
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +63,7 @@ def example_inputs(specs: list[epb.ValueSpec]) -> list[torch.Tensor]:
     return [torch.zeros(tuple(s.shape), dtype=dtype_from_wire(s.dtype)) for s in specs]
 
 
-def build_stage(request: epb.LoadStageRequest, *, allow_code: bool) -> BuiltStage:
+def build_stage(request: epb.LoadStageRequest, *, allow_code: bool, graphs: GraphCache | None = None) -> BuiltStage:
     """Build, capture and cut the stage the request describes.
 
     Raises:
@@ -74,7 +76,10 @@ def build_stage(request: epb.LoadStageRequest, *, allow_code: bool) -> BuiltStag
     except json.JSONDecodeError as e:
         raise WireError(f"LoadStage carries malformed JSON: {e}") from e
     device = parse_device(request.device)
-    gm = build_model_graph(request.model, list(request.example_inputs), seed=train.seed, allow_code=allow_code)
+    if graphs is not None:
+        gm = graphs.get(request.model, list(request.example_inputs), seed=train.seed, allow_code=allow_code)
+    else:
+        gm = build_model_graph(request.model, list(request.example_inputs), seed=train.seed, allow_code=allow_code)
     fingerprint = graph_fingerprint(gm)
     if request.graph_fingerprint and fingerprint != request.graph_fingerprint:
         raise GraphExportError(
@@ -109,6 +114,29 @@ def build_stage(request: epb.LoadStageRequest, *, allow_code: bool) -> BuiltStag
     if missing:
         raise WireError(f"LoadStage lacks the expected shapes of boundary values {missing[:5]}")
     return BuiltStage(spec=spec, module=module, expected=expected, train=train, device=device)
+
+
+class GraphCache:
+    """The most recently captured model graph, so reloading a job's stages is quick.
+
+    Building and tracing a large model takes seconds to tens of seconds; a re-plan or a
+    recovery reloads every stage, and a spare can capture ahead of time (``AdmitJob``). One
+    entry (one model copy in memory); every caller gets its own deep copy, so stages never
+    share parameters with each other or with the cache.
+    """
+
+    def __init__(self) -> None:
+        self._key: bytes | None = None
+        self._gm: torch.fx.GraphModule | None = None
+        self._lock = threading.Lock()
+
+    def get(self, model_spec: epb.ModelSpec, inputs: list[epb.ValueSpec], *, seed: int, allow_code: bool) -> torch.fx.GraphModule:
+        key = b"\0".join([model_spec.SerializeToString(deterministic=True), *(v.SerializeToString(deterministic=True) for v in inputs), str(seed).encode()])
+        with self._lock:  # one capture at a time; a second caller for the same model waits and copies
+            if self._key != key or self._gm is None:
+                self._gm = build_model_graph(model_spec, inputs, seed=seed, allow_code=allow_code)
+                self._key = key
+            return copy.deepcopy(self._gm)
 
 
 def build_model_graph(model_spec: epb.ModelSpec, inputs: list[epb.ValueSpec], *, seed: int, allow_code: bool) -> torch.fx.GraphModule:

@@ -225,8 +225,8 @@ class ExecutorClient:
         self._call(self.stub.UnloadJob, epb.UnloadJobRequest(job_id=job_id, keep_snapshots=keep_snapshots), "UnloadJob", 30.0)
 
     # ------------------------------------------------------------- snapshots
-    def admit_job(self, job_id: str, wrapped_key: str) -> None:
-        self._call(self.stub.AdmitJob, epb.AdmitJobRequest(job_id=job_id, auth=wrapped_key), "AdmitJob", 10.0, attempts=2)
+    def admit_job(self, request: epb.AdmitJobRequest) -> None:
+        self._call(self.stub.AdmitJob, request, "AdmitJob", 10.0, attempts=2)
 
     def take_snapshot(self, job_id: str, stage_idx: int, step: int) -> epb.SnapshotInfo:
         request = epb.TakeSnapshotRequest(job_id=job_id, stage_idx=stage_idx, step=step)

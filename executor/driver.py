@@ -303,7 +303,16 @@ class PipelineDriver:
 
     def admit(self, addresses: Sequence[str]) -> None:
         """Give workers that host no stage (spares holding replicas) this job's key."""
-        run_parallel([lambda a=a: ExecutorClient(a, self.pool).admit_job(self.job_id, self._wrapped_job_key(a)) for a in addresses], name="admit")
+        template = self.load_request(self.stages[0])
+
+        def admit(address: str) -> None:
+            request = epb.AdmitJobRequest(
+                job_id=self.job_id, auth=self._wrapped_job_key(address), model=template.model,
+                example_inputs=template.example_inputs, train_json=template.train_json,
+            )
+            ExecutorClient(address, self.pool).admit_job(request)
+
+        run_parallel([lambda a=a: admit(a) for a in addresses], name="admit")
 
     def _wrapped_job_key(self, address: str) -> str:
         control = self.pool.keyring.control(address)

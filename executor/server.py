@@ -30,7 +30,7 @@ import torch
 
 from executor.access import ExecutorAccess
 from executor.binding import executor_handler
-from executor.build import build_stage
+from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, CutSetting, decode_tensor
 from executor.guard import FAULT_HELP, Fault
@@ -163,6 +163,7 @@ class ExecutorService:
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._lock = threading.Lock()
         self.snapshots = SnapshotStore(keep=2)
+        self.graphs = GraphCache()
         self.replicator = Replicator(self._replicate)
 
     def stage(self, job_id: str, stage_idx: int) -> StageRuntime:
@@ -183,7 +184,7 @@ class ExecutorService:
     def LoadStage(self, request: epb.LoadStageRequest, context: grpc.ServicerContext) -> epb.LoadStageResponse:
         if not request.job_id:
             raise WireError("LoadStage needs a job_id")
-        built = build_stage(request, allow_code=self.allow_code)
+        built = build_stage(request, allow_code=self.allow_code, graphs=self.graphs)
         self.access.add_job(request.job_id, request.auth)  # peers prove this job key to Send
         loss_fn = get_loss(request.loss or "cross_entropy") if built.spec.is_loss_stage else None
         params = list(built.module.parameters())
@@ -321,6 +322,16 @@ class ExecutorService:
         if not request.job_id:
             raise WireError("AdmitJob needs a job_id")
         self.access.add_job(request.job_id, request.auth)
+        if request.HasField("model"):
+            train = train_spec(request.train_json)
+
+            def warm() -> None:
+                try:
+                    self.graphs.get(request.model, list(request.example_inputs), seed=train.seed, allow_code=self.allow_code)
+                except FusionError as e:
+                    logger.info("capturing job %s's model ahead of time failed: %s", request.job_id, e)
+
+            threading.Thread(target=warm, name=f"warm-{request.job_id}", daemon=True).start()
         return epb.AdmitJobResponse()
 
     @rpc_errors

@@ -159,3 +159,23 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class ProfileWorkersRequest(_message.Message):
+    __slots__ = ("spec_json", "check", "steps", "max_workers", "device")
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    spec_json: str
+    check: bool
+    steps: int
+    max_workers: int
+    device: str
+    def __init__(self, spec_json: _Optional[str] = ..., check: _Optional[bool] = ..., steps: _Optional[int] = ..., max_workers: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ProfileWorkersResponse(_message.Message):
+    __slots__ = ("result_json",)
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    result_json: str
+    def __init__(self, result_json: _Optional[str] = ...) -> None: ...

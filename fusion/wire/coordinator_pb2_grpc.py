@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=fusion_dot_wire_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_coordinator__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.ProfileWorkers = channel.unary_unary(
+                '/fusion.wire.Coordinator/ProfileWorkers',
+                request_serializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -138,6 +143,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProfileWorkers(self, request, context):
+        """Measure a job on the idle workers (and, with check, run plans and compare with the
+        estimator). Runs on the coordinator: only it holds the keys the workers' executors
+        demand, so the job owner's CLI asks it instead of dialling the workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +199,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=fusion_dot_wire_dot_coordinator__pb2.ListWorkersRequest.FromString,
                     response_serializer=fusion_dot_wire_dot_coordinator__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'ProfileWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileWorkers,
+                    request_deserializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +449,33 @@ class Coordinator:
             '/fusion.wire.Coordinator/ListWorkers',
             fusion_dot_wire_dot_coordinator__pb2.ListWorkersRequest.SerializeToString,
             fusion_dot_wire_dot_coordinator__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Coordinator/ProfileWorkers',
+            fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersRequest.SerializeToString,
+            fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

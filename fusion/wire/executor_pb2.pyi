@@ -479,12 +479,18 @@ class RestoreStageResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...
 
 class AdmitJobRequest(_message.Message):
-    __slots__ = ("job_id", "auth")
+    __slots__ = ("job_id", "auth", "model", "example_inputs", "train_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     auth: str
-    def __init__(self, job_id: _Optional[str] = ..., auth: _Optional[str] = ...) -> None: ...
+    model: ModelSpec
+    example_inputs: _containers.RepeatedCompositeFieldContainer[ValueSpec]
+    train_json: str
+    def __init__(self, job_id: _Optional[str] = ..., auth: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., train_json: _Optional[str] = ...) -> None: ...
 
 class AdmitJobResponse(_message.Message):
     __slots__ = ()
