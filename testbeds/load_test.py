@@ -54,7 +54,7 @@ def lite_worker(coordinator: str, token: str, name: str, report: Path) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     t0 = time.monotonic()
-    stats: dict[str, Any] = {"name": name, "register_attempts": 0, "sent": 0, "acked": 0, "unknown": 0, "failed": 0, "errors": {}}
+    stats: dict[str, Any] = {"name": name, "register_attempts": 0, "sent": 0, "acked": 0, "unknown": 0, "failed": 0, "errors": {}, "register_errors": {}}
     rtts: list[float] = []
     with grpc.insecure_channel(coordinator) as channel:
         stub = cgrpc.CoordinatorStub(channel)
@@ -66,7 +66,7 @@ def lite_worker(coordinator: str, token: str, name: str, report: Path) -> int:
                 response = stub.Register(request, timeout=30, metadata=((AUTH_METADATA, token),))
                 break
             except grpc.RpcError as e:  # RESOURCE_EXHAUSTED: the per-IP registration limit
-                stats["errors"][e.code().name] = stats["errors"].get(e.code().name, 0) + 1
+                stats["register_errors"][e.code().name] = stats["register_errors"].get(e.code().name, 0) + 1
                 stop.wait(1.0 + (os.getpid() % 10) / 10)
         else:
             return 0
@@ -297,6 +297,7 @@ def run_load(
         "heartbeats_lost": sent - acked,
         "heartbeats_failed": sum(w["failed"] for w in per_worker),
         "heartbeats_unknown": sum(w["unknown"] for w in per_worker),
+        "register_errors": {k: sum(w["register_errors"].get(k, 0) for w in per_worker) for k in sorted({k for w in per_worker for k in w["register_errors"]})},
         "heartbeat_errors": {k: sum(w["errors"].get(k, 0) for w in per_worker) for k in sorted({k for w in per_worker for k in w["errors"]})},
         "heartbeat_rtt_ms": {"p50": 1e3 * _percentile(rtts, 0.5), "p99": 1e3 * _percentile(rtts, 0.99), "max": 1e3 * max(rtts, default=0.0)},
         "max_gap_between_acks_s": max((w["max_gap_s"] for w in per_worker), default=0.0),

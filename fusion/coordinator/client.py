@@ -72,6 +72,11 @@ class CoordinatorClient:
     def cancel(self, job_id: str) -> str:
         return str(self._call(self.stub.CancelJob, cpb.CancelJobRequest(job_id=job_id), "CancelJob").state)
 
+    def profile(self, spec: JobSpec, *, check: bool, steps: int = 0, max_workers: int = 0, device: str = "", timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Have the coordinator measure ``spec`` on its idle workers (``fusion profile``); one attempt."""
+        request = cpb.ProfileWorkersRequest(spec_json=spec.to_json(indent=None), check=check, steps=steps, max_workers=max_workers, device=device)
+        return json.loads(self._call(self.stub.ProfileWorkers, request, "ProfileWorkers", attempts=1, timeout_s=timeout_s).result_json)
+
     def logs(self, job_id: str, after_seq: int = 0) -> tuple[list[str], int]:
         r = self._call(self.stub.GetLogs, cpb.GetLogsRequest(job_id=job_id, after_seq=after_seq), "GetLogs")
         return list(r.lines), int(r.last_seq)

@@ -1,10 +1,15 @@
-"""``fusion profile --check``: run plans for real and hold the estimator to its predictions.
+"""``fusion profile [--check]``: measure a job on live workers, and hold the estimator to its predictions.
 
-For a job and a set of live workers: measure (profile the model, probe the links), plan
-with several strategies and worker counts, run each plan for a few steps through the
-executor, and compare the predicted step time and per-worker peak memory with what the
-runs measured. The result is a table per plan and the mean absolute percentage error
-(MAPE) over all of them.
+For a job and a set of live workers: measure (profile the model, probe the links), and with
+``check`` plan with several strategies and worker counts, run each plan for a few steps
+through the executor, and compare the predicted step time and per-worker peak memory with
+what the runs measured. The result is a table per plan and the mean absolute percentage
+error (MAPE) over all of them.
+
+This runs **inside the coordinator** (``ProfileWorkers`` RPC, :func:`profile_report`):
+every executor call must prove the worker's control key, which only the worker and the
+coordinator can derive (SECURITY.md). The job owner's CLI gets a JSON document back and
+prints it (:func:`format_report`).
 """
 
 from __future__ import annotations
@@ -19,10 +24,15 @@ from typing import Any
 from executor.client import ChannelPool
 from executor.driver import PipelineDriver
 from fusion.config import JobSpec
+from fusion.coordinator.planning import Endpoint, Measurements, measure, plan_job
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
-from fusion.coordinator.planning import Endpoint, Measurements, measure, plan_job
-from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+from fusion.training import (
+    build_job_dataset,
+    build_job_model,
+    example_micro_batch,
+    job_batch,
+)
 from scheduler.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -49,6 +59,15 @@ class CheckRow:
     def memory_under(self) -> float:
         """Worst under-prediction of memory as a fraction (0 if never under)."""
         return max((max(0.0, (m - p) / m) for p, m in zip(self.predicted_memory, self.measured_memory) if m > 0), default=0.0)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckRow:
+        """Inverse of :meth:`to_dict` (for the CLI, which receives rows as JSON)."""
+        return cls(
+            label=str(d["plan"]), stages=int(d["stages"]), predicted_step_s=float(d["predicted_step_s"]),
+            measured_step_s=float(d["measured_step_s"]), predicted_memory=[int(b) for b in d["predicted_memory_bytes"]],
+            measured_memory=[int(b) for b in d["measured_memory_bytes"]],
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -153,4 +172,64 @@ def format_rows(rows: Sequence[CheckRow]) -> str:
         f"time MAPE {100 * s['time_mape']:.1f}%  memory MAPE {100 * s['memory_mape']:.1f}%  "
         f"worst memory under-prediction {100 * s['memory_worst_under']:.1f}%"
     )
+    return "\n".join(lines)
+
+
+def measurement_report(spec: JobSpec, m: Measurements, endpoints: Sequence[Endpoint], num_nodes: int) -> dict[str, Any]:
+    """What ``fusion profile`` (without ``--check``) shows, as JSON-able data."""
+    graph = m.profile.nodes.get("__graph__", {})
+    top = sorted(((v["fwd_time_s"] + v["bwd_time_s"], k) for k, v in m.profile.nodes.items() if not k.startswith("__")), reverse=True)[:8]
+    names = m.topology.names()
+    return {
+        "model": spec.model.name,
+        "preset": spec.model.preset,
+        "num_nodes": num_nodes,
+        "profiled_on": endpoints[0].name,
+        "device_name": m.profile.device_name,
+        "fwd_time_s": graph.get("fwd_time_s", 0.0),
+        "bwd_time_s": graph.get("bwd_time_s", 0.0),
+        "matmul_flops": m.profile.matmul_flops,
+        "overhead_step_s": m.overhead.step_s,
+        "overhead_micro_batch_s": m.overhead.micro_batch_s,
+        "slowest_nodes": [{"node": name, "time_s": t} for t, name in top],
+        "links": [
+            {"src": a, "dst": b, "latency_s": m.topology.latency_s[i][j], "bandwidth_bytes_per_s": m.topology.bandwidth_bytes_per_s[i][j]}
+            for i, a in enumerate(names) for j, b in enumerate(names) if i != j
+        ],
+    }
+
+
+def profile_report(
+    spec: JobSpec, endpoints: Sequence[Endpoint], *, pool: ChannelPool, check: bool, steps: int = 5, device: str = "cpu",
+) -> dict[str, Any]:
+    """Measure ``spec`` on ``endpoints`` (and with ``check`` run plans); the ``fusion profile --json`` document.
+
+    ``pool`` must sign calls with the workers' control keys (the coordinator's pool does).
+    """
+    if check:
+        rows, _ = check_estimator(spec, endpoints, pool=pool, steps=steps, device=device,
+                                  progress=lambda r: logger.info("profile check ran %s: predicted %.4fs, measured %.4fs", r.label, r.predicted_step_s, r.measured_step_s))
+        return {"plans": [r.to_dict() for r in rows], **summarize(rows)}
+    model = build_job_model(spec)
+    dataset = build_job_dataset(spec)
+    x, _ = example_micro_batch(spec, dataset)
+    captured = capture(model, (x,))
+    m = measure(spec, model, captured, dataset, endpoints, pool, device=device)
+    return measurement_report(spec, m, endpoints, len(captured.dag.compute_nodes()))
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    """The human-readable ``fusion profile`` output for a :func:`profile_report` document."""
+    if "plans" in doc:
+        return format_rows([CheckRow.from_dict(r) for r in doc["plans"]])
+    lines = [
+        f"model {doc['model']} ({doc['preset']}): {doc['num_nodes']} nodes, profiled on {doc['profiled_on']} ({doc['device_name']})",
+        f"  forward {doc['fwd_time_s'] * 1e3:.2f} ms, backward {doc['bwd_time_s'] * 1e3:.2f} ms per micro-batch; matmul {doc['matmul_flops'] / 1e9:.1f} GFLOP/s",
+        f"  executor overhead: {doc['overhead_step_s'] * 1e3:.2f} ms per step, {doc['overhead_micro_batch_s'] * 1e3:.2f} ms per micro-batch",
+    ]
+    lines += [f"    {n['node']:<40} {n['time_s'] * 1e3:8.3f} ms" for n in doc["slowest_nodes"]]
+    lines += [
+        f"  link {link['src']} -> {link['dst']}: {link['latency_s'] * 1e3:.2f} ms + bytes / {link['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s"
+        for link in doc["links"]
+    ]
     return "\n".join(lines)

@@ -285,6 +285,49 @@ class CoordinatorService:
         last = records[-1][0] if records else request.after_seq
         return cpb.GetLogsResponse(lines=lines, last_seq=last)
 
+    @rpc_errors
+    def ProfileWorkers(self, request: cpb.ProfileWorkersRequest, context: grpc.ServicerContext) -> cpb.ProfileWorkersResponse:
+        """``fusion profile [--check]`` on the idle workers, run here: only the coordinator can
+        sign executor calls with the workers' control keys. The workers are held (``busy``)
+        for the duration so that no job starts on them meanwhile."""
+        from fusion.coordinator.planning import Endpoint
+        from fusion.coordinator.profile_check import profile_report
+        from fusion.errors import RemoteError, StateError
+
+        self._check_owner(context)
+        spec = JobSpec.from_json(request.spec_json)
+        validate_job(spec)
+        hold = f"profile-{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            if self._stop.is_set():
+                raise StateError("the coordinator is shutting down")
+            idle = self.store.workers("idle")
+            if request.max_workers:
+                idle = idle[: request.max_workers]
+            if not idle:
+                raise StateError("no idle workers: start some with fusion-worker, or wait for running jobs to end")
+            for w in idle:
+                self.store.set_worker_state(w.worker_id, "busy", hold)
+        endpoints = [
+            Endpoint(name=w.name, address=w.address, matmul_flops=float(w.resources.get("matmul_flops") or 1.0e12),
+                     memory_bytes=int(w.resources["device_memory_bytes"]) if w.resources.get("device_memory_bytes") else None,
+                     device_name=str(w.resources.get("device_name", "")))
+            for w in idle
+        ]
+        logger.info("profiling %s on %d worker(s)%s", spec.name, len(endpoints), " with --check" if request.check else "")
+        try:
+            doc = profile_report(spec, endpoints, pool=self.pool, check=request.check, steps=request.steps or 5, device=request.device or self.device)
+        except RemoteError as e:  # a worker failed, not the coordinator: not UNAVAILABLE (which clients retry)
+            raise StateError(f"profiling on the workers failed: {e}") from e
+        finally:
+            with self._lock:
+                for w in idle:
+                    row = self.store.worker(w.worker_id)
+                    if row.state == "busy" and row.job_id == hold:
+                        self.store.set_worker_state(w.worker_id, "idle")
+            self._wake.set()
+        return cpb.ProfileWorkersResponse(result_json=json.dumps(doc))
+
     def status(self, job: JobRow, *, events: bool = True) -> dict[str, Any]:
         """The ``fusion status --json`` document of a job."""
         end = job.finished_at or time.time()

@@ -31,10 +31,17 @@ from executor.client import ChannelPool, ExecutorClient
 from executor.driver import PipelineDriver
 from executor.local import LocalCluster, train_distributed
 from executor.transport import tensor_meta
-from fusion.auth import AUTH_METADATA, SCHEME_CONTROL, SCHEME_JOB, process_keyring, sign
+from fusion.auth import (
+    AUTH_METADATA,
+    SCHEME_CONTROL,
+    SCHEME_JOB,
+    KeyRing,
+    process_keyring,
+    sign,
+)
 from fusion.config import JobSpec, load_job
 from fusion.coordinator.client import CoordinatorClient
-from fusion.errors import PoisonedInputError
+from fusion.errors import PoisonedInputError, RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
 from fusion.launch import Fleet
@@ -297,3 +304,57 @@ def test_every_coordinator_rpc_refuses_missing_and_wrong_credentials(tmp_path: P
                 assert [w.state for w in owner.workers()] == ["idle"]
         finally:
             channel.close()
+
+
+def test_fusion_profile_runs_through_the_coordinator(tmp_path: Path) -> None:
+    """``fusion profile [--check]`` works although the CLI holds no worker key: the coordinator
+    (which derives the control keys) measures, and the CLI only talks to the coordinator."""
+    token = "profile-token"
+    job_path = tmp_path / "job.toml"
+    job_path.write_text(textwrap.dedent("""
+        name = "profile"
+        [model]
+        name = "gpt2"
+        preset = "tiny"
+        [data]
+        batch_size = 4
+        seq_len = 16
+        [train]
+        steps = 4
+        micro_batches = 2
+    """))
+    with Fleet(tmp_path / "logs") as fleet:
+        address = fleet.start_coordinator(token=token, state_dir=tmp_path / "state")
+        for name in ("w0", "w1"):
+            fleet.start_worker(name, token=token, wait=False)
+        fleet.wait_workers(["w0", "w1"])
+        with CoordinatorClient(address, token) as owner:
+            workers = owner.workers()
+        # What the CLI used to do, dial the executors itself, is refused: it holds no key.
+        pool = ChannelPool(keyring=KeyRing())
+        try:
+            with pytest.raises(RemoteError) as info:
+                ExecutorClient(workers[0].address, pool).ping(attempts=1)
+            assert info.value.code == "UNAUTHENTICATED"
+        finally:
+            pool.close()
+
+        def profile(*args: str, credential: str = token) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "fusion.cli.main", "profile", "--job", str(job_path), "--coordinator", address, "--token", credential, *args],
+                capture_output=True, text=True, timeout=240, env=fleet.env, check=False,
+            )
+
+        checked = profile("--check", "--steps", "1", "--json")
+        assert checked.returncode == 0, checked.stderr
+        doc = json.loads(checked.stdout)
+        assert [p["plan"] for p in doc["plans"]] == ["uniform/1", "uniform/2", "compute", "opfence"], doc
+        assert all(p["measured_step_s"] > 0 and p["predicted_step_s"] > 0 for p in doc["plans"]), doc
+        assert math.isfinite(doc["time_mape"]) and math.isfinite(doc["memory_mape"])
+        measured = profile()
+        assert measured.returncode == 0, measured.stderr
+        assert "model gpt2 (tiny)" in measured.stdout and re.search(r"link w[01] -> w[01]: ", measured.stdout), measured.stdout
+        refused = profile(credential="not-the-token")
+        assert refused.returncode != 0 and "token" in refused.stderr, refused.stderr
+        with CoordinatorClient(address, token) as owner:
+            assert sorted(w.state for w in owner.workers()) == ["idle", "idle"]  # released after profiling
