@@ -39,7 +39,7 @@ class Snapshot:
     stage_idx: int
     stage_key: str
     step: int
-    data: bytes
+    data: bytes | bytearray
     sha256: str
     replica: bool = False
 
@@ -68,7 +68,7 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     return data, hashlib.sha256(data).hexdigest()
 
 
-def decode(data: bytes, sha256: str, *, what: str = "snapshot") -> dict[str, torch.Tensor]:
+def decode(data: bytes | bytearray, sha256: str, *, what: str = "snapshot") -> dict[str, torch.Tensor]:
     """Tensors from snapshot bytes; refuses bytes whose checksum does not match."""
     from safetensors.torch import load
 
@@ -111,24 +111,31 @@ class Assembler:
             raise CheckpointError(
                 f"snapshot of stage {stage_idx} at step {step} is incomplete: {len(self._buf)} of {self.size_bytes} bytes arrived"
             )
-        data = bytes(self._buf)
+        data, self._buf = self._buf, bytearray()  # no second copy of a blob that may be gigabytes
         actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
             raise CheckpointError(f"snapshot of stage {stage_idx} at step {step} is corrupt: its SHA-256 does not match")
         return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=sha256, replica=replica)
 
 
-def chunks_of(data: bytes, chunk_bytes: int) -> Iterator[memoryview]:
+def chunks_of(data: bytes | bytearray, chunk_bytes: int) -> Iterator[memoryview]:
     view = memoryview(data)
     for i in range(0, max(len(data), 1), chunk_bytes):
         yield view[i : i + chunk_bytes]
 
 
 class SnapshotStore:
-    """A worker's snapshots in host memory: the newest ``keep`` per (job, stage key)."""
+    """A worker's snapshots in host memory: the newest ``keep`` of its own per (job, stage
+    key), and the newest ``keep_replicas`` it holds for a peer.
 
-    def __init__(self, keep: int = 2) -> None:
+    One replica is enough: a replica is stored only once complete, so the newest one held is
+    the newest the peer finished sending, and the owners keep two of their own in case the
+    failure came while the newest replica was still on its way.
+    """
+
+    def __init__(self, keep: int = 2, keep_replicas: int = 1) -> None:
         self.keep = keep
+        self.keep_replicas = keep_replicas
         self._items: dict[tuple[str, str], dict[int, Snapshot]] = {}
         self._lock = threading.Lock()
 
@@ -136,7 +143,8 @@ class SnapshotStore:
         with self._lock:
             by_step = self._items.setdefault((snap.job_id, snap.stage_key), {})
             by_step[snap.step] = snap
-            for old in sorted(by_step)[: -self.keep]:
+            keep = self.keep_replicas if snap.replica else self.keep
+            for old in sorted(by_step)[:-keep]:
                 del by_step[old]
 
     def get(self, job_id: str, key: str, step: int) -> Snapshot:

@@ -157,6 +157,11 @@ def test_store_keeps_the_newest_per_stage_and_drops_jobs() -> None:
     assert sorted((s.stage_key, s.step) for s in store.list("j")) == [("k0", 8), ("k0", 12), ("k1", 4)]
     with pytest.raises(NotFoundError, match="held steps: \\[8, 12\\]"):
         store.get("j", "k0", 4)
+    import dataclasses
+
+    for step in (4, 8):  # replicas: only the newest complete one is kept
+        store.put(dataclasses.replace(make_snapshot("j", 2, "k2", step, {"param/a": torch.ones(1)}), replica=True))
+    assert [s.step for s in store.list("j") if s.stage_key == "k2"] == [8]
     store.drop_job("j")
     assert store.list("j") == [] and len(store.list("other")) == 1
 
