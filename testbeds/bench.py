@@ -79,9 +79,8 @@ def job_toml(spec: JobSpec) -> str:
     doc = spec.to_dict()
     lines = []
     for key, value in doc.items():
-        if not isinstance(value, dict):
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
+        if not isinstance(value, dict) and value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
     for key, value in doc.items():
         if isinstance(value, dict):
             lines.append(f"\n[{key}]")
@@ -358,24 +357,27 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"`{doc['command']}`",
         "",
-        f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
-        f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; medians.",
+        (
+            f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
+            f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; medians."
+        ),
         "",
-        "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | sim err | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err | calibrated s | err | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in doc["systems"].items():
         def f(v: Any, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
 
         sp = doc["speedup"].get(name)
-        sim = r.get("simulated_step_s")
-        err = r.get("sim_error")
+        sim, err = r.get("simulated_step_s"), r.get("sim_error")
+        cal, cal_err = r.get("calibrated_step_s"), r.get("calibrated_error")
         link = f"{r['slowest_link_mbps']:g} Mbps" if r.get("slowest_link_mbps") else "none"
         lines.append(
             f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | {f(r.get('step_s'), '.4g')} | {link} | "
             f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | {'-' if name == 'fusion' else f(sp, '.2f')} | "
-            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | {r.get('note', '')} |"
+            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | {f(cal, '.4g')} | {'-' if cal_err is None else f'{cal_err:+.0%}'} | "
+            f"{r.get('note', '')} |"
         )
     lines.append("")
     eff = doc.get("efficiency")
@@ -385,6 +387,12 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{'-' if eff is None else f'{eff:.2f}'}; fusion ran on {', '.join(fusion.get('hosts_used', [])) or '-'}"
         + (f"; AdaTopK keep ratios {fusion['keep_ratios']}" if fusion.get("keep_ratios") else "")
     )
+    if "compute_factor" in doc:
+        lines.append(
+            f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
+            f"with this machine's profile; calibrated: the same with compute scaled by {doc['compute_factor']:.2f}, the ratio of the "
+            "compute fusion and uniform measured in this run to the profile's."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -416,25 +424,17 @@ def write_chart(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def add_simulation(rows: dict[str, dict[str, Any]], spec: JobSpec, topology: Topology, latency_mode: str, step_costs: dict[str, float] | None) -> None:
-    """The simulator's step time for each system on this testbed, and its error vs measured."""
-    from scheduler.estimator import StepCosts
-    from testbeds.simulate import job_costs, simulate, testbed_topology
+def add_simulation(doc: dict[str, Any]) -> None:
+    """The simulator's step time for each system on this testbed, and its error vs measured
+    (:func:`testbeds.simulate.validate_doc`: the plans fusion and uniform ran, this
+    machine's profile, and the same profile with compute calibrated on the run)."""
+    from testbeds.simulate import validate_doc
 
-    costs = job_costs(spec, step=StepCosts(**step_costs) if step_costs else None)
-    fusion_topo = testbed_topology(topology, costs.reference_flops, latency=latency_mode != "none")
-    gloo_topo = testbed_topology(topology, costs.reference_flops, latency=latency_mode == "netem")
-    import os
-
-    cores = os.cpu_count() or 1
-    sims = {
-        **simulate(costs, fusion_topo, tuple(n for n in ("fusion", "uniform") if n in rows), driver=0, cores=cores)["systems"],
-        **simulate(costs, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in rows), cores=cores)["systems"],
-    }
-    for name, row in rows.items():
-        sim = sims.get(name, {}).get("step_s")
-        row["simulated_step_s"] = sim
-        row["sim_error"] = (sim - row["step_s"]) / row["step_s"] if sim and row.get("step_s") else None
+    for v in validate_doc(doc, doc["topology"]):
+        row = doc["systems"][v["system"]]
+        row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
+        row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
+        doc["compute_factor"] = v["compute_factor"]
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -468,20 +468,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fleet_costs = fleet.step_costs()
         backend, latency_mode = tb.backend, tb.latency_mode
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
-    if args.simulate:
-        add_simulation(rows, spec.replace(train={"steps": steps}), topology, latency_mode, fleet_costs)
     meta = {
         "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
         "latency_mode": latency_mode, "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
     }
-    return report(rows, meta)
+    doc = report(rows, meta)
+    if args.simulate:
+        add_simulation(doc)
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", required=True, help="topology file or shipped name (two-sites, three-continents, volunteers, ...)")
-    p.add_argument("--job", required=True, help="job file (TOML)")
+    p.add_argument("--topology", help="topology file or shipped name (two-sites, three-continents, volunteers, ...)")
+    p.add_argument("--job", help="job file (TOML)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's)")
     p.add_argument("--warmup", type=int, default=1, help="first steps of a run left out of the timing (default: %(default)s)")
@@ -491,11 +492,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")
+    p.add_argument("--render", default=None, metavar="JSON", help="instead of running: re-render a result (with --simulate: re-simulate it)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if not args.render and not (args.topology and args.job):
+        p.error("give --topology and --job (or --render RESULT.json)")
     try:
-        doc = bench(args)
+        if args.render:
+            doc = json.loads(Path(args.render).read_text())
+            if args.simulate:
+                add_simulation(doc)
+        else:
+            doc = bench(args)
     except FusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

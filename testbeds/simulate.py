@@ -44,7 +44,13 @@ import numpy as np
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError, PlanError
 from fusion.graph.ir import OpDag
-from scheduler.estimator import OPTIMIZER_STATE_FACTOR, StepCosts, Workload, estimate, workload_from_dag
+from scheduler.estimator import (
+    OPTIMIZER_STATE_FACTOR,
+    StepCosts,
+    Workload,
+    estimate,
+    workload_from_dag,
+)
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
 from scheduler.topology import GIB, Topology, WorkerSpec
 
@@ -164,7 +170,11 @@ def job_costs(spec: JobSpec, *, costs: str = "profile", step: StepCosts | None =
 
     from fusion.graph.export import capture
     from fusion.models import build_model
-    from fusion.profiling import measure_matmul_flops, measure_optimizer_s_per_byte, profile_graph
+    from fusion.profiling import (
+        measure_matmul_flops,
+        measure_optimizer_s_per_byte,
+        profile_graph,
+    )
     from fusion.training import build_job_dataset, build_job_model, example_micro_batch
     from testbeds.baselines.split import block_names
 
@@ -679,48 +689,54 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     pipelining, which record no compute time, take the mean factor of the two.
     """
     rows = []
-    cores = cores or os.cpu_count() or 1
     for path in bench_results:
-        doc = json.loads(path.read_text())
-        spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
-        step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
-        job = job_costs(spec, step=step)
-        topology = load_topology(doc["topology"])
-        mode = doc["latency_mode"]
-        measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
+        rows.extend(validate_doc(json.loads(path.read_text()), path.stem, cores=cores))
+    return rows
 
-        def run_all(speed: float, _doc: dict[str, Any] = doc, _measured: dict[str, Any] = measured, _job: JobCosts = job) -> dict[str, dict[str, Any]]:
-            fusion_topo = testbed_topology(topology, speed, latency=mode != "none")
-            gloo_topo = testbed_topology(topology, speed, latency=mode == "netem")
-            sims = simulate(_job, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in _measured), cores=cores)["systems"]
-            for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
-                if name in _measured:
-                    given = _doc["systems"][name].get("plan")
-                    sims[name] = simulate_plan(
-                        _job, fusion_topo, strategy=strategy, compression=compression, driver=0, given=given, cores=cores
-                    ).to_dict()
-            return sims
 
-        raw = run_all(job.reference_flops)
-        factors = []
-        for name in ("fusion", "uniform"):
-            got = doc["systems"].get(name, {}).get("compute_s")
-            sim_row = raw.get(name, {})
-            if got and sim_row.get("detail", {}).get("stage_compute_s"):
-                predicted = spec.train.micro_batches * sum(sim_row["detail"]["stage_compute_s"])
-                if predicted > 0:
-                    factors.append(sum(got.values()) / predicted)
-        factor = float(np.mean(factors)) if factors else 1.0
-        calibrated = run_all(job.reference_flops / factor) if factors else raw
-        for name, step_s in measured.items():
-            sim = raw.get(name, {}).get("step_s")
-            cal = calibrated.get(name, {}).get("step_s")
-            rows.append({
-                "bench": path.stem, "system": name, "measured_step_s": step_s, "simulated_step_s": sim,
-                "error": (sim - step_s) / step_s if sim and step_s else None,
-                "compute_factor": factor, "calibrated_step_s": cal,
-                "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
-            })
+def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -> list[dict[str, Any]]:
+    """:func:`validate` for one benchmark result document."""
+    rows = []
+    cores = cores or os.cpu_count() or 1
+    spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
+    step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
+    job = job_costs(spec, step=step)
+    topology = load_topology(doc["topology"])
+    mode = doc["latency_mode"]
+    measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
+
+    def run_all(speed: float) -> dict[str, dict[str, Any]]:
+        fusion_topo = testbed_topology(topology, speed, latency=mode != "none")
+        gloo_topo = testbed_topology(topology, speed, latency=mode == "netem")
+        sims = simulate(job, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
+        for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
+            if name in measured:
+                given = doc["systems"][name].get("plan")
+                sims[name] = simulate_plan(
+                    job, fusion_topo, strategy=strategy, compression=compression, driver=0, given=given, cores=cores
+                ).to_dict()
+        return sims
+
+    raw = run_all(job.reference_flops)
+    factors = []
+    for name in ("fusion", "uniform"):
+        got = doc["systems"].get(name, {}).get("compute_s")
+        sim_row = raw.get(name, {})
+        if got and sim_row.get("detail", {}).get("stage_compute_s"):
+            predicted = spec.train.micro_batches * sum(sim_row["detail"]["stage_compute_s"])
+            if predicted > 0:
+                factors.append(sum(got.values()) / predicted)
+    factor = float(np.mean(factors)) if factors else 1.0
+    calibrated = run_all(job.reference_flops / factor) if factors else raw
+    for name, step_s in measured.items():
+        sim = raw.get(name, {}).get("step_s")
+        cal = calibrated.get(name, {}).get("step_s")
+        rows.append({
+            "bench": label, "system": name, "measured_step_s": step_s, "simulated_step_s": sim,
+            "error": (sim - step_s) / step_s if sim and step_s else None,
+            "compute_factor": factor, "calibrated_step_s": cal,
+            "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
+        })
     return rows
 
 

@@ -26,7 +26,13 @@ from fusion.errors import ConfigError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.training import build_job_dataset, build_job_model, job_batch
-from testbeds.baselines.rank import MetricsWriter, StepTimer, bytes_sent, init_gloo, parse_args
+from testbeds.baselines.rank import (
+    MetricsWriter,
+    StepTimer,
+    bytes_sent,
+    init_gloo,
+    parse_args,
+)
 
 logger = logging.getLogger(__name__)
 

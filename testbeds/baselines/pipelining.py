@@ -29,7 +29,12 @@ from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
-from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+from fusion.training import (
+    build_job_dataset,
+    build_job_model,
+    example_micro_batch,
+    job_batch,
+)
 from testbeds.baselines.rank import MetricsWriter, StepTimer, init_gloo, parse_args
 from testbeds.baselines.split import block_names, even_split_points
 

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 import torch
@@ -109,7 +109,7 @@ class MetricsWriter:
 class StepTimer:
     """Wall seconds of a step, on this rank."""
 
-    def __enter__(self) -> StepTimer:
+    def __enter__(self) -> Self:
         self.t0 = time.perf_counter()
         return self
 

@@ -138,7 +138,7 @@ def test_compression_shrinks_a_slow_cut(tiny: sim.JobCosts) -> None:
     workers = [WorkerSpec(name=f"h{i}", cluster=f"h{i}", flops=1e12) for i in range(2)]
     topo = Topology.from_measurements(workers, [[0.0] * 2] * 2, [[1e6 / 8] * 2] * 2)
     dense = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
-    job_two = sim.JobCosts(**{**tiny.__dict__})
+    job_two = sim.JobCosts(**tiny.__dict__)
     plan_dense = dense.step_s
     sparse = sim.simulate_plan(job_two, topo, strategy="uniform", compression="topk", driver=None)
     assert sparse.detail["keep_ratios"]  # the slow cut was marked
