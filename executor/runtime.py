@@ -39,6 +39,7 @@ from fusion.checkpoint import (
     make_snapshot,
     restore_state,
 )
+from fusion.checkpoint.snapshot import serialize, snapshot_metadata, snapshot_of
 from fusion.errors import (
     NotFoundError,
     PoisonedInputError,
@@ -564,14 +565,16 @@ class StageRuntime:
 
         def work() -> None:
             try:
-                state = capture_weights(self.module, self.optimizer)
+                meta = snapshot_metadata(self.job_id, self.spec.stage_idx, self.stage_key, label)
+                # Serialise straight from the live weights: the optimizer waits until this is done.
+                data = serialize({**capture_weights(self.module, self.optimizer, copy=False), **volatile}, meta)
             except BaseException:
-                self._weights_free.set()
                 logger.exception("snapshot of stage %d at step %d failed", self.spec.stage_idx, label)
                 return
-            self._weights_free.set()
+            finally:
+                self._weights_free.set()
             try:
-                sink(make_snapshot(self.job_id, self.spec.stage_idx, self.stage_key, label, {**state, **volatile}))
+                sink(snapshot_of(self.job_id, self.spec.stage_idx, self.stage_key, label, data))
             except BaseException:
                 logger.exception("storing the snapshot of stage %d at step %d failed", self.spec.stage_idx, label)
 

@@ -54,6 +54,12 @@ class Snapshot:
 
 def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, str]:
     """Serialise a state: safetensors bytes and their hex SHA-256."""
+    data = serialize(tensors, metadata)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def serialize(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Safetensors bytes of a state (the one copy a snapshot makes of live weights)."""
     from safetensors.torch import save
 
     seen: set[int] = set()
@@ -64,8 +70,7 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
         # safetensors refuses tensors that share memory (tied weights): store a copy.
         flat[k] = v.clone() if ptr in seen else v
         seen.add(ptr)
-    data = save(flat, metadata=dict(metadata or {}))
-    return data, hashlib.sha256(data).hexdigest()
+    return save(flat, metadata=dict(metadata or {}))
 
 
 def decode(data: bytes | bytearray, sha256: str, *, what: str = "snapshot") -> dict[str, torch.Tensor]:
@@ -81,9 +86,18 @@ def decode(data: bytes | bytearray, sha256: str, *, what: str = "snapshot") -> d
         raise CheckpointError(f"{what} is not a valid safetensors blob: {e}") from None
 
 
+def snapshot_metadata(job_id: str, stage_idx: int, key: str, step: int) -> dict[str, str]:
+    return {"job_id": job_id, "stage_idx": str(stage_idx), "stage_key": key, "step": str(step)}
+
+
 def make_snapshot(job_id: str, stage_idx: int, key: str, step: int, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
-    data, sha = encode(tensors, {"job_id": job_id, "stage_idx": str(stage_idx), "stage_key": key, "step": str(step)})
+    data, sha = encode(tensors, snapshot_metadata(job_id, stage_idx, key, step))
     return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=sha)
+
+
+def snapshot_of(job_id: str, stage_idx: int, key: str, step: int, data: bytes) -> Snapshot:
+    """A snapshot of already serialised state (hashes it)."""
+    return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=hashlib.sha256(data).hexdigest())
 
 
 class Assembler:

@@ -51,17 +51,22 @@ def capture_volatile(module: torch.nn.Module, residuals: Mapping[str, torch.Tens
     return out
 
 
-def capture_weights(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TensorState:
-    """Parameters and their optimizer state: what only the next optimizer step changes."""
+def capture_weights(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, copy: bool = True) -> TensorState:
+    """Parameters and their optimizer state: what only the next optimizer step changes.
+
+    ``copy=False`` returns the live tensors (detached): for a caller that serialises them
+    before letting the optimizer run again, which saves one full copy of the stage.
+    """
+    take = _copy if copy else (lambda t: t.detach())
     out: TensorState = {}
     with torch.no_grad():
         copies: dict[int, torch.Tensor] = {}
         for name, p in module.named_parameters(remove_duplicate=False):  # tied names each get an entry
-            out[PARAM + name] = copies.setdefault(id(p), _copy(p))
+            out[PARAM + name] = copies.setdefault(id(p), take(p))
         for name, p in module.named_parameters():
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    out[f"{OPTIM}{name}/{key}"] = _copy(value)
+                    out[f"{OPTIM}{name}/{key}"] = take(value)
                 elif isinstance(value, (int, float)):
                     out[f"{OPTIM}{name}/{key}"] = torch.tensor(float(value), dtype=torch.float64)
     return out
