@@ -110,11 +110,11 @@ def test_corrupt_or_unannounced_replicas_are_refused(driver: PipelineDriver) -> 
 
 def test_restore_needs_a_held_snapshot_of_that_very_stage(driver: PipelineDriver) -> None:
     expect(lambda: driver.clients[0].restore_stage(driver.job_id, 0, 7), grpc.StatusCode.NOT_FOUND, "held steps")
-    # A snapshot of stage 1 stored on worker 0 is not a snapshot of stage 0.
+    # Worker 0 holds stage 1's replica at step 1 too; stage 0 is looked up by its own key.
     ExecutorClient(driver.addresses[0], driver.pool).put_snapshot(
-        make_snapshot(driver.job_id, 1, driver.stage_keys[1], 50, {"param/a": torch.ones(1)})
+        make_snapshot(driver.job_id, 1, driver.stage_keys[1], 1, {"param/a": torch.ones(1)})
     )
-    expect(lambda: driver.clients[0].restore_stage(driver.job_id, 0, 50), grpc.StatusCode.NOT_FOUND)
+    expect(lambda: driver.clients[0].restore_stage(driver.job_id, 0, 1), grpc.StatusCode.NOT_FOUND)
 
 
 def test_restore_brings_back_the_snapshotted_state_exactly(driver: PipelineDriver) -> None:
