@@ -164,6 +164,7 @@ class ExecutorService:
         self._lock = threading.Lock()
         self.snapshots = SnapshotStore(keep=2)
         self.graphs = GraphCache()
+        threading.Thread(target=_warm_imports, name="warm-imports", daemon=True).start()
         self.replicator = Replicator(self._replicate)
 
     def stage(self, job_id: str, stage_idx: int) -> StageRuntime:
@@ -466,6 +467,15 @@ class ExecutorService:
             self.unload(job)
         self.replicator.close()
         self.pool.close()
+
+
+def _warm_imports() -> None:
+    """Pay once, at start-up, what the first optimizer costs (torch imports its compiler
+    machinery, ~3 s on a small CPU), so a stage loaded in a hurry (recovery) is quick."""
+    try:
+        build_optimizer(TrainSpec(), [torch.nn.Parameter(torch.zeros(1))])
+    except Exception:  # only a warm-up: the real construction reports real errors
+        logger.debug("optimizer warm-up failed", exc_info=True)
 
 
 def start_server(

@@ -50,7 +50,12 @@ def bench_overhead(preset: str, workers: int, rounds: int, batch: int, seq: int,
     from fusion.config import JobSpec
     from fusion.graph.export import capture
     from fusion.graph.split import split_stages
-    from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+    from fusion.training import (
+        build_job_dataset,
+        build_job_model,
+        example_micro_batch,
+        job_batch,
+    )
     from scheduler.baselines import uniform_assignment
 
     job = JobSpec.from_dict(job_spec(preset, 1_000_000, batch, seq, micro, every))
@@ -109,6 +114,8 @@ def bench_recover(preset: str, batch: int, seq: int, micro: int, every: int, kil
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         base = Path(tmp)
         spec = job_spec(preset, kill_after + 4 * every, batch, seq, micro, every)
+        if kill_after <= every:
+            raise SystemExit(f"--kill-after must exceed --replicate-every ({every}) so a replica exists")
         spec["plan"] = {"strategy": "uniform"}
         spec["cluster"] = {"min_workers": 4, "spares": 1}
         spec["output"] = {"dir": str(base / "out")}
@@ -141,17 +148,21 @@ def bench_recover(preset: str, batch: int, seq: int, micro: int, every: int, kil
             if not events:
                 raise SystemExit(f"job did not resume: {s}")
             resumed = events[-1]
+            # Training goes on after the recovery: wait for two more steps, then stop the job.
             final = client.status(job_id)
-            while final["state"] not in ("failed", "cancelled", "succeeded"):
-                time.sleep(0.5)
+            while final["state"] == "running" and final["step"] < resumed["step"] + 2:
+                time.sleep(0.2)
                 final = client.status(job_id)
+            trained_on = final["state"] == "running" or final["state"] == "succeeded"
+            if final["state"] == "running":
+                client.cancel(job_id)
             client.close()
     return {
         "preset": preset, "victim": victim, "step_s": step_s,
         "kill_to_resumed_s": resumed["time"] - killed,
         "recover_s": resumed.get("recover_s"),
         "steps_redone": resumed.get("failed_step", 0) - resumed.get("step", 0),
-        "message": resumed["message"], "final_state": final["state"],
+        "message": resumed["message"], "trained_on_after": trained_on,
     }
 
 
@@ -173,29 +184,34 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     if not args.skip_overhead:
         out["overhead"] = bench_overhead(args.preset, args.workers, args.rounds, args.batch_size, args.seq_len, args.micro_batches, args.replicate_every)
+        if not args.json:
+            print_overhead(out["overhead"])
     if not args.skip_recover:
         out["recover"] = bench_recover(args.preset, args.batch_size, args.seq_len, args.micro_batches, args.replicate_every, args.kill_after)
+        if not args.json:
+            print_recover(out["recover"])
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
-    if "overhead" in out:
-        o = out["overhead"]
-        print(textwrap.dedent(f"""
-            snapshot overhead, GPT-2 {o['preset']} on {o['workers']} local workers, a snapshot every {o['replicate_every']} steps
-              step time without snapshots  {o['step_s_plain']:.3f} s (median block of {o['replicate_every']}: {o['block_s_plain']:.2f} s)
-              block time with a snapshot   {o['block_s_snapshot']:.2f} s
-              overhead                     {100 * o['overhead']:+.1f} %   (target <= 3 %)
-              snapshot (all stages)        {o['snapshot_bytes'] / 1e6:.1f} MB -> replica traffic {o['replica_bytes_per_step'] / 1e6:.1f} MB per step"""))
-    if "recover" in out:
-        r = out["recover"]
-        print(textwrap.dedent(f"""
-            time to recover, GPT-2 {r['preset']}, 3 stages + 1 spare, {r['victim']} SIGKILLed (step ~{r['step_s']:.2f} s)
-              kill -> training resumed     {r['kill_to_resumed_s']:.2f} s   (target <= 10 s)
-              recovery itself              {r['recover_s']:.2f} s
-              steps redone                 {r['steps_redone']}
-              {r['message']}
-              job ended                    {r['final_state']}"""))
     return 0
+
+
+def print_overhead(o: dict[str, Any]) -> None:
+    print(textwrap.dedent(f"""
+        snapshot overhead, GPT-2 {o['preset']} on {o['workers']} local workers, a snapshot every {o['replicate_every']} steps
+          step time without snapshots  {o['step_s_plain']:.3f} s (median block of {o['replicate_every']}: {o['block_s_plain']:.2f} s)
+          block time with a snapshot   {o['block_s_snapshot']:.2f} s
+          overhead                     {100 * o['overhead']:+.1f} %   (target <= 3 %)
+          snapshot (all stages)        {o['snapshot_bytes'] / 1e6:.1f} MB -> replica traffic {o['replica_bytes_per_step'] / 1e6:.1f} MB per step"""))
+
+
+def print_recover(r: dict[str, Any]) -> None:
+    print(textwrap.dedent(f"""
+        time to recover, GPT-2 {r['preset']}, 3 stages + 1 spare, {r['victim']} SIGKILLed (step ~{r['step_s']:.2f} s)
+          kill -> training resumed     {r['kill_to_resumed_s']:.2f} s   (target <= 10 s)
+          recovery itself              {r['recover_s']:.2f} s
+          steps redone                 {r['steps_redone']}
+          {r['message']}
+          trained on after recovery    {r['trained_on_after']}"""), flush=True)
 
 
 if __name__ == "__main__":
