@@ -120,7 +120,7 @@ def bench_recover(preset: str, batch: int, seq: int, micro: int, every: int, kil
         spec["cluster"] = {"min_workers": 4, "spares": 1}
         spec["output"] = {"dir": str(base / "out")}
         with Fleet(base / "logs") as fleet:
-            fleet.start_coordinator(token=TOKEN, state_dir=base / "state", heartbeat_interval_s=1.0, heartbeat_timeout_s=6.0)
+            fleet.start_coordinator(token=TOKEN, state_dir=base / "state", heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)
             for i in range(4):
                 fleet.start_worker(f"w{i}", token=TOKEN, wait=False)
             fleet.wait_workers([f"w{i}" for i in range(4)])

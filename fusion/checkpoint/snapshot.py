@@ -150,28 +150,32 @@ class SnapshotStore:
     def __init__(self, keep: int = 2, keep_replicas: int = 1) -> None:
         self.keep = keep
         self.keep_replicas = keep_replicas
-        self._items: dict[tuple[str, str], dict[int, Snapshot]] = {}
+        # (job, stage key, replica?) -> step -> snapshot
+        self._items: dict[tuple[str, str, bool], dict[int, Snapshot]] = {}
         self._lock = threading.Lock()
 
     def put(self, snap: Snapshot) -> None:
+        """Store ``snap``; older ones of its kind beyond the limit go (never ``snap`` itself:
+        a restore source pushed for an older step must survive until it is used)."""
         with self._lock:
-            by_step = self._items.setdefault((snap.job_id, snap.stage_key), {})
+            by_step = self._items.setdefault((snap.job_id, snap.stage_key, snap.replica), {})
             by_step[snap.step] = snap
             keep = self.keep_replicas if snap.replica else self.keep
-            for old in sorted(by_step)[:-keep]:
+            for old in [s for s in sorted(by_step) if s != snap.step][: max(0, len(by_step) - keep)]:
                 del by_step[old]
 
     def get(self, job_id: str, key: str, step: int) -> Snapshot:
         with self._lock:
-            snap = self._items.get((job_id, key), {}).get(step)
-            if snap is None:
-                held = sorted(self._items.get((job_id, key), {}))
-                raise NotFoundError(f"no snapshot of stage {key} of job {job_id!r} at step {step} here (held steps: {held or 'none'})")
-            return snap
+            for replica in (False, True):
+                snap = self._items.get((job_id, key, replica), {}).get(step)
+                if snap is not None:
+                    return snap
+            held = sorted({s for r in (False, True) for s in self._items.get((job_id, key, r), {})})
+            raise NotFoundError(f"no snapshot of stage {key} of job {job_id!r} at step {step} here (held steps: {held or 'none'})")
 
     def list(self, job_id: str) -> list[Snapshot]:
         with self._lock:
-            return [s for (j, _), by_step in self._items.items() if j == job_id for s in by_step.values()]
+            return [s for (j, _, _), by_step in self._items.items() if j == job_id for s in by_step.values()]
 
     def drop_job(self, job_id: str) -> None:
         with self._lock:

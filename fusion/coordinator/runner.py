@@ -435,10 +435,12 @@ class JobRunner(threading.Thread):
                 continue
             self._event("worker_excluded" if state == "excluded" else "worker_lost", reason, worker=w.name, failed_step=failed_step)
             self.release(self, w, state)
+        dropped = [w.address for w in self.workers if w.worker_id in lost]
         self.workers = [w for w in self.workers if w.worker_id not in lost]
         old_keys = list(self.driver.stage_keys)
-        # Snapshots are read from every worker still here, before any of them is reloaded.
-        held = snapshot_holdings(self.job_id, [w.address for w in self.workers], self.pool)
+        # Snapshots are read before any worker is reloaded, from every worker still here and
+        # from dropped ones that still answer (heart-beats late under load is not death).
+        held = snapshot_holdings(self.job_id, [w.address for w in self.workers] + dropped, self.pool)
         t_held = time.perf_counter()
         self._place(lost=set(lost))
         t_placed = time.perf_counter()

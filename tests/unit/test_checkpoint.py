@@ -162,6 +162,12 @@ def test_store_keeps_the_newest_per_stage_and_drops_jobs() -> None:
     for step in (4, 8):  # replicas: only the newest complete one is kept
         store.put(dataclasses.replace(make_snapshot("j", 2, "k2", step, {"param/a": torch.ones(1)}), replica=True))
     assert [s.step for s in store.list("j") if s.stage_key == "k2"] == [8]
+    # A restore source pushed for an older step is kept (it is about to be used), and own
+    # snapshots are not evicted by replicas of the same stage.
+    store.put(dataclasses.replace(make_snapshot("j", 2, "k2", 4, {"param/a": torch.ones(1)}), replica=True))
+    store.put(make_snapshot("j", 2, "k2", 12, {"param/a": torch.ones(1)}))
+    assert sorted(s.step for s in store.list("j") if s.stage_key == "k2") == [4, 12]
+    assert store.get("j", "k2", 4).replica and not store.get("j", "k2", 12).replica
     store.drop_job("j")
     assert store.list("j") == [] and len(store.list("other")) == 1
 
