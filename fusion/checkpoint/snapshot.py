@@ -161,7 +161,8 @@ class SnapshotStore:
             by_step = self._items.setdefault((snap.job_id, snap.stage_key, snap.replica), {})
             by_step[snap.step] = snap
             keep = self.keep_replicas if snap.replica else self.keep
-            for old in [s for s in sorted(by_step) if s != snap.step][: max(0, len(by_step) - keep)]:
+            newest = sorted(by_step)[-keep:]
+            for old in [s for s in by_step if s not in newest and s != snap.step]:
                 del by_step[old]
 
     def get(self, job_id: str, key: str, step: int) -> Snapshot:
