@@ -162,7 +162,8 @@ def restore_stages(driver: PipelineDriver, point: RestorePoint, held: Holdings, 
             holders = held[(key, step)]
             source = "" if address in holders else holders[0]
             client.restore_stage(job_id, idx, step, source_address=source)
-            sources[idx] = "its own snapshot" if not source else f"the replica on {source}"
+            # Held locally: its own snapshot, or the replica it kept as the lost worker's buddy.
+            sources[idx] = "the snapshot on its worker" if not source else f"the replica on {source}"
             return
         state = stage_subset(whole.get(), driver.state_names(idx), driver.canonical)
         client.put_snapshot(make_snapshot(job_id, idx, key, step, state))

@@ -409,11 +409,18 @@ class JobRunner(threading.Thread):
             lost.setdefault(wid, (reason, "gone"))
 
         def answers(w: WorkerRow) -> bool:
-            try:
-                ExecutorClient(w.address, self.pool).ping(timeout_s=2.0, attempts=1)
-                return True
-            except FusionError:
-                return False
+            # A refused connection is a dead process; a slow answer on a loaded machine is
+            # not, so it gets a second, longer chance before the worker is dropped.
+            for timeout_s in (2.0, 8.0):
+                try:
+                    ExecutorClient(w.address, self.pool).ping(timeout_s=timeout_s, attempts=1)
+                    return True
+                except errors.RemoteError as e:
+                    if e.code == "UNAVAILABLE":
+                        return False
+                except FusionError:
+                    return False
+            return False
 
         for w, ok in zip(self.workers, run_parallel([lambda w=w: answers(w) for w in self.workers], name="ping")):
             if not ok:
