@@ -408,10 +408,19 @@ class JobRunner(threading.Thread):
         for wid, reason in flagged.items():
             lost.setdefault(wid, (reason, "gone"))
 
+        # A refused connection is a dead process; a slow answer on a loaded machine is not,
+        # so it gets a second, longer chance before the worker is dropped.
+        for w, ok in zip(self.workers, self._answering((2.0, 8.0))):
+            if not ok:
+                lost.setdefault(w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {_reason(error)}", "gone"))
+        return lost
+
+    def _answering(self, timeouts_s: Sequence[float]) -> list[bool]:
+        """Which of the job's workers answer a ping (tried once per timeout, in parallel);
+        a refused connection ends the tries at once."""
+
         def answers(w: WorkerRow) -> bool:
-            # A refused connection is a dead process; a slow answer on a loaded machine is
-            # not, so it gets a second, longer chance before the worker is dropped.
-            for timeout_s in (2.0, 8.0):
+            for timeout_s in timeouts_s:
                 try:
                     ExecutorClient(w.address, self.pool).ping(timeout_s=timeout_s, attempts=1)
                     return True
@@ -422,10 +431,7 @@ class JobRunner(threading.Thread):
                     return False
             return False
 
-        for w, ok in zip(self.workers, run_parallel([lambda w=w: answers(w) for w in self.workers], name="ping")):
-            if not ok:
-                lost.setdefault(w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {_reason(error)}", "gone"))
-        return lost
+        return run_parallel([lambda w=w: answers(w) for w in self.workers], name="ping")
 
     def _recover(self, error: FusionError, failed_step: int) -> int:
         """Recover from a failed step; returns the step to resume at (or re-raises)."""
@@ -602,14 +608,7 @@ class JobRunner(threading.Thread):
         if not isinstance(e, FusionError):
             return reason
 
-        def answers(w: WorkerRow) -> bool:
-            try:
-                ExecutorClient(w.address, self.pool).ping(timeout_s=1.0, attempts=1)
-                return True
-            except FusionError:
-                return False
-
-        alive = run_parallel([lambda w=w: answers(w) for w in self.workers], name="diagnose")
+        alive = self._answering((1.0,))
         gone = [f"{w.name} ({w.address})" for w, ok in zip(self.workers, alive) if not ok]
         if gone:
             return f"worker {', '.join(gone)} stopped answering: {reason}"
