@@ -22,6 +22,15 @@ which is DESIGN.md's ``Σ c_i + Σ t_j + (M − 1)·max(max c_i, max t_j)`` for 
 the per-step fixed costs ``t_step`` (control round trips and the optimizer update, both
 measured by the profiler) added.
 
+**The driver's path.** When the topology knows the driver's link to each worker
+(round trip ``r_w``, bandwidth ``β_w``), every step also pays ``2.5 · max r`` of control
+round trips over the stages' workers (start, the end of the wait, the optimizer call), and
+the feed: per micro-batch the driver sends its inputs to the stages that read them and
+its targets to the loss stage, one synchronous send after the other, ``φ_s = Σ_sends (r_w +
+bytes / β_w)``. The feed is one more element of the pipeline: the first micro-batch cannot
+start on stage ``s`` before ``φ_s`` and the period is at least ``max φ_s``. This is what
+keeps a one-stage plan off a worker 150 ms from the coordinator.
+
 **Peak memory** of a worker (the stages it hosts): parameters ``P``, their gradients
 ``P``, optimizer state (``0``, ``P`` for SGD with momentum, ``2P`` for AdamW), and the
 stash: each micro-batch in flight keeps its received inputs and the activations autograd
@@ -58,6 +67,14 @@ class StepCosts:
     """One control round trip from the driver to a worker (tied-gradient sync uses several)."""
     driver_bandwidth_bytes_per_s: float = float("inf")
     """Driver ↔ worker bandwidth, for gradients of tied parameters that the driver sums."""
+    target_bytes: int = 0
+    """Bytes of one micro-batch's targets, which the driver sends to the loss stage."""
+
+
+#: Driver round trips per step outside the feed: starting the step, the answer of the
+#: long-poll that waits for it (half a round trip: the worker answers as soon as it is
+#: done) and the optimizer call.
+DRIVER_CONTROL_ROUND_TRIPS = 2.5
 
 
 @dataclass
@@ -245,6 +262,7 @@ def estimate(
     if workload.output_unit >= 0:
         stash_in[stage_of[workload.output_unit]] += 2 * workload.output_bytes
     order = _stage_order(num_stages, act)
+    feed, driver_control_s = _driver_path(workload, stage_of, stage_workers, topology, np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages))
     x = {k: topology.transfer_s(stage_workers[k[0]], stage_workers[k[1]], v) for k, v in act.items()}
     g = {k: topology.transfer_s(stage_workers[k[1]], stage_workers[k[0]], grad[k]) if grad[k] else 0.0 for k in act}
 
@@ -252,14 +270,14 @@ def estimate(
     fwd_done = np.zeros(num_stages)
     for s in order:
         start = max((fwd_done[a] + x[(a, c)] for (a, c) in act if c == s), default=0.0)
-        fwd_done[s] = start + f[s]
+        fwd_done[s] = max(start, feed[s]) + f[s]
     bwd_done = np.zeros(num_stages)
     for s in reversed(order):
         start = max((bwd_done[c] + g[(a, c)] for (a, c) in act if a == s), default=0.0)
         bwd_done[s] = max(start, fwd_done[s]) + b[s]
     critical = float(bwd_done.max()) if num_stages else 0.0
     link = {k: max(x[k], g[k]) for k in act}
-    period = max(float((f + b).max()) if num_stages else 0.0, max(link.values(), default=0.0))
+    period = max(float((f + b).max()) if num_stages else 0.0, max(link.values(), default=0.0), float(feed.max()) if num_stages else 0.0)
 
     depth = [0] * num_stages
     for s in reversed(order):
@@ -283,7 +301,8 @@ def estimate(
         memory[w] = memory.get(w, 0) + int(stage_mem)
 
     opt_s = workload.step.optimizer_s_per_byte * max(param_bytes[s] * scale[s] for s in range(num_stages)) if num_stages else 0.0
-    step_s = critical + (micro_batches - 1) * period + workload.step.control_s + opt_s + _tied_sync_s(workload, stage_params)
+    tied_s = _tied_sync_s(workload, stage_params, [topology.driver_link(w) for w in stage_workers] if topology.driver_links is not None else None)
+    step_s = critical + (micro_batches - 1) * period + workload.step.control_s + driver_control_s + opt_s + tied_s
     return Estimate(
         step_s=float(step_s),
         stage_compute_s=tuple(float(v) for v in f + b),
@@ -295,21 +314,47 @@ def estimate(
     )
 
 
-def _tied_sync_s(workload: Workload, stage_params: list[dict[int, int]]) -> float:
+def _driver_path(
+    workload: Workload, stage_of: np.ndarray, stage_workers: Sequence[int], topology: Topology, input_bytes: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """Per stage, the feed time of one micro-batch ``φ_s``; and the control round trips per
+    step (module docstring). Zeros when the topology does not know the driver's links."""
+    num_stages = len(stage_workers)
+    feed = np.zeros(num_stages)
+    if topology.driver_links is None or not num_stages:
+        return feed, 0.0
+    loss_stage = int(stage_of[workload.output_unit]) if workload.output_unit >= 0 else num_stages - 1
+    rtts = []
+    for s, w in enumerate(stage_workers):
+        rtt, bw = topology.driver_link(w)
+        rtts.append(rtt)
+        sends = ([float(input_bytes[s])] if input_bytes[s] > 0 else []) + ([float(workload.step.target_bytes)] if s == loss_stage else [])
+        feed[s] = sum(rtt + size / bw for size in sends)
+    return feed, DRIVER_CONTROL_ROUND_TRIPS * max(rtts)
+
+
+def _tied_sync_s(workload: Workload, stage_params: list[dict[int, int]], driver_links: list[tuple[float, float]] | None) -> float:
     """The driver sums the gradients of parameters several stages hold: it fetches from
     all holders at once, then pushes the sum to all at once (the driver's link carries
-    each holder's copy)."""
-    holders: dict[int, int] = {}
+    each holder's copy). ``driver_links``: per stage, when measured; else the job's
+    single driver round trip and bandwidth."""
+    holders: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
-    for sp in stage_params:
+    for s, sp in enumerate(stage_params):
         for pid, size in sp.items():
-            holders[pid] = holders.get(pid, 0) + 1
+            holders.setdefault(pid, []).append(s)
             sizes[pid] = size
     step = workload.step
     total = 0.0
-    for pid, count in holders.items():
-        if count > 1:
-            total += 2 * (step.driver_round_trip_s + count * sizes[pid] / step.driver_bandwidth_bytes_per_s)
+    for pid, stages in holders.items():
+        if len(stages) < 2:
+            continue
+        if driver_links is None:
+            rtt, bw = step.driver_round_trip_s, step.driver_bandwidth_bytes_per_s
+        else:
+            rtt = max(driver_links[s][0] for s in stages)
+            bw = min(driver_links[s][1] for s in stages)
+        total += 2 * (rtt + len(stages) * sizes[pid] / bw)
     return total
 
 

@@ -7,8 +7,8 @@ value produced on stage 0 and read on stage 3 is sent there directly.
 
 Construction (:func:`opfence_placement`):
 
-1. The worker sequence follows the cluster chain (fast clusters first, workers inside a
-   cluster fastest first). Prefixes of the chain are candidates: leaving a cluster behind
+1. The worker sequence follows the cluster chain (from the driver's cluster when its links
+   are known, workers inside a cluster fastest first). Prefixes of the chain are candidates: leaving a cluster behind
    a slow link out is often the best use of it.
 2. For each candidate sequence, a bisection on the pipeline period ``B`` finds the
    smallest ``B`` for which a greedy pass can cover the DAG: each worker in turn takes the
@@ -42,6 +42,9 @@ from scheduler.topology import Topology
 
 logger = logging.getLogger(__name__)
 
+
+#: Up to this many workers, a one-stage plan on each of them is a candidate.
+SMALL_SINGLES = 64
 
 #: Seconds of penalty per fraction of a memory cap a placement exceeds.
 MEMORY_PENALTY_S = 1.0e6
@@ -344,10 +347,13 @@ def local_search(start: Placement, objective: Objective, all_workers: Sequence[i
 def worker_chain(topology: Topology, candidates: Sequence[int] | None = None) -> tuple[list[int], list[list[int]]]:
     """Workers in OP-Fence order (cluster chain, fastest first inside a cluster), and the clusters."""
     clusters = cluster_workers(topology)
-    order = order_clusters(topology, clusters)
+    # The chain starts where the driver is: the first stage reads its inputs from there.
+    nearest = topology.nearest_to_driver()
+    start = next((k for k, c in enumerate(clusters) if nearest in c), None) if nearest is not None else None
+    order = order_clusters(topology, clusters, start=start)
     chain: list[int] = []
     for c in order:
-        chain += sorted(clusters[c], key=lambda w: -topology.workers[w].effective_flops)
+        chain += sorted(clusters[c], key=lambda w: (-topology.workers[w].effective_flops, topology.driver_link(w)[0]))
     if candidates is not None:
         allowed = set(candidates)
         chain = [w for w in chain if w in allowed]
@@ -404,8 +410,12 @@ def opfence_placement(
             p = bisect_period(prefix, sequence, topology)
             if p is not None:
                 candidates.append(p)
-    # A single stage on the fastest worker that fits is always a candidate too.
-    for w in sorted(range(len(topology)), key=lambda w: -topology.workers[w].effective_flops)[:1]:
+    # A single stage is always a candidate too: on the fastest worker, and on the one next
+    # to the driver (on small topologies, on every worker).
+    singles = sorted(range(len(topology)), key=lambda w: -topology.workers[w].effective_flops)
+    singles = singles if len(singles) <= SMALL_SINGLES else singles[:1]
+    nearest = topology.nearest_to_driver()
+    for w in dict.fromkeys(singles + ([nearest] if nearest is not None else [])):
         candidates.append(Placement((0, len(workload)), (w,)))
     candidates.sort(key=objective)
     best = candidates[0]

@@ -30,7 +30,7 @@ import numbers
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,11 @@ class Topology:
     """``[i][j]``: bandwidth of the directed link ``i -> j`` (> 0, finite); the diagonal is ``math.inf``."""
     latency_s: tuple[tuple[float, ...], ...]
     """``[i][j]``: one-way latency of the link ``i -> j`` (>= 0, finite); the diagonal is ``0.0``."""
+    driver_links: tuple[tuple[float, float], ...] | None = None
+    """Per worker: ``(round_trip_s, bandwidth_bytes_per_s)`` of the driver's calls to it (the
+    coordinator starts every step, feeds inputs and targets, waits and applies over these);
+    ``None`` when unknown, and the estimator then leaves the driver's links out. The
+    bandwidth is ``math.inf`` for a worker on the driver's own host."""
 
     def __post_init__(self) -> None:
         workers = tuple(self.workers)
@@ -155,6 +160,8 @@ class Topology:
         object.__setattr__(self, "workers", workers)
         for key, m in matrices.items():
             object.__setattr__(self, key, m)
+        if self.driver_links is not None:
+            object.__setattr__(self, "driver_links", _check_driver_links(self.driver_links, names))
 
     def __len__(self) -> int:
         """Number of workers."""
@@ -210,7 +217,33 @@ class Topology:
             workers=tuple(self.workers[i] for i in idx),
             bandwidth_bytes_per_s=tuple(tuple(self.bandwidth_bytes_per_s[i][j] for j in idx) for i in idx),
             latency_s=tuple(tuple(self.latency_s[i][j] for j in idx) for i in idx),
+            driver_links=None if self.driver_links is None else tuple(self.driver_links[i] for i in idx),
         )
+
+    def with_driver_links(self, links: Sequence[tuple[float, float]] | None) -> Topology:
+        """The same topology with measured driver links (see :attr:`driver_links`)."""
+        return replace(self, driver_links=None if links is None else tuple(links))
+
+    def with_driver_at(self, host: int) -> Topology:
+        """The driver runs on worker ``host``'s machine: its calls to each worker cross the
+        links from that host (a round trip is the latency both ways)."""
+        if not 0 <= host < len(self):
+            raise PlanError(f"driver host index {host} is not a worker index (0..{len(self) - 1})")
+        links = [
+            (0.0, math.inf) if w == host else (self.latency_s[host][w] + self.latency_s[w][host], self.bandwidth_bytes_per_s[host][w])
+            for w in range(len(self))
+        ]
+        return self.with_driver_links(links)
+
+    def driver_link(self, w: int) -> tuple[float, float]:
+        """``(round_trip_s, bandwidth_bytes_per_s)`` from the driver to worker ``w``; free when unknown."""
+        return (0.0, math.inf) if self.driver_links is None else self.driver_links[w]
+
+    def nearest_to_driver(self) -> int | None:
+        """The worker with the shortest driver round trip (``None`` when the links are unknown)."""
+        if self.driver_links is None:
+            return None
+        return min(range(len(self)), key=lambda w: (self.driver_links[w][0], -self.driver_links[w][1]))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict; the infinite diagonal bandwidth is written as ``None`` (JSON null)."""
@@ -221,6 +254,7 @@ class Topology:
             ],
             "bandwidth_bytes_per_s": [[None if math.isinf(x) else x for x in row] for row in self.bandwidth_bytes_per_s],
             "latency_s": [list(row) for row in self.latency_s],
+            **({} if self.driver_links is None else {"driver_links": [[rtt, None if math.isinf(bw) else bw] for rtt, bw in self.driver_links]}),
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -232,13 +266,15 @@ class Topology:
         """Read :meth:`to_dict` output back."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a topology document must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"workers", "bandwidth_bytes_per_s", "latency_s"})
+        unknown = sorted(set(d) - {"workers", "bandwidth_bytes_per_s", "latency_s", "driver_links"})
         if unknown:
-            raise PlanError(f"topology document has unknown key(s) {unknown}; allowed: workers, bandwidth_bytes_per_s, latency_s")
+            raise PlanError(f"topology document has unknown key(s) {unknown}; allowed: workers, bandwidth_bytes_per_s, latency_s, driver_links")
         try:
             workers = tuple(WorkerSpec(**w) for w in d["workers"])
             bandwidth = [[math.inf if x is None else x for x in row] for row in d["bandwidth_bytes_per_s"]]
-            return Topology(workers=workers, bandwidth_bytes_per_s=bandwidth, latency_s=d["latency_s"])
+            driver = d.get("driver_links")
+            links = None if driver is None else tuple((rtt, math.inf if bw is None else bw) for rtt, bw in driver)
+            return Topology(workers=workers, bandwidth_bytes_per_s=bandwidth, latency_s=d["latency_s"], driver_links=links)
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a valid topology document: {e!r}") from e
 
@@ -316,6 +352,20 @@ class Topology:
         rules = _parse_links(links, workers, source)
         bandwidth, latency = _resolve_links(workers, rules, source)
         return Topology(workers=workers, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+
+
+def _check_driver_links(links: object, names: Sequence[str]) -> tuple[tuple[float, float], ...]:
+    """Validated :attr:`Topology.driver_links`: one ``(round_trip_s >= 0, bandwidth > 0)`` per worker."""
+    try:
+        out = tuple((float(rtt), float(bw)) for rtt, bw in links)  # type: ignore[union-attr]
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"driver_links must be one (round_trip_s, bandwidth_bytes_per_s) pair per worker: {e}") from e
+    if len(out) != len(names):
+        raise PlanError(f"driver_links has {len(out)} entries; the topology has {len(names)} workers")
+    for name, (rtt, bw) in zip(names, out):
+        if not (0.0 <= rtt < math.inf) or not bw > 0.0:
+            raise PlanError(f"driver link to {name!r}: round trip must be >= 0 and finite and bandwidth positive, got {rtt}, {bw}")
+    return out
 
 
 def _parse_host(h: object, k: int, source: str) -> WorkerSpec:

@@ -153,8 +153,10 @@ class JobCosts:
     """Tokens in one sample (sequence length) for language models, else 0."""
     costs: str
     """``profile`` or ``flops``."""
-    target_bytes: int = 0
-    """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
+    @property
+    def target_bytes(self) -> int:
+        """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
+        return self.step.target_bytes
 
     @property
     def reference_flops(self) -> float:
@@ -204,10 +206,8 @@ def job_costs(spec: JobSpec, *, costs: str = "profile", step: StepCosts | None =
     base = step or StepCosts(control_s=DEFAULT_CONTROL_S, micro_batch_s=DEFAULT_MICRO_BATCH_S)
     if base.optimizer_s_per_byte == 0.0:
         base = dataclasses.replace(base, optimizer_s_per_byte=opt_s)
-    return JobCosts(
-        spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs,
-        target_bytes=y.numel() * y.element_size(),
-    )
+    base = dataclasses.replace(base, target_bytes=y.numel() * y.element_size())
+    return JobCosts(spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs)
 
 
 # ---------------------------------------------------------------- systems
@@ -259,47 +259,13 @@ def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tu
     return int(max(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
 
 
-def driver_s(job: JobCosts, stages: list, stage_workers: list[int], topology: Topology, driver: int | None, bottleneck_s: float) -> float:
-    """Seconds per step the driver's control path adds to the estimator's step when the
-    driver (the coordinator, on host ``driver``) is not next to the stages.
-
-    The estimator's ``control_s`` is calibrated with the stage on the driver's own host. Over
-    a link with round trip ``rtt_s = lat(d→w) + lat(w→d)`` each step also pays: starting the
-    step, the end of the long-poll for its completion and the optimizer call, about
-    ``2.5 · max rtt`` over the stages; and the feeding. Every micro-batch's inputs go to the
-    input stage and its targets to the loss stage as synchronous sends, one after the other,
-    ``φ = Σ_sends (rtt + bytes / bw(d→s))`` per micro-batch (the slowest stage's). The feed
-    is one more element of the pipeline: its first micro-batch delays the start, and the
-    later ones cost only where they are slower than the pipeline's period ``B``:
-
-        driver = 2.5 · max rtt + φ + (M − 1) · max(0, φ − B)
-    """
-    if driver is None:
-        return 0.0
-    m = job.spec.train.micro_batches
-    rtts, feeds = [0.0], [0.0]
-    for spec, w in zip(stages, stage_workers):
-        if w == driver:
-            continue
-        rtt = topology.latency_s[driver][w] + topology.latency_s[w][driver]
-        rtts.append(rtt)
-        sends = []
-        inputs = [n for n, src in spec.inputs if src == -1]
-        if inputs:
-            sends.append(sum(job.dag.node(n).out_bytes for n in inputs))
-        if spec.is_loss_stage:
-            sends.append(job.target_bytes)
-        feeds.append(sum(rtt + size / topology.bandwidth_bytes_per_s[driver][w] for size in sends))
-    feed = max(feeds)
-    return 2.5 * max(rtts) + feed + (m - 1) * max(0.0, feed - bottleneck_s)
-
-
 def simulate_plan(
     job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None,
     driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
-    estimator, plus the driver's control path from host ``driver`` (:func:`driver_s`).
+    estimator with the driver (the coordinator) on host ``driver``: its control round trips
+    and feed cross that host's links (``None``: the driver's path is free).
 
     ``given``: price this plan (``[{"worker", "nodes"}]``, as a bench run recorded it)
     instead of planning. ``cores``: the stages share that many cores (one-machine testbed),
@@ -308,6 +274,8 @@ def simulate_plan(
     from fusion.graph.split import split_stages
 
     spec = job.spec
+    free_driver = topology.with_driver_links(None)
+    topology = free_driver if driver is None else topology.with_driver_at(driver)
     request = request_for_job(spec, strategy=strategy, step_costs=job.step)
     request = dataclasses.replace(request, compression=compression, time_budget_s=time_budget_s)
     name = "fusion" if strategy == "opfence" else strategy
@@ -347,7 +315,7 @@ def simulate_plan(
         wa, wc = stage_workers[a], stage_workers[c]
         per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
-    control_path_s = driver_s(job, stages, stage_workers, topology, driver, est.bottleneck_s)
+    control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
     step_s = est.step_s
     if cores:
         work_s = m * sum(est.stage_compute_s) / min(cores, len(stage_workers))
@@ -355,7 +323,7 @@ def simulate_plan(
     return _finish(
         SystemResult(
             name=name,
-            step_s=step_s + control_path_s,
+            step_s=step_s,
             slowest_link_bytes=slow_bytes,
             slowest_link_mbps=slow_mbps,
             hosts_used=len(set(stage_workers)),

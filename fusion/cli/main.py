@@ -142,6 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from fusion.graph.export import capture
     from fusion.training import build_job_dataset, example_micro_batch
+    from scheduler.estimator import StepCosts
     from scheduler.planner import make_plan, request_for_job
     from scheduler.topology import Topology, WorkerSpec
 
@@ -151,6 +152,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_job(job_path)
     if args.topology:
         topology = Topology.load(args.topology)
+        if args.driver:
+            topology = topology.with_driver_at(topology.index(args.driver))
     else:
         n = args.workers
         workers = [WorkerSpec(name=f"worker-{i}", cluster="local") for i in range(n)]
@@ -160,9 +163,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     torch.manual_seed(spec.train.seed)
     with torch.device("meta"):
         model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
-    x, _ = example_micro_batch(spec, build_job_dataset(spec))
+    x, y = example_micro_batch(spec, build_job_dataset(spec))
     dag = capture(model, (x.to("meta"),)).dag
-    plan = make_plan(dag, topology, request_for_job(spec, strategy=args.strategy))
+    costs = StepCosts(target_bytes=y.numel() * y.element_size())
+    plan = make_plan(dag, topology, request_for_job(spec, strategy=args.strategy, step_costs=costs))
     print(plan.to_json() if args.json else plan.table())
     return 0
 
@@ -219,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("job", nargs="?", help="path to the job file (or --job)")
     sp.add_argument("--job", dest="job_opt", default=None, help="path to the job file")
     sp.add_argument("--topology", default=None, help="topology file (TOML, as in testbeds/topologies/)")
+    sp.add_argument("--driver", default=None, metavar="HOST",
+                    help="with --topology: the host the coordinator runs on (its feed and control links are priced; default: not priced)")
     sp.add_argument("--workers", type=int, default=2, help="without --topology: N equal workers on 10 Gbps (default: %(default)s)")
     sp.add_argument("--strategy", default=None, choices=["opfence", "uniform", "compute", "exhaustive"], help="override [plan] strategy")
     sp.add_argument("--json", action="store_true", help="print the plan as JSON")

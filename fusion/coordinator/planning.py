@@ -34,7 +34,8 @@ from fusion.config import JobSpec
 from fusion.errors import FusionError, RemoteError
 from fusion.graph.ir import OpDag
 from fusion.wire import executor_pb2 as epb
-from scheduler.estimator import StepCosts
+from fusion.training import example_micro_batch
+from scheduler.estimator import DRIVER_CONTROL_ROUND_TRIPS, StepCosts
 from scheduler.planner import PlanRequest, make_plan, request_for_job
 from scheduler.plan import Plan
 from scheduler.topology import Topology, WorkerSpec
@@ -114,7 +115,8 @@ def profile_model(
 ) -> ModelProfile:
     """Profile the job's model on ``worker`` (or take it from the cache)."""
     shapes = ";".join(f"{dag.node(n).value.dtype}{list(dag.node(n).value.shape or ())}" for n in dag.input_names())
-    key = f"{dag.fingerprint}|{shapes}|{device}|{worker.device_name}|{spec.train.optimizer}"
+    # "v2": calibrated overheads exclude the driver's path (measured per worker since).
+    key = f"v2|{dag.fingerprint}|{shapes}|{device}|{worker.device_name}|{spec.train.optimizer}"
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
@@ -188,17 +190,24 @@ def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequen
     return lat, bw
 
 
-def driver_round_trip_s(workers: Sequence[Endpoint], pool: ChannelPool, *, repeats: int = 5) -> float:
-    """Median round trip of a control call from here to the workers."""
-    times = []
+#: Driver probe sizes: the driver's sends are small (inputs, targets, control), so the
+#: probe stays small too and costs little on an 8 Mbps link.
+DRIVER_PROBE_SIZES = (1 << 10, 64 << 10, 256 << 10)
+
+
+def probe_driver_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = DRIVER_PROBE_SIZES, repeats: int = 3) -> list[tuple[float, float]]:
+    """Per worker, ``(round_trip_s, bandwidth_bytes_per_s)`` of the driver's calls to it,
+    fitted over the same tensor path the feed uses (one worker at a time, so the fits do
+    not share this host's CPU or uplink)."""
+    from fusion.profiling import fit_link
+
+    links = []
     for w in workers:
         client = ExecutorClient(w.address, pool)
-        client.ping()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            client.ping()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) if times else 0.0
+        client.probe(sizes[0], attempts=1)  # warm the channel: connection set-up is not the link
+        samples = [(size, min(client.probe(size)[0] for _ in range(repeats))) for size in sizes]
+        links.append(fit_link(samples))
+    return links
 
 
 def measured_topology(workers: Sequence[Endpoint], latency: list[list[float]], bandwidth: list[list[float]]) -> Topology:
@@ -219,18 +228,20 @@ class ExecutorOverhead:
 
 
 def calibrate_executor(
-    spec: JobSpec, model: Any, captured: Any, dataset: Any, worker: Endpoint, pool: ChannelPool, profile: ModelProfile, *, device: str = "cpu", steps: int = 3
+    spec: JobSpec, model: Any, captured: Any, dataset: Any, worker: Endpoint, pool: ChannelPool, profile: ModelProfile, *,
+    device: str = "cpu", steps: int = 3, driver_link: tuple[float, float] = (0.0, float("inf")),
 ) -> ExecutorOverhead:
     """Time the whole model as one stage on ``worker`` with 1 and with ``M`` micro-batches.
 
-    A step then takes ``step_s + M · (compute + micro_batch_s) + optimizer``; two micro-batch
-    counts separate the fixed part from the per-micro-batch part. Compute comes from the
-    profile, so what is left is the executor's own overhead (driver round trips, feeding,
-    mailboxes, hand-offs), which the estimator adds to every plan.
+    A step then takes ``step_s + M · (compute + micro_batch_s) + optimizer + driver path``;
+    two micro-batch counts separate the fixed part from the per-micro-batch part. Compute
+    comes from the profile and the driver's path from ``driver_link`` (the worker's measured
+    ``(round_trip_s, bandwidth)``), so what is left is the executor's own overhead
+    (serialisation, mailboxes, hand-offs), which the estimator adds to every plan.
     """
     from executor.driver import PipelineDriver
     from fusion.graph.split import split_stages
-    from fusion.training import example_micro_batch, job_batch
+    from fusion.training import job_batch
 
     mb = spec.micro_batch_size
     counts = sorted({1, max(2, spec.train.micro_batches)})
@@ -258,13 +269,20 @@ def calibrate_executor(
             driver.close()
     slope = (medians[1] - medians[0]) / (counts[1] - counts[0])
     per_mb = max(slope - compute, 0.0)
-    # The optimizer update is priced separately (per parameter byte): leave it out here.
+    # The optimizer update is priced separately (per parameter byte): leave it out here, and
+    # so is the driver's path to this worker (estimator: control round trips and the feed).
     optimizer_s = profile.optimizer_s_per_byte * captured.dag.total_param_bytes
-    fixed = max(medians[0] - slope - optimizer_s, 0.0)
+    rtt, bw = driver_link
+    example_x, example_y = example_micro_batch(spec, dataset)
+    driver_s = DRIVER_CONTROL_ROUND_TRIPS * rtt + 2 * rtt + (wire_bytes(example_x) + wire_bytes(example_y)) / bw
+    fixed = max(medians[0] - slope - optimizer_s - driver_s, 0.0)
     return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb)
 
 
-def plan_request(spec: JobSpec, profile: ModelProfile, round_trip_s: float, *, strategy: str | None = None, overhead: ExecutorOverhead | None = None, driver_bandwidth: float = float("inf")) -> PlanRequest:
+def plan_request(
+    spec: JobSpec, profile: ModelProfile, round_trip_s: float, *, strategy: str | None = None, overhead: ExecutorOverhead | None = None,
+    driver_bandwidth: float = float("inf"), target_bytes: int = 0,
+) -> PlanRequest:
     """The planner's view of the job."""
     overhead = overhead or ExecutorOverhead(step_s=3 * round_trip_s)
     costs = StepCosts(
@@ -273,6 +291,7 @@ def plan_request(spec: JobSpec, profile: ModelProfile, round_trip_s: float, *, s
         optimizer_s_per_byte=profile.optimizer_s_per_byte,
         driver_round_trip_s=round_trip_s,
         driver_bandwidth_bytes_per_s=driver_bandwidth,
+        target_bytes=target_bytes,
     )
     return request_for_job(spec, strategy=strategy, step_costs=costs)
 
@@ -287,6 +306,8 @@ class Measurements:
     round_trip_s: float
     overhead: ExecutorOverhead
     driver_bandwidth_bytes_per_s: float = float("inf")
+    target_bytes: int = 0
+    """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
 
     def subset(self, indices: Sequence[int]) -> Measurements:
         """The same measurements restricted to some workers."""
@@ -304,35 +325,46 @@ def measure(
     device: str = "cpu",
     cache: ProfileCache | None = None,
 ) -> Measurements:
-    """Profile the model, probe the links, time the control path, calibrate the executor."""
-    profile = profile_model(spec, captured.dag, workers[0], pool, device=device, cache=cache)
+    """Probe the driver's links and those between workers, profile the model and calibrate
+    the executor on the worker nearest the driver (where a one-stage plan would run)."""
+    driver_links = probe_driver_links(workers, pool)
+    home = min(range(len(workers)), key=lambda i: driver_links[i][0])
+    profile = profile_model(spec, captured.dag, workers[home], pool, device=device, cache=cache)
     lat, bw = probe_links(workers, pool)
-    # Node times were measured on workers[0] at profile.matmul_flops; other workers run at
+    # Node times were measured on workers[home] at profile.matmul_flops; other workers run at
     # their speed *relative to it* (the speeds workers report at join were measured under
     # different load, so only their ratios are trusted).
-    base = workers[0].matmul_flops or profile.matmul_flops
+    base = workers[home].matmul_flops or profile.matmul_flops
     scaled = [replace(w, matmul_flops=profile.matmul_flops * (w.matmul_flops or base) / base) for w in workers]
-    topology = measured_topology(scaled, lat, bw)
+    topology = measured_topology(scaled, lat, bw).with_driver_links(driver_links)
     if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None:
-        calibrated = calibrate_executor(spec, model, captured, dataset, workers[0], pool, profile, device=device)
+        calibrated = calibrate_executor(spec, model, captured, dataset, workers[home], pool, profile, device=device, driver_link=driver_links[home])
         profile.overhead_step_s, profile.overhead_micro_batch_s = calibrated.step_s, calibrated.micro_batch_s
         if cache is not None:
             cache.put(profile.cache_key, profile)
     overhead = ExecutorOverhead(step_s=profile.overhead_step_s, micro_batch_s=profile.overhead_micro_batch_s)
-    finite = [v for row in bw for v in row if v != float("inf")]
+    _, example_y = example_micro_batch(spec, dataset)
     return Measurements(
         dag=costed_dag(captured.dag, profile),
         profile=profile,
         topology=topology,
-        round_trip_s=driver_round_trip_s(workers, pool),
+        round_trip_s=statistics.median(rtt for rtt, _ in driver_links),
         overhead=overhead,
-        driver_bandwidth_bytes_per_s=statistics.median(finite) if finite else float("inf"),
+        driver_bandwidth_bytes_per_s=statistics.median(b for _, b in driver_links),
+        target_bytes=wire_bytes(example_y),
     )
+
+
+def wire_bytes(t: Any) -> int:
+    """Bytes of a micro-batch's tensor (targets, inputs) on the wire."""
+    return int(t.numel() * t.element_size())
 
 
 def plan_job(spec: JobSpec, m: Measurements, *, strategy: str | None = None) -> Plan:
     """Plan the job over the measured topology."""
-    request = plan_request(spec, m.profile, m.round_trip_s, strategy=strategy, overhead=m.overhead, driver_bandwidth=m.driver_bandwidth_bytes_per_s)
+    request = plan_request(
+        spec, m.profile, m.round_trip_s, strategy=strategy, overhead=m.overhead, driver_bandwidth=m.driver_bandwidth_bytes_per_s, target_bytes=m.target_bytes
+    )
     return make_plan(m.dag, m.topology, request)
 
 
