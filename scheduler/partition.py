@@ -403,9 +403,12 @@ def opfence_placement(
     deadline = time.monotonic() + time_budget_s
     objective = Objective(workload, topology, micro_batches=micro_batches, schedule=schedule)
     chain, clusters = worker_chain(topology)
-    prefix = _Prefix(workload, micro_batches, schedule, len(chain))
     candidates: list[Placement] = []
     for size in candidate_sizes(clusters, len(workload)):
+        # Under 1F1B a stage keeps at most as many micro-batches in flight as there are
+        # stages: price memory for this many workers, not the whole chain's (which would
+        # refuse a split over 8 GPUs because 48 micro-batches could not fit).
+        prefix = _Prefix(workload, micro_batches, schedule, size)
         for sequence in (chain[:size], _reversed_clusters(chain[:size], clusters)):
             p = bisect_period(prefix, sequence, topology)
             if p is not None:

@@ -25,7 +25,7 @@ from fusion.graph.ir import OpDag
 from fusion.models import build_model
 from scheduler.estimator import StepCosts, Workload, estimate, workload_from_dag
 from scheduler.fence import cluster_links, cluster_workers, maximum_spanning_tree, order_clusters, symmetric_bandwidth
-from scheduler.partition import Objective, compute_placement, exhaustive_placement, opfence_placement
+from scheduler.partition import Objective, Placement, compute_placement, exhaustive_placement, opfence_placement
 from scheduler.plan import Plan, validate_plan
 from scheduler.planner import PlanRequest, make_plan
 from scheduler.topology import Topology, WorkerSpec
@@ -550,3 +550,18 @@ def test_coarsening_keeps_the_predicted_memory(tiny_dag: OpDag) -> None:
         est = estimate(wl, [0] * len(wl), [0], topology, micro_batches=4)
         peaks.append(est.peak_memory_bytes[0])
     assert peaks[1] == pytest.approx(peaks[0], rel=0.01)
+
+
+def test_a_short_prefix_of_a_long_chain_is_priced_with_its_own_in_flight_count() -> None:
+    """1F1B keeps at most S micro-batches in flight on an S-stage pipeline. Pricing the
+    memory of a prefix of 8 workers with the whole chain's count (64) made every split
+    look too big, and OP-Fence fell back to one GPU on paper-48 (16.6 s vs 4.9 s)."""
+    n_units, m = 40, 64
+    wl = chain_workload([0.002] * n_units, saved_bytes=[0.2e9] * n_units, param_bytes=[MB] * n_units, edge_bytes=[1000] * (n_units - 1))
+    topo = make_topology(uniform_bandwidth(64), memory_bytes=[10 * 10**9] * 64)
+    placement, _ = opfence_placement(wl, topo, micro_batches=m, schedule="1f1b", time_budget_s=0.5)
+    objective = Objective(wl, topo, micro_batches=m, schedule="1f1b")
+    assert objective.feasible(placement)
+    even8 = Placement(tuple(range(0, n_units + 1, 5)), tuple(range(8)))
+    assert objective.feasible(even8)
+    assert objective(placement) <= objective(even8) + 1e-9
