@@ -420,7 +420,7 @@ class ExecutorService:
 
     @rpc_errors
     def ProbeLinks(self, request: epb.ProbeLinksRequest, context: grpc.ServicerContext) -> epb.ProbeLinksResponse:
-        from fusion.profiling import fit_link
+        from fusion.profiling import probe_link
 
         sizes = [int(s) for s in request.sizes_bytes] or [16 << 10, 256 << 10, 2 << 20]
         if any(s <= 0 or s > MAX_PROBE_BYTES for s in sizes):
@@ -433,12 +433,8 @@ class ExecutorService:
         for address in addresses:
             client = ExecutorClient(address, self.pool)
             try:
-                samples = []
                 client.probe(sizes[0], attempts=1)  # warm the channel: connection set-up is not the link
-                for size in sizes:
-                    best = min(client.probe(size)[0] for _ in range(repeats))
-                    samples.append((size, best))
-                latency, bandwidth = fit_link(samples)
+                latency, bandwidth = probe_link(lambda size, c=client: c.probe(size)[0], sizes, repeats=repeats)
                 out.links.add(address=address, latency_s=latency, bandwidth_bytes_per_s=bandwidth)
             except (FusionError, ValueError) as e:
                 out.links.add(address=address, error=str(e))

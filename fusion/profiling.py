@@ -11,6 +11,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -226,6 +227,36 @@ def measure_optimizer_s_per_byte(optimizer: str, *, device: str = "cpu", numel: 
 
 
 # ---------------------------------------------------------------- links
+#: A probe size whose transfer the samples so far predict to take longer is skipped: on an
+#: 8 Mbps link 4 MiB takes 4 s, and five of them each way made planning take minutes.
+PROBE_MAX_TRANSFER_S = 2.0
+#: Repeats of one size stop once they have taken this long together.
+PROBE_SIZE_BUDGET_S = 1.0
+
+
+def probe_link(probe: Callable[[int], float], sizes: Sequence[int], *, repeats: int) -> tuple[float, float]:
+    """Fit a link from timed transfers: ``probe(size)`` returns the seconds one took.
+
+    Sizes go smallest first; each is repeated (best of ``repeats``, fewer when the repeats
+    already took :data:`PROBE_SIZE_BUDGET_S`), and the larger sizes are skipped once the fit
+    so far predicts one would take over :data:`PROBE_MAX_TRANSFER_S`: slow links are
+    measured in seconds, not minutes, and fast ones still get the big transfers that pin
+    their bandwidth.
+    """
+    ordered = sorted(set(sizes))
+    samples: list[tuple[int, float]] = []
+    for size in ordered:
+        if len(samples) >= 2:
+            latency, bandwidth = fit_link(samples)
+            if latency + size / bandwidth > PROBE_MAX_TRANSFER_S:
+                break
+        times: list[float] = []
+        while len(times) < repeats and sum(times) < PROBE_SIZE_BUDGET_S:
+            times.append(probe(size))
+        samples.append((size, min(times)))
+    return fit_link(samples)
+
+
 def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares fit of ``seconds = latency_s + bytes / bandwidth_bytes_per_s``.
 

@@ -199,14 +199,13 @@ def probe_driver_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes:
     """Per worker, ``(round_trip_s, bandwidth_bytes_per_s)`` of the driver's calls to it,
     fitted over the same tensor path the feed uses (one worker at a time, so the fits do
     not share this host's CPU or uplink)."""
-    from fusion.profiling import fit_link
+    from fusion.profiling import probe_link
 
     links = []
     for w in workers:
         client = ExecutorClient(w.address, pool)
         client.probe(sizes[0], attempts=1)  # warm the channel: connection set-up is not the link
-        samples = [(size, min(client.probe(size)[0] for _ in range(repeats))) for size in sizes]
-        links.append(fit_link(samples))
+        links.append(probe_link(lambda size, c=client: c.probe(size)[0], sizes, repeats=repeats))
     return links
 
 
