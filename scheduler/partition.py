@@ -344,6 +344,14 @@ def local_search(start: Placement, objective: Objective, all_workers: Sequence[i
 
 
 # ---------------------------------------------------------------- planners
+def _cluster_signature(topology: Topology, sequence: Sequence[int]) -> tuple:
+    """What makes two clusters interchangeable for planning: speeds, memory, the links
+    inside and the driver's links (so 32 identical A100 racks are tried once)."""
+    workers = tuple((topology.workers[w].effective_flops, topology.workers[w].memory_bytes, topology.driver_link(w)) for w in sequence)
+    links = tuple(sorted((topology.bandwidth_bytes_per_s[a][b], topology.latency_s[a][b]) for a in sequence for b in sequence if a != b))
+    return workers, links
+
+
 def worker_chain(topology: Topology, candidates: Sequence[int] | None = None) -> tuple[list[int], list[list[int]]]:
     """Workers in OP-Fence order (cluster chain, fastest first inside a cluster), and the clusters."""
     clusters = cluster_workers(topology)
@@ -411,6 +419,20 @@ def opfence_placement(
         prefix = _Prefix(workload, micro_batches, schedule, size)
         for sequence in (chain[:size], _reversed_clusters(chain[:size], clusters)):
             p = bisect_period(prefix, sequence, topology)
+            if p is not None:
+                candidates.append(p)
+    # Each cluster on its own as well (one of each kind): the best island for a model that
+    # fits a few workers need not be the head of the chain (8 A100s on 10 Gbps behind a
+    # big 1 Gbps cluster with more total compute).
+    seen: set[tuple] = set()
+    for members in clusters[1:]:
+        sequence = [w for w in chain if w in set(members)]
+        signature = _cluster_signature(topology, sequence)
+        if len(sequence) < 2 or signature in seen:
+            continue
+        seen.add(signature)
+        for size in sorted({min(2**i, len(sequence)) for i in range(1, int(math.log2(len(sequence))) + 2)}):
+            p = bisect_period(_Prefix(workload, micro_batches, schedule, size), sequence[:size], topology)
             if p is not None:
                 candidates.append(p)
     # A single stage is always a candidate too: on the fastest worker, and on the one next

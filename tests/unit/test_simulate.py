@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -209,3 +210,23 @@ def test_profiled_costs_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[st
     row = doc["topologies"]["two-sites"]
     assert set(row["systems"]) == set(sim.SYSTEMS)
     assert (tmp_path / "r.md").read_text().count("| fusion |") == 1
+
+
+def test_opfence_finds_the_a100_island_at_every_scale() -> None:
+    """GPT-2 medium (the at-scale job) fits on a few GPUs: every paper topology has 8 A100s
+    on 10 Gbps, so the plan should be as fast at 256 hosts as at 48. (It was not: pricing a
+    prefix with the whole chain's micro-batches in flight, and offering only chain prefixes,
+    left the plan on one RTX 3090 at 48 hosts and on two at 256.)"""
+    from fusion.config import load_job
+    from scheduler.planner import make_plan, request_for_job
+
+    spec = load_job(REPO / "testbeds/results/simulate-job-gpt2-medium.toml")
+    job = sim.job_costs(spec, costs="flops")
+    request = dataclasses.replace(request_for_job(spec, step_costs=job.step), time_budget_s=0.3)
+    steps = {}
+    for name in ("paper-48", "paper-256"):
+        topo = sim.load_topology(str(REPO / "testbeds/topologies/paper-48.toml") if name == "paper-48" else name)
+        plan = make_plan(job.dag, topo, request)
+        assert len(plan.stages) >= 4 and all(s.worker.startswith("a100") for s in plan.stages), name
+        steps[name] = plan.predicted_step_s
+    assert steps["paper-256"] == pytest.approx(steps["paper-48"], rel=0.05)
