@@ -196,8 +196,8 @@ class FusionFleet:
             raise FusionError(f"fusion {' '.join(args)} failed: {out.strip()[-1000:]}")
         return out
 
-    def step_costs(self) -> dict[str, float] | None:
-        """The executor overheads the coordinator calibrated (from its profile cache)."""
+    def model_profile(self) -> dict[str, Any] | None:
+        """The model profile the coordinator measured and calibrated (from its profile cache)."""
         from fusion.cli.coordinator import STATE_DB
 
         db = self.workdir / "state" / STATE_DB
@@ -208,8 +208,15 @@ class FusionFleet:
         for (text,) in rows:
             p = json.loads(text)
             if p.get("overhead_step_s") is not None:
-                return {"control_s": p["overhead_step_s"], "micro_batch_s": p["overhead_micro_batch_s"]}
+                return p
         return None
+
+    def step_costs(self) -> dict[str, float] | None:
+        """The executor overheads the coordinator calibrated."""
+        p = self.model_profile()
+        if p is None:
+            return None
+        return {"control_s": p["overhead_step_s"], "micro_batch_s": p["overhead_micro_batch_s"], "optimizer_s_per_byte": p["optimizer_s_per_byte"]}
 
 
 def run_ranks(tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps: int, workdir: Path, timeout_s: float) -> list[dict[str, Any]]:
@@ -390,7 +397,7 @@ def markdown(doc: dict[str, Any]) -> str:
     if "compute_factor" in doc:
         lines.append(
             f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
-            f"with this machine's profile; calibrated: the same with compute scaled by {doc['compute_factor']:.2f}, the ratio of the "
+            f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; calibrated: the same with compute scaled by {doc['compute_factor']:.2f}, the ratio of the "
             "compute fusion and uniform measured in this run to the profile's."
         )
     return "\n".join(lines) + "\n"
@@ -449,6 +456,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     topology, label = resolve_topology(args.topology)
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
+    fleet_profile: dict[str, Any] | None = None
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
         fleet = FusionFleet(tb, workdir) if {"fusion", "uniform"} & set(systems) else None
@@ -466,12 +474,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 runs[system].append(run)
         if fleet is not None:
             fleet_costs = fleet.step_costs()
+            fleet_profile = fleet.model_profile()
         backend, latency_mode = tb.backend, tb.latency_mode
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
     meta = {
         "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
         "latency_mode": latency_mode, "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
+        # The node costs the coordinator profiled: the simulator replays exactly these.
+        "profile": None if fleet_profile is None else {k: fleet_profile[k] for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name")},
     }
     doc = report(rows, meta)
     if args.simulate:

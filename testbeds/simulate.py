@@ -166,8 +166,12 @@ class JobCosts:
         return workload_from_dag(self.dag, optimizer=self.spec.train.optimizer, momentum=self.spec.train.momentum, step=self.step)
 
 
-def job_costs(spec: JobSpec, *, costs: str = "profile", step: StepCosts | None = None, repeats: int = 3) -> JobCosts:
-    """Capture the job's model and cost every node (profiled here, or from FLOPs)."""
+def job_costs(
+    spec: JobSpec, *, costs: str = "profile", step: StepCosts | None = None, repeats: int = 3, profile: dict[str, Any] | None = None
+) -> JobCosts:
+    """Capture the job's model and cost every node: profiled here, taken from ``profile``
+    (``{"nodes", "matmul_flops", "optimizer_s_per_byte"}`` as the coordinator measured them
+    during a benchmark), or from FLOPs."""
     import torch
 
     from fusion.graph.export import capture
@@ -184,7 +188,13 @@ def job_costs(spec: JobSpec, *, costs: str = "profile", step: StepCosts | None =
         raise FusionError(f"unknown costs {costs!r}: use profile or flops")
     x, y = example_micro_batch(spec, build_job_dataset(spec))
     tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else 0
-    if costs == "profile":
+    if costs == "profile" and profile is not None:
+        model = build_job_model(spec)
+        captured = capture(model, (x,))
+        nodes = {k: v for k, v in profile["nodes"].items() if not k.startswith("__")}
+        dag = captured.dag.with_profile(nodes, reference_flops=float(profile["matmul_flops"]))
+        opt_s = float(profile["optimizer_s_per_byte"])
+    elif costs == "profile":
         model = build_job_model(spec)
         captured = capture(model, (x,))
         torch_threads = torch.get_num_threads()
@@ -668,7 +678,7 @@ def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
     step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
-    job = job_costs(spec, step=step)
+    job = job_costs(spec, step=step, profile=doc.get("profile"))
     topology = load_topology(doc["topology"])
     mode = doc["latency_mode"]
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}

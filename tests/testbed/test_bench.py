@@ -74,5 +74,8 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     assert doc["efficiency"] is None or doc["efficiency"] > 0
     # uniform splits the model over both hosts: its bytes cross the 50 Mbps link.
     assert doc["systems"]["uniform"]["slowest_link_bytes"] > 0
+    # The coordinator's profile travels with the result, so the simulator replays its costs.
+    assert doc["profile"]["nodes"] and doc["profile"]["matmul_flops"] > 0
+    assert {"control_s", "micro_batch_s", "optimizer_s_per_byte"} <= set(doc["step_costs"])
     for suffix in (".md", ".json", ".png"):
         assert Path(f"{out}{suffix}").stat().st_size > 0
