@@ -33,11 +33,11 @@ from fusion.auth import PROBE_KEY_TTL_S, probe_key
 from fusion.config import JobSpec
 from fusion.errors import FusionError, RemoteError
 from fusion.graph.ir import OpDag
-from fusion.wire import executor_pb2 as epb
 from fusion.training import example_micro_batch
+from fusion.wire import executor_pb2 as epb
 from scheduler.estimator import DRIVER_CONTROL_ROUND_TRIPS, StepCosts
-from scheduler.planner import PlanRequest, make_plan, request_for_job
 from scheduler.plan import Plan
+from scheduler.planner import PlanRequest, make_plan, request_for_job
 from scheduler.topology import Topology, WorkerSpec
 
 logger = logging.getLogger(__name__)
