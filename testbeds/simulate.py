@@ -478,8 +478,13 @@ def gpipe_step_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, g: np.ndarray, mic
 
 
 def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
-    """GPipe over the first ``min(N, blocks)`` hosts with the even split (``cores``: as
-    :func:`simulate_plan`)."""
+    """GPipe over the first ``min(N, blocks)`` hosts with the even split.
+
+    ``cores``: the ranks share that many cores (one-machine testbed). gloo's waits poll, so a
+    rank waiting for its neighbour stays runnable (``top`` shows every rank at the same CPU
+    share through a link-bound step): with ``S`` ranks on fewer cores, every stage computes
+    ``S / cores`` times slower, not only when several happen to compute at once.
+    """
     spec = job.spec
     num_stages = min(len(topology), len(job.blocks))
     if num_stages < 2:
@@ -488,8 +493,9 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     wl = job.workload()
     speed = np.array([topology.workers[s].effective_flops for s in range(num_stages)])
     scale = job.reference_flops / speed
-    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale
-    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale
+    contention = max(1.0, num_stages / cores) if cores else 1.0
+    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale * contention
+    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale * contention
     act = np.zeros(num_stages - 1)
     grad = np.zeros(num_stages - 1)
     seen: set[tuple[int, int]] = set()
@@ -506,8 +512,6 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     g = np.array([topology.transfer_s(k + 1, k, grad[k]) for k in range(num_stages - 1)])
     m = spec.train.micro_batches
     step_s = gpipe_step_s(f, b, x, g, m)
-    if cores:
-        step_s = max(step_s, m * float((f + b).sum()) / min(cores, num_stages))
     stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
     for u, unit in enumerate(wl.params):
         for pid, size in unit:

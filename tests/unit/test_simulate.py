@@ -230,3 +230,17 @@ def test_opfence_finds_the_a100_island_at_every_scale() -> None:
         assert len(plan.stages) >= 4 and all(s.worker.startswith("a100") for s in plan.stages), name
         steps[name] = plan.predicted_step_s
     assert steps["paper-256"] == pytest.approx(steps["paper-48"], rel=0.05)
+
+
+def test_pipelining_ranks_share_the_cores_all_the_time(tiny: sim.JobCosts) -> None:
+    """gloo's waits poll: on a shared-core testbed a waiting rank competes with the
+    computing one, so two ranks on one core each compute twice as slow."""
+    topo = line_topology(2, bandwidth_bytes_per_s=1e12, latency_s=0.0)
+    alone = sim.simulate_pipelining(tiny, topo)
+    shared = sim.simulate_pipelining(tiny, topo, cores=1)
+    roomy = sim.simulate_pipelining(tiny, topo, cores=4)
+    assert roomy.step_s == pytest.approx(alone.step_s)
+    # Links are free here, so the step is compute, the optimizer and the tied embedding's
+    # all-reduce; only the compute is slowed.
+    tied = alone.detail["tied_sync_s"]
+    assert 1.5 * (alone.step_s - tied) < shared.step_s - tied <= 2 * (alone.step_s - tied)
