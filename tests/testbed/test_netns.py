@@ -59,3 +59,22 @@ def test_sigkilled_owner_with_processes_then_down_cleans_up() -> None:
 @pytest.mark.timeout(240)
 def test_fusion_job_runs_on_netns_testbed(tmp_path: Path) -> None:
     checks.check_job_runs("netns", tmp_path)
+
+
+def test_sub_millisecond_links_skip_the_delay_proxy(tmp_path: Path) -> None:
+    """Without netem, a 0.5 ms LAN link is not sent through the user-space delay proxy
+    (it would add as much delay as the link has, and CPU); a 20 ms link still is."""
+    topo = tmp_path / "lan.toml"
+    topo.write_text(
+        '[[hosts]]\nname = "a"\n[[hosts]]\nname = "b"\n[[hosts]]\nname = "c"\n'
+        '[[links]]\nfrom = "a"\nto = "b"\nbandwidth_mbps = 1000\nlatency_ms = 0.5\n'
+        '[[links]]\nfrom = "c"\nto = "a"\nbandwidth_mbps = 100\nlatency_ms = 20\n'
+        '[[links]]\nfrom = "c"\nto = "b"\nbandwidth_mbps = 100\nlatency_ms = 20\n'
+    )
+    with open_testbed(topo, backend="netns") as t:
+        if t.latency_mode != "userspace":
+            pytest.skip("the kernel has sch_netem: no link uses the delay proxy")
+        port = t.free_port("a")
+        routes = t.expose("a", port)
+        assert routes["b"] == f"{t.address('a')}:{port}"  # direct: htb shapes it, no proxy
+        assert routes["c"] != f"{t.address('a')}:{port}"  # through the 20 ms delay proxy
