@@ -252,7 +252,8 @@ def estimate(
     f = np.bincount(stage_of, weights=workload.fwd_s, minlength=num_stages) * scale + overhead
     b = np.bincount(stage_of, weights=workload.bwd_s, minlength=num_stages) * scale + overhead
     saved = np.bincount(stage_of, weights=workload.saved_bytes, minlength=num_stages)
-    stash_in = np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages)
+    model_inputs = np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages)  # per micro-batch
+    stash_in = model_inputs.copy()
 
     # Cut traffic: a value crosses once per (producer, destination stage).
     act, grad, received = _cut_traffic(workload, stage_of, num_stages)
@@ -262,7 +263,7 @@ def estimate(
     if workload.output_unit >= 0:
         stash_in[stage_of[workload.output_unit]] += 2 * workload.output_bytes
     order = _stage_order(num_stages, act)
-    feed, driver_control_s = _driver_path(workload, stage_of, stage_workers, topology, np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages))
+    feed, driver_control_s = _driver_path(workload, stage_of, stage_workers, topology, model_inputs)
     x = {k: topology.transfer_s(stage_workers[k[0]], stage_workers[k[1]], v) for k, v in act.items()}
     g = {k: topology.transfer_s(stage_workers[k[1]], stage_workers[k[0]], grad[k]) if grad[k] else 0.0 for k in act}
 
