@@ -330,8 +330,15 @@ def _driver_path(
         rtt, bw = topology.driver_link(w)
         rtts.append(rtt)
         sends = ([float(input_bytes[s])] if input_bytes[s] > 0 else []) + ([float(workload.step.target_bytes)] if s == loss_stage else [])
-        feed[s] = sum(rtt + size / bw for size in sends)
+        feed[s] = feed_s((rtt, bw), sends)
     return feed, DRIVER_CONTROL_ROUND_TRIPS * max(rtts)
+
+
+def feed_s(driver_link: tuple[float, float], sends: Sequence[float]) -> float:
+    """Seconds the driver takes to make ``sends`` (bytes each) to one worker, one
+    synchronous send after another over ``driver_link`` (round trip, bandwidth)."""
+    rtt, bw = driver_link
+    return sum(rtt + size / bw for size in sends)
 
 
 def _tied_sync_s(workload: Workload, stage_params: list[dict[int, int]], driver_links: list[tuple[float, float]] | None) -> float:

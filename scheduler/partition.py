@@ -8,8 +8,9 @@ value produced on stage 0 and read on stage 3 is sent there directly.
 Construction (:func:`opfence_placement`):
 
 1. The worker sequence follows the cluster chain (from the driver's cluster when its links
-   are known, workers inside a cluster fastest first). Prefixes of the chain are candidates: leaving a cluster behind
-   a slow link out is often the best use of it.
+   are known, workers inside a cluster fastest first). Prefixes of the chain are
+   candidates: leaving a cluster behind a slow link out is often the best use of it. So is
+   each distinct cluster on its own, and one stage on a single worker.
 2. For each candidate sequence, a bisection on the pipeline period ``B`` finds the
    smallest ``B`` for which a greedy pass can cover the DAG: each worker in turn takes the
    longest run of units whose compute fits in ``B`` on that worker and its memory, ending
@@ -425,8 +426,8 @@ def opfence_placement(
     # fits a few workers need not be the head of the chain (8 A100s on 10 Gbps behind a
     # big 1 Gbps cluster with more total compute).
     seen: set[tuple] = set()
-    for members in clusters[1:]:
-        sequence = [w for w in chain if w in set(members)]
+    for members in map(set, clusters[1:]):
+        sequence = [w for w in chain if w in members]
         signature = _cluster_signature(topology, sequence)
         if len(sequence) < 2 or signature in seen:
             continue

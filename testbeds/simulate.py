@@ -188,25 +188,23 @@ def job_costs(
         raise FusionError(f"unknown costs {costs!r}: use profile or flops")
     x, y = example_micro_batch(spec, build_job_dataset(spec))
     tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else 0
-    if costs == "profile" and profile is not None:
+    if costs == "profile":
         model = build_job_model(spec)
         captured = capture(model, (x,))
+        if profile is None:
+            torch_threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # one thread per worker, as the testbeds run them
+            try:
+                profile = {
+                    "nodes": profile_graph(captured.graph_module, (x,), repeats=repeats),
+                    "matmul_flops": measure_matmul_flops(torch.device("cpu")),
+                    "optimizer_s_per_byte": measure_optimizer_s_per_byte(spec.train.optimizer, numel=1 << 22),
+                }
+            finally:
+                torch.set_num_threads(torch_threads)
         nodes = {k: v for k, v in profile["nodes"].items() if not k.startswith("__")}
         dag = captured.dag.with_profile(nodes, reference_flops=float(profile["matmul_flops"]))
         opt_s = float(profile["optimizer_s_per_byte"])
-    elif costs == "profile":
-        model = build_job_model(spec)
-        captured = capture(model, (x,))
-        torch_threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # one thread per worker, as the testbeds run them
-        try:
-            nodes = profile_graph(captured.graph_module, (x,), repeats=repeats)
-            flops = measure_matmul_flops(torch.device("cpu"))
-            opt_s = measure_optimizer_s_per_byte(spec.train.optimizer, numel=1 << 22)
-        finally:
-            torch.set_num_threads(torch_threads)
-        nodes = {k: v for k, v in nodes.items() if not k.startswith("__")}
-        dag = captured.dag.with_profile(nodes, reference_flops=flops)
     else:
         torch.manual_seed(spec.train.seed)
         with torch.device("meta"):

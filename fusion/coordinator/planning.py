@@ -35,7 +35,7 @@ from fusion.errors import FusionError, RemoteError
 from fusion.graph.ir import OpDag
 from fusion.training import example_micro_batch
 from fusion.wire import executor_pb2 as epb
-from scheduler.estimator import DRIVER_CONTROL_ROUND_TRIPS, StepCosts
+from scheduler.estimator import DRIVER_CONTROL_ROUND_TRIPS, StepCosts, feed_s
 from scheduler.plan import Plan
 from scheduler.planner import PlanRequest, make_plan, request_for_job
 from scheduler.topology import Topology, WorkerSpec
@@ -271,9 +271,8 @@ def calibrate_executor(
     # The optimizer update is priced separately (per parameter byte): leave it out here, and
     # so is the driver's path to this worker (estimator: control round trips and the feed).
     optimizer_s = profile.optimizer_s_per_byte * captured.dag.total_param_bytes
-    rtt, bw = driver_link
     example_x, example_y = example_micro_batch(spec, dataset)
-    driver_s = DRIVER_CONTROL_ROUND_TRIPS * rtt + 2 * rtt + (wire_bytes(example_x) + wire_bytes(example_y)) / bw
+    driver_s = DRIVER_CONTROL_ROUND_TRIPS * driver_link[0] + feed_s(driver_link, [wire_bytes(example_x), wire_bytes(example_y)])
     fixed = max(medians[0] - slope - optimizer_s - driver_s, 0.0)
     return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb)
 
