@@ -433,9 +433,9 @@ def write_chart(doc: dict[str, Any], path: Path) -> None:
 
 def add_simulation(doc: dict[str, Any]) -> None:
     """The simulator's step time for each system on this testbed, and its error vs measured
-    (:func:`testbeds.simulate.validate_doc`: the plans fusion and uniform ran, this
+    (:func:`testbeds.sim_validation.validate_doc`: the plans fusion and uniform ran, this
     machine's profile, and the same profile with compute calibrated on the run)."""
-    from testbeds.simulate import validate_doc
+    from testbeds.sim_validation import validate_doc
 
     for v in validate_doc(doc, doc["topology"]):
         row = doc["systems"][v["system"]]

@@ -22,7 +22,7 @@ plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The 
 ``--compute testbed`` prices every host at this machine's measured speed (the testbeds do
 not emulate ``slowdown``), as a testbed on one host runs them; ``--compute topology`` (default) uses
 each host's ``flops`` from the file. ``paper-256`` and ``paper-1024`` name generated
-topologies (:func:`paper_topology`) shaped like ``topologies/paper-48.toml``.
+topologies (:func:`testbeds.sim_topologies.paper_topology`) shaped like ``topologies/paper-48.toml``.
 """
 
 from __future__ import annotations
@@ -52,13 +52,12 @@ from scheduler.estimator import (
     workload_from_dag,
 )
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
-from scheduler.topology import GIB, Topology, WorkerSpec
+from scheduler.topology import GIB, Topology
+from testbeds.sim_topologies import MBPS, load_topology, testbed_topology
 
 logger = logging.getLogger(__name__)
 
-TOPOLOGY_DIR = Path(__file__).resolve().parent / "topologies"
 SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
-MBPS = 1e6 / 8  # bytes/s in one megabit/s
 
 #: Executor overheads when none are given: the calibration of ``fusion profile`` on this
 #: 2-core machine (GPT-2 tiny, loopback) measured about 6 ms of driver round trips per step
@@ -70,72 +69,6 @@ GLOO_STEP_OVERHEAD_S = 1e-4
 #: DDP's gradient buckets: the first holds 1 MiB, the rest 25 MiB (``bucket_cap_mb``).
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
-
-
-# ---------------------------------------------------------------- topologies
-def paper_topology(num_hosts: int, *, seed: int = 0) -> Topology:
-    """A topology of ``num_hosts`` (a multiple of 8) shaped like ``paper-48.toml``.
-
-    Clusters of 8 hosts cycle through the six kinds of ``paper-48.toml`` (A100 and V100 on
-    10 Gbps, RTX 3090 and 2080 Ti on 1 Gbps, T4 and GTX 1080 Ti on 100 Mbps inside); the
-    link between two clusters is drawn from 8 Mbps, 50 Mbps, 100 Mbps and 1 Gbps (latency
-    10–150 ms), symmetric, seeded.
-    """
-    if num_hosts < 8 or num_hosts % 8:
-        raise PlanError(f"paper topologies come in clusters of 8 hosts; {num_hosts} is not a multiple of 8")
-    kinds = (  # (label, flops, memory GiB, intra Mbps, intra latency ms)
-        ("a100", 1.95e13, 40, 10000, 0.1),
-        ("v100", 1.4e13, 16, 10000, 0.1),
-        ("rtx3090", 3.5e13, 24, 1000, 0.5),
-        ("rtx2080ti", 1.34e13, 11, 1000, 0.5),
-        ("t4", 8.1e12, 16, 100, 1.0),
-        ("gtx1080ti", 1.13e13, 11, 100, 1.0),
-    )
-    rng = np.random.default_rng(seed)
-    num_clusters = num_hosts // 8
-    cluster_of = np.repeat(np.arange(num_clusters), 8)
-    kind_of = np.arange(num_clusters) % len(kinds)
-    inter = rng.choice([8.0, 50.0, 100.0, 1000.0], (num_clusters, num_clusters))
-    inter = np.minimum(inter, inter.T)
-    inter_lat = rng.uniform(10.0, 150.0, (num_clusters, num_clusters))
-    inter_lat = np.maximum(inter_lat, inter_lat.T)
-    intra = np.array([kinds[k][3] for k in kind_of], dtype=np.float64)
-    intra_lat = np.array([kinds[k][4] for k in kind_of], dtype=np.float64)
-    same = cluster_of[:, None] == cluster_of[None, :]
-    bandwidth = np.where(same, intra[cluster_of][:, None], inter[cluster_of][:, cluster_of]) * MBPS
-    latency = np.where(same, intra_lat[cluster_of][:, None], inter_lat[cluster_of][:, cluster_of]) / 1e3
-    workers = [
-        WorkerSpec(
-            name=f"{kinds[kind_of[c]][0]}-{c}-{i % 8}",
-            cluster=f"c{c}-{kinds[kind_of[c]][0]}",
-            flops=kinds[kind_of[c]][1],
-            memory_bytes=kinds[kind_of[c]][2] * GIB,
-        )
-        for i, c in enumerate(cluster_of)
-    ]
-    return Topology.from_measurements(workers, latency, bandwidth)
-
-
-def load_topology(name: str) -> Topology:
-    """A topology file path, a shipped topology's name, or ``paper-N`` (generated)."""
-    path = Path(name)
-    if path.exists():
-        return Topology.load(path)
-    shipped = TOPOLOGY_DIR / f"{name}.toml"
-    if shipped.exists():
-        return Topology.load(shipped)
-    if name.startswith("paper-") and name[6:].isdigit():
-        return paper_topology(int(name[6:]))
-    raise PlanError(f"no topology {name!r}: give a TOML path, a name in {TOPOLOGY_DIR} or paper-N (N a multiple of 8)")
-
-
-def testbed_topology(topology: Topology, reference_flops: float | None, *, latency: bool = True) -> Topology:
-    """Every host at this machine's speed (testbeds do not emulate ``slowdown``), as one-host testbeds run them;
-    ``reference_flops=None`` keeps the hosts' speeds, ``latency=False`` zeroes every latency."""
-    # slowdown is not emulated by the testbeds (testbeds/run.py): every worker computes alike
-    workers = tuple(dataclasses.replace(w, flops=reference_flops, slowdown=1.0) for w in topology.workers) if reference_flops else topology.workers
-    lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
-    return Topology(workers=workers, bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s, latency_s=lat)
 
 
 # ---------------------------------------------------------------- job costs
@@ -619,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     if args.validate:
-        return _print_validation(validate([Path(v) for v in args.validate]), args)
+        from testbeds.sim_validation import print_validation, validate
+
+        return print_validation(validate([Path(v) for v in args.validate]), out=args.out, as_json=args.json)
     if not args.job or not args.topology:
         p.error("give --job and at least one --topology (or --validate)")
     try:
@@ -648,107 +583,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
         Path(args.out + ".md").write_text(f"# Simulated step times\n\n`{' '.join(sys.argv)}`\n\n{text}")
     print(json.dumps(doc, indent=2, default=float) if args.json else text)
-    return 0
-
-
-# ---------------------------------------------------------------- validation
-def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dict[str, Any]]:
-    """Simulate each benchmark run (same job, same topology, testbed speeds) next to what it measured.
-
-    The testbed is priced as it ran: every host at this machine's speed on ``cores`` shared
-    cores, fusion's coordinator on the first host with the executor overheads it calibrated
-    (``step_costs`` in the result), and latency where the testbed emulated it: on fusion's
-    path in ``userspace`` mode, everywhere with ``netem``, nowhere with ``none``. fusion and
-    uniform are priced on the plans they ran (recorded in the result), so this checks the
-    step-time model, not the planner's choice on noisy device measurements.
-
-    The machine is shared, so its speed during a run differs from its speed while profiling
-    here (by 3x under load). A second prediction, ``calibrated``, rescales the profiled
-    compute by what the run itself measured: the stages' compute seconds fusion and uniform
-    recorded (``compute_s``) over what the profile predicts for the same stages; ddp and
-    pipelining, which record no compute time, take the mean factor of the two.
-    """
-    rows = []
-    for path in bench_results:
-        rows.extend(validate_doc(json.loads(path.read_text()), path.stem, cores=cores))
-    return rows
-
-
-def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -> list[dict[str, Any]]:
-    """:func:`validate` for one benchmark result document."""
-    rows = []
-    cores = cores or os.cpu_count() or 1
-    spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
-    step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
-    job = job_costs(spec, step=step, profile=doc.get("profile"))
-    topology = load_topology(doc["topology"])
-    mode = doc["latency_mode"]
-    measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
-
-    def run_all(speed: float) -> dict[str, dict[str, Any]]:
-        fusion_topo = testbed_topology(topology, speed, latency=mode != "none")
-        gloo_topo = testbed_topology(topology, speed, latency=mode == "netem")
-        sims = simulate(job, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
-        for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
-            if name in measured:
-                given = doc["systems"][name].get("plan")
-                sims[name] = simulate_plan(
-                    job, fusion_topo, strategy=strategy, compression=compression, driver=0, given=given, cores=cores
-                ).to_dict()
-        return sims
-
-    raw = run_all(job.reference_flops)
-    factors = []
-    for name in ("fusion", "uniform"):
-        got = doc["systems"].get(name, {}).get("compute_s")
-        sim_row = raw.get(name, {})
-        if got and sim_row.get("detail", {}).get("stage_compute_s"):
-            predicted = spec.train.micro_batches * sum(sim_row["detail"]["stage_compute_s"])
-            if predicted > 0:
-                factors.append(sum(got.values()) / predicted)
-    factor = float(np.mean(factors)) if factors else 1.0
-    calibrated = run_all(job.reference_flops / factor) if factors else raw
-    for name, step_s in measured.items():
-        sim = raw.get(name, {}).get("step_s")
-        cal = calibrated.get(name, {}).get("step_s")
-        rows.append({
-            "bench": label, "system": name, "measured_step_s": step_s, "simulated_step_s": sim,
-            "error": (sim - step_s) / step_s if sim and step_s else None,
-            "compute_factor": factor, "calibrated_step_s": cal,
-            "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
-        })
-    return rows
-
-
-def _print_validation(rows: list[dict[str, Any]], args: argparse.Namespace) -> int:
-    summary: dict[str, Any] = {"rows": rows}
-    for key in ("error", "calibrated_error"):
-        errors = [abs(r[key]) for r in rows if r[key] is not None]
-        summary[key] = {
-            "within_10pct": sum(e <= 0.10 for e in errors), "compared": len(errors),
-            "median_abs": float(np.median(errors)) if errors else None,
-        }
-    lines = [
-        "| run | system | measured s | simulated s | error | compute x | calibrated s | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def f(v: float | None, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
-    for r in rows:
-        lines.append(
-            f"| {r['bench']} | {r['system']} | {f(r['measured_step_s'], '.4g')} | {f(r['simulated_step_s'], '.4g')} | "
-            f"{f(r['error'], '+.0%')} | {f(r['compute_factor'], '.2f')} | {f(r['calibrated_step_s'], '.4g')} | {f(r['calibrated_error'], '+.0%')} |"
-        )
-    for key, label in (("error", "profiled here"), ("calibrated_error", "compute calibrated on the run")):
-        s_ = summary[key]
-        lines.append(f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; median |error| {f(s_['median_abs'], '.0%')}")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(summary, indent=2) + "\n")
-        Path(args.out + ".md").write_text(f"# Simulator vs testbed\n\n`{' '.join(sys.argv)}`\n\n{text}")
-    print(json.dumps(summary, indent=2) if args.json else text)
     return 0
 
 

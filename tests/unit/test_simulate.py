@@ -12,6 +12,7 @@ import pytest
 
 from fusion.config import JobSpec
 from scheduler.topology import Topology, WorkerSpec
+from testbeds import sim_topologies
 from testbeds import simulate as sim
 from testbeds.baselines.split import block_names, even_split_points
 
@@ -197,7 +198,7 @@ def test_paper_topology_rejects_partial_clusters() -> None:
     from fusion.errors import PlanError
 
     with pytest.raises(PlanError):
-        sim.paper_topology(50)
+        sim_topologies.paper_topology(50)
 
 
 def test_profiled_costs_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
