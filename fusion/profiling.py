@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ class DeviceProfile:
     """Memory of the device (host memory for the CPU)."""
     matmul_flops: float
     """Measured fp32 matmul throughput, FLOP/s."""
+    machine: str = ""
+    """The machine and device computed on (:func:`machine_id`)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -59,8 +62,32 @@ def measure_matmul_flops(device: torch.device, *, size: int = 512, repeats: int 
     return 2 * size**3 / max(statistics.median(times), 1e-9)
 
 
-def measure_device(device: str = "cpu") -> DeviceProfile:
-    """Profile this host and ``device`` (a short compute benchmark included)."""
+#: The running kernel's boot id: the same for every process (and container, and network
+#: namespace) on one machine, different on another or after a reboot.
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def machine_id(device: str, *, boot_id_path: str = BOOT_ID_PATH) -> str:
+    """Who else computes on what this worker computes on: ``BOOT-ID/cpu`` for the CPU (every
+    worker process on the machine shares its cores), ``BOOT-ID/cuda:UUID`` for a GPU (two
+    GPUs in one box are two devices). The host name stands in where there is no boot id."""
+    try:
+        with open(boot_id_path) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    host = boot or f"host:{socket.gethostname()}"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"{host}/{dev.type}"
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"{host}/cuda:{uuid if uuid is not None else index}"
+
+
+def measure_device(device: str = "cpu", *, machine: str | None = None) -> DeviceProfile:
+    """Profile this host and ``device`` (a short compute benchmark included); ``machine``
+    overrides :func:`machine_id` (an operator who knows better, e.g. pinned CPU sets)."""
     dev = torch.device(device)
     vm = psutil.virtual_memory()
     if dev.type == "cuda":
@@ -78,6 +105,7 @@ def measure_device(device: str = "cpu") -> DeviceProfile:
         device_name=name,
         device_memory_bytes=dev_mem,
         matmul_flops=flops,
+        machine=machine or machine_id(label),
     )
     logger.info("measured %s: %.1f GFLOP/s", label, flops / 1e9)
     return profile

@@ -50,6 +50,7 @@ def resources_message(profile: DeviceProfile) -> cpb.WorkerResources:
         device_name=profile.device_name,
         device_memory_bytes=profile.device_memory_bytes,
         matmul_flops=profile.matmul_flops,
+        machine=profile.machine,
         torch_version=torch.__version__,
         fusion_version=__version__,
     )
@@ -71,6 +72,7 @@ class Worker:
         register_timeout_s: float = 60.0,
         tls: ServerTls | None = None,
         fault: Fault | None = None,
+        machine: str | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.name = name
@@ -90,10 +92,11 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.profile: DeviceProfile | None = None
+        self.machine = machine
 
     def start(self) -> None:
         """Measure, serve, register (waiting for the coordinator), start heart-beating."""
-        self.profile = measure_device(self.device)
+        self.profile = measure_device(self.device, machine=self.machine)
         self.server, port = start_server(self.service, self.listen, tls=self.tls)
         self.address = self.advertise or advertised_address(self.listen, port, self.coordinator)
         self._register(wait_s=self.register_timeout_s)

@@ -30,7 +30,7 @@ import numbers
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ DEFAULT_FLOPS = 1.0e12
 #: Bytes in one ``memory_gb`` (GiB).
 GIB = 2**30
 
-_HOST_KEYS = ("name", "cluster", "flops", "memory_gb", "slowdown")
+_HOST_KEYS = ("name", "cluster", "flops", "memory_gb", "slowdown", "machine")
 _LINK_KEYS = ("from", "to", "bandwidth_mbps", "latency_ms")
 _TOP_KEYS = ("hosts", "links")
 
@@ -71,6 +71,10 @@ class WorkerSpec:
     """Memory cap in bytes for the worker's stages; ``None`` means unlimited."""
     slowdown: float = 1.0
     """Compute emulation factor on testbeds (>= 1): the worker behaves ``slowdown`` times slower."""
+    machine: str | None = None
+    """The machine (and device) the worker computes on, when known. Workers that name the
+    same machine share its compute: the estimator does not let their stages compute at
+    once (see :mod:`scheduler.estimator`). ``None``: a machine of its own."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -85,6 +89,8 @@ class WorkerSpec:
             raise PlanError(f"worker {self.name!r}: memory_bytes must be a positive integer or None, got {self.memory_bytes!r}")
         if not _is_number(self.slowdown) or not (1.0 <= self.slowdown < math.inf):
             raise PlanError(f"worker {self.name!r}: slowdown must be a finite number >= 1.0, got {self.slowdown!r}")
+        if self.machine is not None and (not isinstance(self.machine, str) or not self.machine):
+            raise PlanError(f"worker {self.name!r}: machine must be a non-empty string or None, got {self.machine!r}")
         # Normalised so that specs built from numpy or TOML integers compare equal after JSON.
         object.__setattr__(self, "flops", float(self.flops))
         if self.memory_bytes is not None:
@@ -125,6 +131,9 @@ class Topology:
     coordinator starts every step, feeds inputs and targets, waits and applies over these);
     ``None`` when unknown, and the estimator then leaves the driver's links out. The
     bandwidth is ``math.inf`` for a worker on the driver's own host."""
+    machine_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """Per worker, the index of the machine it computes on: workers whose
+    :attr:`WorkerSpec.machine` is the same share one; a worker naming none has its own."""
 
     def __post_init__(self) -> None:
         workers = tuple(self.workers)
@@ -162,6 +171,8 @@ class Topology:
             object.__setattr__(self, key, m)
         if self.driver_links is not None:
             object.__setattr__(self, "driver_links", _check_driver_links(self.driver_links, names))
+        machines: dict[object, int] = {}
+        object.__setattr__(self, "machine_of", tuple(machines.setdefault(w.machine if w.machine is not None else (i,), len(machines)) for i, w in enumerate(workers)))
 
     def __len__(self) -> int:
         """Number of workers."""
@@ -250,6 +261,7 @@ class Topology:
         return {
             "workers": [
                 {"name": w.name, "cluster": w.cluster, "flops": w.flops, "memory_bytes": w.memory_bytes, "slowdown": w.slowdown}
+                | ({} if w.machine is None else {"machine": w.machine})
                 for w in self.workers
             ],
             "bandwidth_bytes_per_s": [[None if math.isinf(x) else x for x in row] for row in self.bandwidth_bytes_per_s],
@@ -391,6 +403,7 @@ def _parse_host(h: object, k: int, source: str) -> WorkerSpec:
             flops=h.get("flops", DEFAULT_FLOPS),
             memory_bytes=None if memory_gb is None else int(round(memory_gb * GIB)),
             slowdown=h.get("slowdown", 1.0),
+            machine=h.get("machine"),
         )
     except PlanError as e:
         raise PlanError(f"{label}: {e}") from None

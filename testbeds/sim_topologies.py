@@ -71,10 +71,17 @@ def load_topology(name: str) -> Topology:
     raise PlanError(f"no topology {name!r}: give a TOML path, a name in {TOPOLOGY_DIR} or paper-N (N a multiple of 8)")
 
 
+#: The machine every host of a one-host testbed computes on.
+TESTBED_MACHINE = "testbed-host/cpu"
+
+
 def testbed_topology(topology: Topology, reference_flops: float | None, *, latency: bool = True) -> Topology:
-    """Every host at this machine's speed (testbeds do not emulate ``slowdown``), as one-host testbeds run them;
-    ``reference_flops=None`` keeps the hosts' speeds, ``latency=False`` zeroes every latency."""
-    # slowdown is not emulated by the testbeds (testbeds/run.py): every worker computes alike
-    workers = tuple(dataclasses.replace(w, flops=reference_flops, slowdown=1.0) for w in topology.workers) if reference_flops else topology.workers
+    """Every host at this machine's speed and on this machine (testbeds do not emulate
+    ``slowdown``, and the workers share its CPU, as their coordinator sees from the boot id
+    they report), as one-host testbeds run them; ``reference_flops=None`` keeps the hosts'
+    speeds and machines, ``latency=False`` zeroes every latency."""
+    workers = topology.workers
+    if reference_flops:
+        workers = tuple(dataclasses.replace(w, flops=reference_flops, slowdown=1.0, machine=TESTBED_MACHINE) for w in workers)
     lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
     return Topology(workers=workers, bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s, latency_s=lat)

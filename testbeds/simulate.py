@@ -202,15 +202,15 @@ def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tu
 
 def simulate_plan(
     job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None,
-    driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
+    driver: int | None = 0, given: list[dict[str, Any]] | None = None,
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
     estimator with the driver (the coordinator) on host ``driver``: its control round trips
     and feed cross that host's links (``None``: the driver's path is free).
 
     ``given``: price this plan (``[{"worker", "nodes"}]``, as a bench run recorded it)
-    instead of planning. ``cores``: the stages share that many cores (one-machine testbed),
-    so a step takes at least its total compute ``M · Σ c_s`` over ``min(cores, S)``.
+    instead of planning. Hosts that share a machine (:func:`testbed_topology`) share its
+    compute, as the estimator models it.
     """
     from fusion.graph.split import split_stages
 
@@ -258,9 +258,6 @@ def simulate_plan(
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
     step_s = est.step_s
-    if cores:
-        work_s = m * sum(est.stage_compute_s) / min(cores, len(stage_workers))
-        step_s = max(step_s, work_s + wl.step.control_s)
     return _finish(
         SystemResult(
             name=name,
@@ -474,7 +471,9 @@ def simulate(
     """Every requested system on one topology, with fusion's speed-up over each baseline.
 
     ``driver``: host index of fusion's coordinator (``None``: ignore its control path);
-    ``cores``: cores all hosts share on a one-machine testbed (``None``: hosts are machines).
+    ``cores``: cores all hosts share on a one-machine testbed, for the gloo baselines'
+    ranks (``None``: hosts are machines); fusion's and uniform's stages share compute where
+    the topology puts hosts on one machine.
     """
     results: dict[str, SystemResult] = {}
     timings: dict[str, float] = {}
@@ -482,10 +481,10 @@ def simulate(
         t0 = time.perf_counter()
         if name == "fusion":
             results[name] = simulate_plan(
-                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver, cores=cores
+                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver
             )
         elif name == "uniform":
-            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver, cores=cores)
+            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver)
         elif name == "ddp":
             results[name] = simulate_ddp(job, topology, cores=cores)
         elif name == "pipelining":

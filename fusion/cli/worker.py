@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for peers to reach this worker (default: %(default)s; port 0 picks one)")
     p.add_argument("--advertise", default=None, help="HOST:PORT peers should dial, if not the listen address (NAT, containers)")
     p.add_argument("--allow-code", action="store_true", help="allow job owners' own model code (module:factory); built-in models need no flag")
+    p.add_argument("--machine", default=None, metavar="LABEL",
+                   help="workers with the same label share compute, and the planner will not count on them computing at once "
+                        "(default: this kernel's boot id and the device, so worker processes on one machine's CPU share)")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--tls-cert", default=None, help="serve this worker's executor with TLS: certificate chain (PEM) valid for the advertised address")
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(
             coordinator=args.coordinator, token=token, name=args.name, listen=args.listen,
             advertise=args.advertise, device=args.device, allow_code=args.allow_code,
-            tls=tls, fault=Fault.parse(args.inject_fault),
+            tls=tls, fault=Fault.parse(args.inject_fault), machine=args.machine,
         )
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -23,7 +23,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -57,6 +57,21 @@ class Endpoint:
     matmul_flops: float
     memory_bytes: int | None = None
     device_name: str = ""
+    machine: str | None = None
+    """What the worker computes on, as it reported it; workers reporting the same share it."""
+
+    @staticmethod
+    def from_registration(name: str, address: str, resources: Mapping[str, Any]) -> Endpoint:
+        """The endpoint of a registered worker, from the resources it reported (a dict of
+        the ``WorkerResources`` message)."""
+        return Endpoint(
+            name=name,
+            address=address,
+            matmul_flops=float(resources.get("matmul_flops") or 1.0e12),
+            memory_bytes=int(resources["device_memory_bytes"]) if resources.get("device_memory_bytes") else None,
+            device_name=str(resources.get("device_name", "")),
+            machine=str(resources["machine"]) if resources.get("machine") else None,
+        )
 
 
 @dataclass
@@ -212,7 +227,7 @@ def probe_driver_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes:
 def measured_topology(workers: Sequence[Endpoint], latency: list[list[float]], bandwidth: list[list[float]]) -> Topology:
     """A topology from profiled numbers (each worker is its own cluster label; OP-Fence
     finds the real clusters from the bandwidths)."""
-    specs = [WorkerSpec(name=w.name, cluster=w.name, flops=w.matmul_flops, memory_bytes=w.memory_bytes) for w in workers]
+    specs = [WorkerSpec(name=w.name, cluster=w.name, flops=w.matmul_flops, memory_bytes=w.memory_bytes, machine=w.machine) for w in workers]
     return Topology.from_measurements(specs, latency, bandwidth)
 
 

@@ -263,13 +263,7 @@ class JobRunner(threading.Thread):
         self.captured = capture(self.model, (example_x,))
 
     def _endpoint(self, w: WorkerRow) -> Endpoint:
-        return Endpoint(
-            name=w.name,
-            address=w.address,
-            matmul_flops=float(w.resources.get("matmul_flops") or 1.0e12),
-            memory_bytes=int(w.resources["device_memory_bytes"]) if w.resources.get("device_memory_bytes") else None,
-            device_name=str(w.resources.get("device_name", "")),
-        )
+        return Endpoint.from_registration(w.name, w.address, w.resources)
 
     def _measure(self, workers: Sequence[WorkerRow]) -> None:
         """Profile the model (cached) and probe the links between ``workers``."""

@@ -308,12 +308,7 @@ class CoordinatorService:
                 raise StateError("no idle workers: start some with fusion-worker, or wait for running jobs to end")
             for w in idle:
                 self.store.set_worker_state(w.worker_id, "busy", hold)
-        endpoints = [
-            Endpoint(name=w.name, address=w.address, matmul_flops=float(w.resources.get("matmul_flops") or 1.0e12),
-                     memory_bytes=int(w.resources["device_memory_bytes"]) if w.resources.get("device_memory_bytes") else None,
-                     device_name=str(w.resources.get("device_name", "")))
-            for w in idle
-        ]
+        endpoints = [Endpoint.from_registration(w.name, w.address, w.resources) for w in idle]
         logger.info("profiling %s on %d worker(s)%s", spec.name, len(endpoints), " with --check" if request.check else "")
         try:
             doc = profile_report(spec, endpoints, pool=self.pool, check=request.check, steps=request.steps or 5, device=request.device or self.device)

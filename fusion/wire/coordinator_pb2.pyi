@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerResources(_message.Message):
-    __slots__ = ("num_cores", "memory_bytes", "device", "device_name", "device_memory_bytes", "matmul_flops", "torch_version", "fusion_version")
+    __slots__ = ("num_cores", "memory_bytes", "device", "device_name", "device_memory_bytes", "matmul_flops", "torch_version", "fusion_version", "machine")
     NUM_CORES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class WorkerResources(_message.Message):
     MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     FUSION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
     num_cores: int
     memory_bytes: int
     device: str
@@ -24,7 +25,8 @@ class WorkerResources(_message.Message):
     matmul_flops: float
     torch_version: str
     fusion_version: str
-    def __init__(self, num_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., matmul_flops: _Optional[float] = ..., torch_version: _Optional[str] = ..., fusion_version: _Optional[str] = ...) -> None: ...
+    machine: str
+    def __init__(self, num_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., matmul_flops: _Optional[float] = ..., torch_version: _Optional[str] = ..., fusion_version: _Optional[str] = ..., machine: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "address", "resources")
