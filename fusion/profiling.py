@@ -112,6 +112,16 @@ def measure_device(device: str = "cpu", *, machine: str | None = None) -> Device
 
 
 # ---------------------------------------------------------------- per-node costs
+def scale_node_times(nodes: dict[str, dict[str, float]], factor: float) -> dict[str, dict[str, float]]:
+    """A node profile (as :func:`profile_graph` returns it) with the forward and backward
+    times scaled by ``factor`` (a calibration's), the whole-graph ``__`` entries dropped."""
+    return {
+        name: {key: value * factor if key in ("fwd_time_s", "bwd_time_s") else value for key, value in costs.items()}
+        for name, costs in nodes.items()
+        if not name.startswith("__")
+    }
+
+
 def _sync_all(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -482,7 +482,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "latency_mode": latency_mode, "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
-        "profile": None if fleet_profile is None else {k: fleet_profile[k] for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name")},
+        "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
     }
     doc = report(rows, meta)
     if args.simulate:

@@ -103,8 +103,8 @@ def job_costs(
     spec: JobSpec, *, costs: str = "profile", step: StepCosts | None = None, repeats: int = 3, profile: dict[str, Any] | None = None
 ) -> JobCosts:
     """Capture the job's model and cost every node: profiled here, taken from ``profile``
-    (``{"nodes", "matmul_flops", "optimizer_s_per_byte"}`` as the coordinator measured them
-    during a benchmark), or from FLOPs."""
+    (``{"nodes", "matmul_flops", "optimizer_s_per_byte", "compute_factor"}`` as the
+    coordinator measured and calibrated them during a benchmark), or from FLOPs."""
     import torch
 
     from fusion.graph.export import capture
@@ -113,6 +113,7 @@ def job_costs(
         measure_matmul_flops,
         measure_optimizer_s_per_byte,
         profile_graph,
+        scale_node_times,
     )
     from fusion.training import build_job_dataset, build_job_model, example_micro_batch
     from testbeds.baselines.split import block_names
@@ -135,7 +136,7 @@ def job_costs(
                 }
             finally:
                 torch.set_num_threads(torch_threads)
-        nodes = {k: v for k, v in profile["nodes"].items() if not k.startswith("__")}
+        nodes = scale_node_times(profile["nodes"], profile.get("compute_factor") or 1.0)  # as the coordinator calibrated them
         dag = captured.dag.with_profile(nodes, reference_flops=float(profile["matmul_flops"]))
         opt_s = float(profile["optimizer_s_per_byte"])
     else:

@@ -4,8 +4,10 @@ and the issue's targets checked against it.
     python -m testbeds.summary testbeds/results [--notes testbeds/results/bench-notes.md]
 
 writes ``bench-summary.md`` next to the JSON files (the notes file, hand-written analysis,
-is appended as it is). Targets (from the FusionLLM paper's reported range): fusion ≥ 1.5×
-``uniform`` on ``two-sites`` and ≥ 9.4× on ``three-continents`` and ``volunteers``; ≥ 3×
+is appended as it is). Targets (from the FusionLLM paper's reported range), as the issue
+words them: fusion ≥ 1.5× ``uniform`` on ``two-sites`` and ≥ 9.4× on ``three-continents``
+or ``volunteers`` (one target per model, met when either topology reaches it; both
+figures are shown); ≥ 3×
 ``ddp`` wherever the topology has a link of 100 Mbps or less; efficiency (the plan's
 predicted step over the measured one) ≥ 0.8; final loss within 3 % of ``uniform``'s.
 """
@@ -22,7 +24,9 @@ from typing import Any
 from scheduler.topology import Topology
 
 TOPOLOGY_DIR = Path(__file__).resolve().parent / "topologies"
-UNIFORM_TARGET = {"two-sites": 1.5, "three-continents": 9.4, "volunteers": 9.4}
+UNIFORM_TARGET = {"two-sites": 1.5}
+#: fusion over uniform on any one of these topologies (per model).
+WIDE_UNIFORM_TARGET = (("three-continents", "volunteers"), 9.4)
 DDP_TARGET = 3.0
 SLOW_LINK_MBPS = 100.0
 EFFICIENCY_TARGET = 0.8
@@ -43,6 +47,8 @@ def summarize(docs: Sequence[dict[str, Any]]) -> tuple[list[str], list[tuple[str
     """The table's rows and the targets as (what, measured, met)."""
     rows = []
     targets: list[tuple[str, str, bool]] = []
+    wide_topologies, wide_goal = WIDE_UNIFORM_TARGET
+    wide: dict[str, list[tuple[str, float]]] = {}
     for d in sorted(docs, key=lambda d: (d["topology"], d["job_name"])):
         topo, model = d["topology"], d["job_name"]
         fusion, uniform = d["systems"]["fusion"], d["systems"].get("uniform", {})
@@ -60,12 +66,20 @@ def summarize(docs: Sequence[dict[str, Any]]) -> tuple[list[str], list[tuple[str
         if topo in UNIFORM_TARGET and speed.get("uniform") is not None:
             goal = UNIFORM_TARGET[topo]
             targets.append((f"fusion >= {goal}x uniform {label}", f"{speed['uniform']:.2f}", speed["uniform"] >= goal))
+        if topo in wide_topologies and speed.get("uniform") is not None:
+            wide.setdefault(model, []).append((topo, speed["uniform"]))
         if slowest_link_mbps(topo) <= SLOW_LINK_MBPS and speed.get("ddp") is not None:
             targets.append((f"fusion >= {DDP_TARGET:g}x ddp {label}", f"{speed['ddp']:.2f}", speed["ddp"] >= DDP_TARGET))
         if d.get("efficiency") is not None:
             targets.append((f"efficiency >= {EFFICIENCY_TARGET} {label}", f"{d['efficiency']:.2f}", d["efficiency"] >= EFFICIENCY_TARGET))
         if gap is not None:
             targets.append((f"final loss within 3 % of uniform {label}", f"gap {gap:.2%}", gap <= LOSS_GAP_TARGET))
+    for model, measured in wide.items():
+        targets.append((
+            f"fusion >= {wide_goal}x uniform on {' or '.join(wide_topologies)} ({model})",
+            ", ".join(f"{topo} {x:.2f}" for topo, x in measured),
+            any(x >= wide_goal for _, x in measured),
+        ))
     return rows, targets
 
 

@@ -86,6 +86,9 @@ class ModelProfile:
     """Executor overhead per step, once calibrated (see :func:`calibrate_executor`)."""
     overhead_micro_batch_s: float | None = None
     """Executor overhead per micro-batch, once calibrated."""
+    compute_factor: float | None = None
+    """The compute the executor measured while calibrating over the node profile's sum,
+    once calibrated; planning scales every node's time by it (:func:`costed_dag`)."""
     cache_key: str = ""
 
     def to_json(self) -> str:
@@ -130,8 +133,9 @@ def profile_model(
 ) -> ModelProfile:
     """Profile the job's model on ``worker`` (or take it from the cache)."""
     shapes = ";".join(f"{dag.node(n).value.dtype}{list(dag.node(n).value.shape or ())}" for n in dag.input_names())
-    # "v2": calibrated overheads exclude the driver's path (measured per worker since).
-    key = f"v2|{dag.fingerprint}|{shapes}|{device}|{worker.device_name}|{spec.train.optimizer}"
+    # "v3": calibration also measures the executor's compute (compute_factor); "v2":
+    # calibrated overheads exclude the driver's path (measured per worker since).
+    key = f"v3|{dag.fingerprint}|{shapes}|{device}|{worker.device_name}|{spec.train.optimizer}"
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
@@ -161,9 +165,11 @@ def profile_model(
 
 
 def costed_dag(dag: OpDag, profile: ModelProfile) -> OpDag:
-    """The DAG with the profiled node costs."""
-    nodes = {k: v for k, v in profile.nodes.items() if not k.startswith("__")}
-    return dag.with_profile(nodes, reference_flops=profile.matmul_flops)
+    """The DAG with the profiled node costs, their times scaled by the calibrated
+    ``compute_factor`` (the executor's compute over the profile's)."""
+    from fusion.profiling import scale_node_times
+
+    return dag.with_profile(scale_node_times(profile.nodes, profile.compute_factor or 1.0), reference_flops=profile.matmul_flops)
 
 
 def probe_keys_for(addresses: Sequence[str], pool: ChannelPool) -> str:
@@ -239,17 +245,24 @@ class ExecutorOverhead:
     """Fixed seconds per step."""
     micro_batch_s: float = 0.0
     """Seconds per micro-batch on a stage."""
+    compute_factor: float = 1.0
+    """Compute the executor measured over the compute the node profile predicts."""
 
 
 def calibrate_executor(
     spec: JobSpec, model: Any, captured: Any, dataset: Any, worker: Endpoint, pool: ChannelPool, profile: ModelProfile, *,
-    device: str = "cpu", steps: int = 3, driver_link: tuple[float, float] = (0.0, float("inf")),
+    device: str = "cpu", steps: int = 5, driver_link: tuple[float, float] = (0.0, float("inf")),
 ) -> ExecutorOverhead:
     """Time the whole model as one stage on ``worker`` with 1 and with ``M`` micro-batches.
 
-    A step then takes ``step_s + M · (compute + micro_batch_s) + optimizer + driver path``;
-    two micro-batch counts separate the fixed part from the per-micro-batch part. Compute
-    comes from the profile and the driver's path from ``driver_link`` (the worker's measured
+    The node profile times every operator on its own; the executor runs them in one
+    autograd graph, between mailboxes and hand-offs, on a machine whose load has moved
+    since. So the run measures both: the stage's compute as the executor reports it, which
+    over the profile's sum gives ``compute_factor`` (the profile keeps the relative costs
+    of the nodes, the run sets their level), and the rest of the step. That rest is
+    ``step_s + M · micro_batch_s + optimizer + driver path``; two micro-batch counts
+    separate the fixed part from the per-micro-batch part. The optimizer is priced from
+    its own measurement and the driver's path from ``driver_link`` (the worker's measured
     ``(round_trip_s, bandwidth)``), so what is left is the executor's own overhead
     (serialisation, mailboxes, hand-offs), which the estimator adds to every plan.
     """
@@ -259,10 +272,10 @@ def calibrate_executor(
 
     mb = spec.micro_batch_size
     counts = sorted({1, max(2, spec.train.micro_batches)})
-    graph = profile.nodes.get("__graph__", {})
-    compute = float(graph.get("fwd_time_s", 0.0)) + float(graph.get("bwd_time_s", 0.0))
+    profiled = sum(float(v.get("fwd_time_s", 0.0)) + float(v.get("bwd_time_s", 0.0)) for k, v in profile.nodes.items() if not k.startswith("__"))
     stages = split_stages(captured.dag, {n.name: 0 for n in captured.dag.compute_nodes()})
-    medians = []
+    rest: list[float] = []
+    factors: list[float] = []
     for count in counts:
         job = spec.replace(data={"batch_size": mb * count}, train={"micro_batches": count})
         _, example_y = example_micro_batch(job, dataset)
@@ -272,24 +285,30 @@ def calibrate_executor(
         )
         try:
             driver.load()
-            times = []
+            steps_rest, steps_compute = [], []
             for step in range(steps + 1):
                 x, y = job_batch(job, dataset, step)
                 stats = driver.train_step(step, (x,), y)
-                if step:
-                    times.append(stats.step_s)
-            medians.append(statistics.median(times))
+                if step:  # the first step warms up
+                    compute = sum(stats.compute_s.values())
+                    steps_compute.append(compute)
+                    steps_rest.append(max(stats.step_s - compute, 0.0))
+            rest.append(statistics.median(steps_rest))
+            if profiled > 0:
+                factors.append(statistics.median(steps_compute) / (count * profiled))
         finally:
             driver.close()
-    slope = (medians[1] - medians[0]) / (counts[1] - counts[0])
-    per_mb = max(slope - compute, 0.0)
+    slope = (rest[1] - rest[0]) / (counts[1] - counts[0])
+    per_mb = max(slope, 0.0)
     # The optimizer update is priced separately (per parameter byte): leave it out here, and
     # so is the driver's path to this worker (estimator: control round trips and the feed).
     optimizer_s = profile.optimizer_s_per_byte * captured.dag.total_param_bytes
     example_x, example_y = example_micro_batch(spec, dataset)
     driver_s = DRIVER_CONTROL_ROUND_TRIPS * driver_link[0] + feed_s(driver_link, [wire_bytes(example_x), wire_bytes(example_y)])
-    fixed = max(medians[0] - slope - optimizer_s - driver_s, 0.0)
-    return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb)
+    fixed = max(rest[0] - per_mb - optimizer_s - driver_s, 0.0)
+    # The M-micro-batch run is the one plans resemble; its compute sets the level.
+    factor = factors[-1] if factors and factors[-1] > 0 else 1.0
+    return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb, compute_factor=factor)
 
 
 def plan_request(
@@ -347,12 +366,17 @@ def measure(
     # Node times were measured on workers[home] at profile.matmul_flops; other workers run at
     # their speed *relative to it* (the speeds workers report at join were measured under
     # different load, so only their ratios are trusted).
-    base = workers[home].matmul_flops or profile.matmul_flops
-    scaled = [replace(w, matmul_flops=profile.matmul_flops * (w.matmul_flops or base) / base) for w in workers]
+    # Workers on one machine compute at one speed: their reports differ only by the load
+    # each measured under, so each takes its machine's best (else noise would rank two
+    # processes on one CPU, and the planner could pick the one farther from the driver).
+    reported = machine_speeds(workers)
+    base = reported[home] or profile.matmul_flops
+    scaled = [replace(w, matmul_flops=profile.matmul_flops * (speed or base) / base) for w, speed in zip(workers, reported, strict=True)]
     topology = measured_topology(scaled, lat, bw).with_driver_links(driver_links)
-    if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None:
+    if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None or profile.compute_factor is None:
         calibrated = calibrate_executor(spec, model, captured, dataset, workers[home], pool, profile, device=device, driver_link=driver_links[home])
         profile.overhead_step_s, profile.overhead_micro_batch_s = calibrated.step_s, calibrated.micro_batch_s
+        profile.compute_factor = calibrated.compute_factor
         if cache is not None:
             cache.put(profile.cache_key, profile)
     overhead = ExecutorOverhead(step_s=profile.overhead_step_s, micro_batch_s=profile.overhead_micro_batch_s)
@@ -366,6 +390,16 @@ def measure(
         driver_bandwidth_bytes_per_s=statistics.median(b for _, b in driver_links),
         target_bytes=wire_bytes(example_y),
     )
+
+
+def machine_speeds(workers: Sequence[Endpoint]) -> list[float]:
+    """Per worker, the fastest matmul speed reported on its machine (its own where it
+    reported no machine)."""
+    best: dict[str, float] = {}
+    for w in workers:
+        if w.machine is not None:
+            best[w.machine] = max(best.get(w.machine, 0.0), w.matmul_flops)
+    return [best[w.machine] if w.machine is not None else w.matmul_flops for w in workers]
 
 
 def wire_bytes(t: Any) -> int:

@@ -29,7 +29,17 @@ def test_targets_follow_the_topology() -> None:
         "final loss within 3 % of uniform": True,
     }
     _, targets = summary.summarize([doc("three-continents", 9.0, 30.0, 0.7, (4.0, 4.5))])
-    assert [ok for _, _, ok in targets] == [False, True, False, False]
+    assert [ok for _, _, ok in targets] == [True, False, False, False]  # ddp, efficiency, loss, then 9.4x uniform
+
+
+def test_wide_uniform_target_is_met_on_either_topology() -> None:
+    """The issue asks for >= 9.4x uniform "on three-continents or volunteers": one target
+    per model, met when either reaches it, with both figures shown."""
+    _, targets = summary.summarize([doc("three-continents", 12.0, 30.0, 0.9, (4.0, 4.0)), doc("volunteers", 8.0, 30.0, 0.9, (4.0, 4.0))])
+    wide = [t for t in targets if "9.4x uniform" in t[0]]
+    assert wide == [("fusion >= 9.4x uniform on three-continents or volunteers (gpt2-mini)", "three-continents 12.00, volunteers 8.00", True)]
+    _, targets = summary.summarize([doc("three-continents", 9.0, 30.0, 0.9, (4.0, 4.0)), doc("volunteers", 8.0, 30.0, 0.9, (4.0, 4.0))])
+    assert [ok for what, _, ok in targets if "9.4x uniform" in what] == [False]
 
 
 def test_lab_10g_has_no_ddp_or_uniform_target() -> None:
