@@ -132,7 +132,9 @@ def cmd_workers(args: argparse.Namespace) -> int:
         workers = c.workers()
     for w in workers:
         r = w.resources
-        print(f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  {r.memory_bytes / 2**30:6.1f} GiB")
+        # Workers that show the same machine share its compute (the planner keeps a model whole there).
+        machine = r.machine if len(r.machine) <= 20 else f"{r.machine[:8]}…{r.machine[-8:]}"
+        print(f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  {r.memory_bytes / 2**30:6.1f} GiB  {machine}")
     return 0
 
 

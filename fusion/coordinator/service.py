@@ -180,8 +180,12 @@ class CoordinatorService:
         host = peer_host(context.peer() or "")
         if not self.register_limit.allow(host):
             raise RateLimitError(f"too many registrations from {host}; retry in a few seconds")
-        if not request.address or ":" not in request.address or len(request.address) > 255 or len(request.name) > 255:
+        if not request.address or ":" not in request.address or len(request.address) > MAX_LABEL_CHARS or len(request.name) > MAX_LABEL_CHARS:
             raise WireError(f"register needs the worker's executor address as HOST:PORT, got {request.address!r}")
+        r = request.resources
+        long = [f for f in ("device", "device_name", "machine", "torch_version", "fusion_version") if len(getattr(r, f)) > MAX_LABEL_CHARS]
+        if long:
+            raise WireError(f"register: resources.{long[0]} is {len(getattr(r, long[0]))} characters; at most {MAX_LABEL_CHARS}")
         name = request.name or request.address
         worker_id = f"w-{uuid.uuid4().hex[:10]}"
         session = secrets.token_urlsafe(32)
@@ -433,6 +437,9 @@ def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:
         return f"{stamp} step {record['step']}: loss {record['loss']:.4f}, {record['step_s']:.3f}s, samples/s {record['samples_per_s']:.1f}{extra}"
     return f"{stamp} {record.get('event', kind)}: {record.get('message', '')}"
 
+
+#: Longest text a worker may report about itself (names, devices, its machine).
+MAX_LABEL_CHARS = 255
 
 #: Largest request the coordinator reads (a job spec, a worker's resources): 4 MiB.
 MAX_MESSAGE_BYTES = 4 << 20

@@ -29,6 +29,7 @@ from executor.client import ChannelPool, ExecutorClient
 from executor.local import LocalCluster
 from executor.transport import encode_transfer_wire
 from fusion.auth import AUTH_METADATA, SCHEME_CONTROL, SCHEME_JOB, process_keyring, sign
+from fusion.errors import RemoteError
 from fusion.launch import Fleet
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import executor_pb2 as epb
@@ -219,9 +220,12 @@ def test_fuzz_coordinator(coordinator: tuple[Fleet, str]) -> None:
     from fusion.coordinator.client import CoordinatorClient
 
     with CoordinatorClient(address, TOKEN) as c:
-        registered = c.register("after-fuzz", "127.0.0.1:9", cpb.WorkerResources(num_cores=1, device="cpu"))
+        registered = c.register("after-fuzz", "127.0.0.1:9", cpb.WorkerResources(num_cores=1, device="cpu", machine="box-1/cpu"))
         assert registered.worker_id and registered.session
-        assert any(w.name == "after-fuzz" for w in c.workers())
+        assert any(w.name == "after-fuzz" and w.resources.machine == "box-1/cpu" for w in c.workers())
+        with pytest.raises(RemoteError, match="resources.machine is 300 characters; at most 255"):
+            c.register("long-label", "127.0.0.1:9", cpb.WorkerResources(machine="m" * 300))
+        assert not any(w.name == "long-label" for w in c.workers())
     channel.close()
 
 

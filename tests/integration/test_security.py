@@ -191,6 +191,9 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
             capture_output=True, text=True, timeout=60, env=fleet.env, check=True,
         ).stdout
         assert re.search(r"^bad\s+\S+\s+excluded", out, re.MULTILINE), out
+        from fusion.profiling import machine_id
+
+        assert out.count(machine_id("cpu")[:8]) == 3, out  # all three share this machine, and the listing says so
 
 
 # ----------------------------------------------------------------- oversized transfers
