@@ -114,6 +114,8 @@ class Run:
     """fusion/uniform: the plan it ran, ``[{"worker", "nodes"}]`` (to price it in the simulator)."""
     note: str = ""
     wall_s: float = 0.0
+    measured: dict[str, Any] | None = None
+    """fusion/uniform: the job's ``measured.json`` (what its coordinator planned from)."""
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -178,6 +180,9 @@ class FusionFleet:
         if summary.get("state") != "succeeded":
             run.note = f"{summary.get('state')}: {summary.get('reason')}"
         run.final_loss = summary.get("final_loss")
+        measured_path = job_dir / "measured.json"
+        if measured_path.exists():
+            run.measured = json.loads(measured_path.read_text())
         plan_path = job_dir / "plan.json"
         if plan_path.exists():
             plan = json.loads(plan_path.read_text())
@@ -483,6 +488,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
+        # What fusion's coordinator measured before planning (speeds, machines, link fits).
+        "measured": next((r.measured for r in runs.get("fusion", []) if r.measured), None),
     }
     doc = report(rows, meta)
     if args.simulate:

@@ -1,6 +1,7 @@
 """A job's output directory: model, metrics, loss curve, plan and summary.
 
-Whole files (``model.safetensors``, ``loss.png``, ``plan.json``, ``summary.json``) are
+Whole files (``model.safetensors``, ``loss.png``, ``plan.json``, ``measured.json``,
+``summary.json``) are
 written to a temporary file in the same directory and renamed into place, so a crash
 leaves either the previous file or the new one — never half of one. ``metrics.jsonl``
 grows one flushed line per step, so a crash leaves a valid prefix.
@@ -24,6 +25,7 @@ MODEL_FILE = "model.safetensors"
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT_FILE = "loss.png"
 PLAN_FILE = "plan.json"
+MEASURED_FILE = "measured.json"
 SUMMARY_FILE = "summary.json"
 
 # Read once at import (os.umask can only be read by setting it, which is not thread-safe).
@@ -72,6 +74,11 @@ class JobOutputs:
 
     def write_plan(self, plan: Mapping[str, Any]) -> None:
         write_json(self.dir / PLAN_FILE, plan)
+
+    def write_measured(self, measured: Mapping[str, Any]) -> None:
+        """What planning measured: the topology (speeds, machines, link fits, the driver's
+        links) and the calibrated costs, so a plan can be checked against its inputs."""
+        write_json(self.dir / MEASURED_FILE, measured)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         write_json(self.dir / SUMMARY_FILE, summary)

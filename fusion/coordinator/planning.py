@@ -341,6 +341,21 @@ class Measurements:
     target_bytes: int = 0
     """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary (the job's ``measured.json``): the measured topology and the
+        calibrated costs; the node profile is left out (it is in the coordinator's cache)."""
+        p = self.profile
+        return {
+            "topology": self.topology.to_dict(),
+            "matmul_flops": p.matmul_flops,
+            "compute_factor": p.compute_factor,
+            "overhead_step_s": self.overhead.step_s,
+            "overhead_micro_batch_s": self.overhead.micro_batch_s,
+            "optimizer_s_per_byte": p.optimizer_s_per_byte,
+            "round_trip_s": self.round_trip_s,
+            "target_bytes": self.target_bytes,
+        }
+
     def subset(self, indices: Sequence[int]) -> Measurements:
         """The same measurements restricted to some workers."""
         return replace(self, topology=self.topology.subset(list(indices)))

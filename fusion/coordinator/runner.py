@@ -276,6 +276,8 @@ class JobRunner(threading.Thread):
                     self.links.set(a.address, b.address, m.topology.latency_s[i][j], m.topology.bandwidth_bytes_per_s[i][j])
         self._measurements = m
         self._measured = [w.worker_id for w in workers]
+        if self._outputs is not None:
+            self._outputs.write_measured(m.to_dict())
         self.store.log(self.job_id, "event", {"event": "measured", "message": f"profiled the model and {len(endpoints)} workers' links in {time.perf_counter() - t0:.1f}s"})
 
     def _planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from fusion.config import load_job
 from fusion.launch import Fleet, child_env
 from fusion.training import build_job_model, train_reference
+from scheduler.topology import Topology
 
 TOKEN = "test-token-123"
 
@@ -191,6 +192,10 @@ def test_opfence_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
     # Every worker here reports this machine's boot id: a pipeline over them would only add
     # transfers to the same cores, so OP-Fence keeps the model whole.
     assert len(plan["stages"]) == 1, plan["stages"]
+    measured = json.loads((job_dir / "measured.json").read_text())
+    topology = Topology.from_dict(measured["topology"])  # what the plan was made from
+    assert len(set(topology.machine_of)) == 1 and topology.driver_links is not None, measured
+    assert plan["stages"][0]["worker"] in topology.names() and measured["compute_factor"] > 0, measured
     assert all(st["compute_s"] is not None and st["peak_memory_bytes"] > 0 for st in plan["stages"])
     metrics = [m for m in map(json.loads, (job_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in m]
     assert all("predicted_step_s" in m for m in metrics)

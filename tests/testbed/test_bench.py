@@ -77,5 +77,9 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     # The coordinator's profile travels with the result, so the simulator replays its costs.
     assert doc["profile"]["nodes"] and doc["profile"]["matmul_flops"] > 0
     assert {"control_s", "micro_batch_s", "optimizer_s_per_byte"} <= set(doc["step_costs"])
+    assert doc["profile"]["compute_factor"] > 0  # the calibration's level for the node costs
+    # ... and so does what fusion's coordinator measured: both hosts run on this machine's CPU.
+    measured = doc["measured"]["topology"]
+    assert {w["name"] for w in measured["workers"]} == {"near", "far"} and len({w["machine"] for w in measured["workers"]}) == 1
     for suffix in (".md", ".json", ".png"):
         assert Path(f"{out}{suffix}").stat().st_size > 0
