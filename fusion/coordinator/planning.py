@@ -380,10 +380,9 @@ def measure(
     lat, bw = probe_links(workers, pool)
     # Node times were measured on workers[home] at profile.matmul_flops; other workers run at
     # their speed *relative to it* (the speeds workers report at join were measured under
-    # different load, so only their ratios are trusted).
-    # Workers on one machine compute at one speed: their reports differ only by the load
-    # each measured under, so each takes its machine's best (else noise would rank two
-    # processes on one CPU, and the planner could pick the one farther from the driver).
+    # different load, so only their ratios are trusted). Workers on one machine compute at
+    # one speed, its best report: otherwise that noise would rank two processes on one CPU,
+    # and the planner could pick the one farther from the driver.
     reported = machine_speeds(workers)
     base = reported[home] or profile.matmul_flops
     scaled = [replace(w, matmul_flops=profile.matmul_flops * (speed or base) / base) for w, speed in zip(workers, reported, strict=True)]
