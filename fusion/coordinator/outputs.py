@@ -1,4 +1,4 @@
-"""A job's output directory: model, metrics, loss curve, plan and summary.
+"""A job's output directory: model, metrics, loss curve, plan, measurements and summary.
 
 Whole files (``model.safetensors``, ``loss.png``, ``plan.json``, ``measured.json``,
 ``summary.json``) are
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from executor.driver import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -113,3 +115,42 @@ class JobOutputs:
 
     def close(self) -> None:
         self._metrics.close()
+
+
+def metrics_record(
+    stats: StepStats, x: torch.Tensor, stage_names: list[str], bandwidth: Callable[[int, int], float | None], predicted_step_s: float | None
+) -> dict[str, Any]:
+    """One line of ``metrics.jsonl`` for a finished step: loss, speed (tokens too when the
+    input ``x`` is token ids), bytes and the current bandwidth estimate per link (by
+    ``"SRC->DST"`` worker names), compute per worker, compression where a cut used it, and
+    the plan's predicted step time."""
+    names = stage_names
+    per_s = (lambda n: n / stats.step_s) if stats.step_s > 0 else (lambda n: 0.0)
+    record: dict[str, Any] = {
+        "step": stats.step,
+        "loss": stats.loss,
+        "step_s": round(stats.step_s, 6),
+        "samples_per_s": per_s(int(x.shape[0])),
+    }
+    if x.dim() == 2 and not x.is_floating_point():  # token ids (B, T)
+        record["tokens_per_s"] = per_s(x.numel())
+    record["bytes_per_link"] = {f"{names[s]}->{names[d]}": size for (s, d), size in sorted(stats.sent_bytes.items())}
+    record["compute_s"] = {names[s]: round(c, 6) for s, c in sorted(stats.compute_s.items())}
+    links = {}
+    for s, d in sorted(stats.sent_bytes):
+        bw = bandwidth(s, d)
+        if bw is not None:
+            links[f"{names[s]}->{names[d]}"] = round(bw, 1)
+    record["link_bandwidth_bytes_per_s"] = links
+    if stats.keep_ratios:
+        record["compression"] = {
+            f"{names[s]}->{names[d]}": {
+                "keep_ratio": round(ratio, 5),
+                "dense_bytes": stats.dense_bytes.get((s, d), 0),
+                "sent_bytes": stats.sent_bytes.get((s, d), 0),
+            }
+            for (s, d), ratio in sorted(stats.keep_ratios.items())
+        }
+    if predicted_step_s is not None:
+        record["predicted_step_s"] = round(predicted_step_s, 6)
+    return record

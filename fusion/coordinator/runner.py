@@ -2,8 +2,9 @@
 
 A :class:`JobRunner` is a thread owned by the coordinator. It moves the job through
 ``planning`` → ``running`` → ``succeeded`` (or ``failed``/``cancelled`` with a reason),
-records per-step metrics in SQLite and ``metrics.jsonl``, and at the end writes
-``model.safetensors``, ``loss.png``, ``plan.json`` and ``summary.json``.
+records what planning measured (``measured.json``) and per-step metrics in SQLite and
+``metrics.jsonl``, and at the end writes ``model.safetensors``, ``loss.png``, ``plan.json``
+and ``summary.json``.
 
 Volunteers come and go (DESIGN.md, Checkpoints and failures), so the runner also:
 
@@ -40,7 +41,7 @@ from fusion import errors
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
 from fusion.coordinator.durable_writer import DurableWriter
-from fusion.coordinator.outputs import METRICS_FILE, JobOutputs
+from fusion.coordinator.outputs import METRICS_FILE, JobOutputs, metrics_record
 from fusion.coordinator.planning import (
     Endpoint,
     LinkTable,
@@ -620,36 +621,13 @@ class JobRunner(threading.Thread):
                 self.links.observe(a, b, size // m, seconds / m)
 
     def _record(self, stats: StepStats, x: Any) -> dict[str, Any]:
-        batch = int(x.shape[0])
-        names = [w.name for w in self.stage_workers]
-        record: dict[str, Any] = {
-            "step": stats.step,
-            "loss": stats.loss,
-            "step_s": round(stats.step_s, 6),
-            "samples_per_s": batch / stats.step_s if stats.step_s > 0 else 0.0,
-        }
-        if x.dim() == 2 and not x.is_floating_point():  # token ids (B, T)
-            record["tokens_per_s"] = x.numel() / stats.step_s if stats.step_s > 0 else 0.0
-        record["bytes_per_link"] = {f"{names[s]}->{names[d]}": size for (s, d), size in sorted(stats.sent_bytes.items())}
-        record["compute_s"] = {names[s]: round(c, 6) for s, c in sorted(stats.compute_s.items())}
-        links = {}
-        for s, d in sorted(stats.sent_bytes):
-            fit = self.links.get(self.stage_workers[s].address, self.stage_workers[d].address)
-            if fit is not None:
-                links[f"{names[s]}->{names[d]}"] = round(fit[1], 1)
-        record["link_bandwidth_bytes_per_s"] = links
-        if stats.keep_ratios:
-            record["compression"] = {
-                f"{names[s]}->{names[d]}": {
-                    "keep_ratio": round(ratio, 5),
-                    "dense_bytes": stats.dense_bytes.get((s, d), 0),
-                    "sent_bytes": stats.sent_bytes.get((s, d), 0),
-                }
-                for (s, d), ratio in sorted(stats.keep_ratios.items())
-            }
-        if self.plan.predicted_step_s is not None:
-            record["predicted_step_s"] = round(self.plan.predicted_step_s, 6)
-        return record
+        workers = self.stage_workers
+
+        def bandwidth(s: int, d: int) -> float | None:
+            fit = self.links.get(workers[s].address, workers[d].address)
+            return None if fit is None else fit[1]
+
+        return metrics_record(stats, x, [w.name for w in workers], bandwidth, self.plan.predicted_step_s)
 
     def _plot(self, outputs: JobOutputs) -> None:
         steps = [s for s, _ in self._history]

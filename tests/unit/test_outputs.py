@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from executor.driver import StepStats
 from fusion.coordinator.outputs import (
     LOSS_PLOT_FILE,
     METRICS_FILE,
@@ -20,6 +21,7 @@ from fusion.coordinator.outputs import (
     SUMMARY_FILE,
     JobOutputs,
     atomic_write,
+    metrics_record,
     write_json,
 )
 from fusion.models import build_model
@@ -225,3 +227,24 @@ def test_write_json_refuses_what_json_cannot_hold_and_keeps_the_old_file(tmp_pat
         write_json(target, {"tensor": object()})
     assert json.loads(target.read_text()) == {"ok": True}
     assert [p.name for p in tmp_path.iterdir()] == [SUMMARY_FILE]
+
+
+def test_metrics_record_names_links_by_worker() -> None:
+    stats = StepStats(
+        step=3, loss=2.5, step_s=0.5, compute_s={0: 0.1, 1: 0.2}, sent_bytes={(0, 1): 4000, (1, 0): 4000},
+        dense_bytes={(0, 1): 16000}, keep_ratios={(0, 1): 0.25},
+    )
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    fits = {(0, 1): 1.25e7}
+    record = metrics_record(stats, tokens, ["a", "b"], lambda s, d: fits.get((s, d)), 0.4)
+    assert record["samples_per_s"] == 8.0 and record["tokens_per_s"] == 64.0
+    assert record["bytes_per_link"] == {"a->b": 4000, "b->a": 4000} and record["compute_s"] == {"a": 0.1, "b": 0.2}
+    assert record["link_bandwidth_bytes_per_s"] == {"a->b": 1.25e7}  # no estimate for b->a yet: left out
+    assert record["compression"] == {"a->b": {"keep_ratio": 0.25, "dense_bytes": 16000, "sent_bytes": 4000}}
+    assert record["predicted_step_s"] == 0.4
+    images = torch.zeros(4, 3, 8, 8)
+    plain = metrics_record(StepStats(step=0, loss=1.0, step_s=0.0), images, ["a"], lambda s, d: None, None)
+    assert plain["samples_per_s"] == 0.0 and "tokens_per_s" not in plain and "compression" not in plain
+    assert "predicted_step_s" not in plain
+    json.dumps(record)  # a JSON line
+
