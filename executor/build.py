@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.runtime import TARGET_NAME, ExpectedValue
+from executor.mailbox import ExpectedValue
+from executor.runtime import TARGET_NAME
 from executor.transport import dtype_from_wire
 from fusion.config import TrainSpec
 from fusion.errors import AuthError, ConfigError, GraphExportError, WireError

@@ -17,7 +17,6 @@ ordered background sender per destination, so transfers overlap compute.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -30,8 +29,10 @@ import torch
 
 from executor.compression import CutCompression
 from executor.guard import Fault, InputGuard
+from executor.mailbox import Aborted, ExpectedValue, Mailbox, Payload
+from executor.memory_meter import MemoryMeter
 from executor.schedule import Action, stage_actions
-from executor.transport import Transfer, dtype_from_wire, scalar_kind
+from executor.transport import Transfer, dtype_from_wire
 from fusion.checkpoint import (
     Snapshot,
     capture_volatile,
@@ -43,7 +44,6 @@ from fusion.checkpoint.snapshot import serialize, snapshot_metadata, snapshot_of
 from fusion.errors import (
     NotFoundError,
     PoisonedInputError,
-    StageError,
     StateError,
     WireError,
 )
@@ -54,80 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: Name under which the driver sends loss targets to the loss stage.
 TARGET_NAME = "@target"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpectedValue:
-    """What a boundary value must look like on the wire."""
-
-    kind: str
-    """``tensor`` or a scalar kind (see :class:`fusion.graph.ir.ValueMeta`)."""
-    dtype: torch.dtype | None = None
-    """Tensor dtype."""
-    shape: tuple[int, ...] | None = None
-    """Tensor shape."""
-
-    def check(self, name: str, meta: pb.TensorMeta | None, scalar: pb.ScalarValue | None) -> None:
-        """Raise ``WireError`` unless the received entry matches."""
-        if self.kind == "tensor":
-            if meta is None:
-                raise WireError(f"value {name!r} must be a tensor")
-            dtype = dtype_from_wire(meta.dtype)
-            if dtype != self.dtype:
-                raise WireError(f"tensor {name!r} has dtype {dtype}, expected {self.dtype}")
-            if tuple(meta.shape) != self.shape:
-                raise WireError(f"tensor {name!r} has shape {list(meta.shape)}, expected {list(self.shape or ())}")
-        else:
-            if scalar is None:
-                raise WireError(f"value {name!r} must be a {self.kind}, not a tensor")
-            if scalar_kind(scalar) != self.kind:
-                raise WireError(f"value {name!r} is a {scalar_kind(scalar)}, expected a {self.kind}")
-
-
-Payload = dict[str, Any]
-MailKey = tuple[int, int, int]  # (transfer kind, micro-batch, source stage)
-
-
-class Aborted(StateError):
-    """The step was aborted (by the driver, or because this stage failed)."""
-
-
-class Mailbox:
-    """Transfers received for the current step, waited on by the compute thread."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._items: dict[MailKey, Payload] = {}
-        self._aborted: str | None = None
-
-    def put(self, key: MailKey, payload: Payload) -> None:
-        with self._cv:
-            if key in self._items:
-                raise WireError(f"duplicate transfer for (kind {key[0]}, micro-batch {key[1]}, from stage {key[2]})")
-            self._items[key] = payload
-            self._cv.notify_all()
-
-    def take(self, key: MailKey, *, timeout_s: float, what: str) -> Payload:
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while key not in self._items:
-                if self._aborted is not None:
-                    raise Aborted(f"aborted while waiting for {what}: {self._aborted}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StageError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-                self._cv.wait(timeout=min(left, 1.0))
-            return self._items.pop(key)
-
-    def abort(self, reason: str) -> None:
-        with self._cv:
-            self._aborted = reason
-            self._cv.notify_all()
-
-    def reset(self) -> None:
-        with self._cv:
-            self._items.clear()
-            self._aborted = None
 
 
 @dataclass
@@ -153,59 +79,6 @@ SendFn = Callable[
     [int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, tuple[pb.TensorMeta, bytes]]],
     "Future[tuple[int, float]]",
 ]
-
-
-class MemoryMeter:
-    """Live activation bytes of a stage's micro-batches, and their peak within a step.
-
-    Counts what a stage keeps between a micro-batch's forward and its backward: the
-    tensors autograd saves for backward (via ``saved_tensors_hooks``), the received
-    inputs and the outputs it keeps. Each storage is counted once; parameters are not
-    activations and are skipped.
-    """
-
-    def __init__(self, param_ptrs: set[int]) -> None:
-        self.param_ptrs = param_ptrs
-        self.enabled = False
-        self.live = 0
-        self.peak = 0
-        self._by_mb: dict[int, int] = {}
-        self._ptrs: dict[int, set[int]] = {}
-
-    def charge(self, m: int, t: torch.Tensor) -> None:
-        if not self.enabled:
-            return
-        try:
-            storage = t.untyped_storage()
-            ptr, size = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            return
-        seen = self._ptrs.setdefault(m, set())
-        if ptr in self.param_ptrs or ptr in seen:
-            return
-        seen.add(ptr)
-        self._by_mb[m] = self._by_mb.get(m, 0) + size
-        self.live += size
-        self.peak = max(self.peak, self.live)
-
-    def hooks(self, m: int) -> contextlib.AbstractContextManager[object]:
-        if not self.enabled:
-            return contextlib.nullcontext()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            self.charge(m, t)
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def release(self, m: int) -> None:
-        self.live -= self._by_mb.pop(m, 0)
-        self._ptrs.pop(m, None)
-
-    def reset(self) -> None:
-        self.live = self.peak = 0
-        self._by_mb.clear()
-        self._ptrs.clear()
 
 
 class StageRuntime:

@@ -15,7 +15,12 @@ import pytest
 from executor.client import ChannelPool
 from executor.local import LocalCluster
 from fusion.config import JobSpec
-from fusion.coordinator.planning import Endpoint, calibrate_executor, costed_dag, profile_model
+from fusion.coordinator.planning import (
+    Endpoint,
+    calibrate_executor,
+    costed_dag,
+    profile_model,
+)
 from fusion.graph.export import capture
 from fusion.training import build_job_dataset, build_job_model, example_micro_batch
 
