@@ -1,9 +1,8 @@
 """A job's output directory: model, metrics, loss curve, plan, measurements and summary.
 
 Whole files (``model.safetensors``, ``loss.png``, ``plan.json``, ``measured.json``,
-``summary.json``) are
-written to a temporary file in the same directory and renamed into place, so a crash
-leaves either the previous file or the new one — never half of one. ``metrics.jsonl``
+``summary.json``) are written to a temporary file in the same directory and renamed into
+place, so a crash leaves either the previous file or the new one — never half of one. ``metrics.jsonl``
 grows one flushed line per step, so a crash leaves a valid prefix.
 """
 
@@ -118,13 +117,12 @@ class JobOutputs:
 
 
 def metrics_record(
-    stats: StepStats, x: torch.Tensor, stage_names: list[str], bandwidth: Callable[[int, int], float | None], predicted_step_s: float | None
+    stats: StepStats, x: torch.Tensor, names: list[str], bandwidth: Callable[[int, int], float | None], predicted_step_s: float | None
 ) -> dict[str, Any]:
     """One line of ``metrics.jsonl`` for a finished step: loss, speed (tokens too when the
     input ``x`` is token ids), bytes and the current bandwidth estimate per link (by
-    ``"SRC->DST"`` worker names), compute per worker, compression where a cut used it, and
+    ``"SRC->DST"``, ``names`` being each stage's worker), compute per worker, compression where a cut used it, and
     the plan's predicted step time."""
-    names = stage_names
     per_s = (lambda n: n / stats.step_s) if stats.step_s > 0 else (lambda n: 0.0)
     record: dict[str, Any] = {
         "step": stats.step,
