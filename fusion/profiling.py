@@ -174,6 +174,7 @@ def profile_graph(
     device: str = "cpu",
     repeats: int = 5,
     warmup: int = 2,
+    min_time_s: float = 0.25,
 ) -> dict[str, dict[str, float]]:
     """Measure every compute node's forward and backward seconds and saved activation bytes.
 
@@ -183,7 +184,10 @@ def profile_graph(
     run does not have). The backward of the whole graph is timed and spread over the nodes
     in proportion to their forward times. Saved activation bytes are what autograd keeps
     for backward (``saved_tensors_hooks``), parameters excluded. Medians over ``repeats``
-    runs after ``warmup``. The module's buffers are restored afterwards.
+    runs after ``warmup``; the whole-graph timing repeats further until it has measured
+    ``min_time_s``, because it sets the level of every node's time and a small graph's few
+    milliseconds can fall inside one preemption on a loaded machine (seen in CI: a 2 ms
+    graph timed 6x too slow from 3 repeats). The module's buffers are restored afterwards.
 
     Returns:
         node name → ``{"fwd_time_s", "bwd_time_s", "saved_bytes"}``, plus the key
@@ -203,7 +207,8 @@ def profile_graph(
     saved: dict[str, int] = {}
     try:
         # Whole-graph timings first, back to back, as training runs them.
-        for i in range(warmup + repeats):
+        i = 0
+        while i < warmup + repeats or sum(fwd_total) + sum(bwd_total) < min_time_s:
             _sync_all(dev)
             t0 = time.perf_counter()
             out = module(*inputs)
@@ -217,6 +222,7 @@ def profile_graph(
             if i >= warmup:
                 fwd_total.append(t1 - t0)
                 bwd_total.append(t2 - t1)
+            i += 1
         # Then node by node, for the shares and the saved activations.
         for i in range(warmup + repeats):
             timer = _NodeTimer(module, dev, param_ptrs)

@@ -42,13 +42,14 @@ def test_calibration_measures_the_executors_compute(cluster: LocalCluster) -> No
     pool = ChannelPool()
     try:
         profile = profile_model(JOB, captured.dag, worker, pool, repeats=3)
-        calibrated = calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, steps=3)
+        calibrated = calibrate_executor(JOB, model, captured, dataset, worker, pool, profile)
     finally:
         pool.close()
     assert calibrated.step_s >= 0 and calibrated.micro_batch_s >= 0
-    # The executor runs the same operators the profile timed: on one machine, under the
-    # same load, the two agree to within a small factor (not 0, not 10x).
-    assert 0.2 < calibrated.compute_factor < 5.0, calibrated
+    # The executor runs the same operators the profile timed: on one machine the two agree
+    # to within a small factor (not 0, not 10x; 1.6-2.8 for this tiny model here, with and
+    # without two busy processes beside it).
+    assert 0.1 < calibrated.compute_factor < 10.0, calibrated
     profile.compute_factor = calibrated.compute_factor
     scaled = costed_dag(captured.dag, profile)
     raw = sum(v["fwd_time_s"] + v["bwd_time_s"] for k, v in profile.nodes.items() if not k.startswith("__"))

@@ -1,0 +1,64 @@
+"""The node profile (``fusion.profiling.profile_graph``) on a small traced model: what it
+returns, and that the whole-graph timing, which sets every node's level, repeats until it
+has measured enough time to outvote a preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+
+from fusion.profiling import profile_graph
+
+
+@torch.fx.wrap
+def counted(x: torch.Tensor) -> torch.Tensor:
+    """An identity that fx keeps as one node; counts the graph's runs."""
+    CALLS.append(1)
+    return x
+
+
+CALLS: list[int] = []
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(counted(x))))
+
+
+def traced_with_counter() -> tuple[torch.fx.GraphModule, list[int]]:
+    CALLS.clear()
+    return torch.fx.symbolic_trace(Mlp()), CALLS
+
+
+def test_profile_covers_every_compute_node_and_sums_to_the_graph() -> None:
+    gm, _ = traced_with_counter()
+    profile = profile_graph(gm, (torch.randn(8, 16),), repeats=3, warmup=1, min_time_s=0.0)
+    compute = {n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
+    assert set(profile) == compute | {"__graph__"}
+    graph = profile["__graph__"]
+    assert sum(profile[n]["fwd_time_s"] for n in compute) == pytest.approx(graph["fwd_time_s"])
+    assert sum(profile[n]["bwd_time_s"] for n in compute) == pytest.approx(graph["bwd_time_s"])
+    # Each saved storage is charged once, to the node that saved it first: fc1 keeps its
+    # input (8 x 16 float32), relu its output (8 x 32), which fc2 then saves again for free.
+    assert profile["fc1"]["saved_bytes"] == 8 * 16 * 4
+    assert profile["relu"]["saved_bytes"] == 8 * 32 * 4
+    assert profile["fc2"]["saved_bytes"] == 0
+
+
+def test_whole_graph_timing_repeats_until_min_time() -> None:
+    gm, calls = traced_with_counter()
+    profile_graph(gm, (torch.randn(8, 16),), repeats=3, warmup=1, min_time_s=0.0)
+    # (warm-up + repeats) whole-graph runs, then as many node by node; no more without a minimum.
+    assert len(calls) == 2 * (1 + 3)
+
+    gm, calls = traced_with_counter()
+    profile = profile_graph(gm, (torch.randn(8, 16),), repeats=3, warmup=1, min_time_s=0.1)
+    # A step of this model takes well under a millisecond: 0.1 s takes many more repeats.
+    assert len(calls) > 20 + (1 + 3)
+    assert profile["__graph__"]["fwd_time_s"] < 0.01
