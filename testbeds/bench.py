@@ -30,9 +30,10 @@ With ``--simulate`` the table also gets the simulator's prediction for each syst
 (:mod:`testbeds.simulate` in testbed mode: this machine's speed on every host, its own
 profile of the model, the coordinator's calibrated executor overheads) and its error.
 
-Latency: this kernel has no ``sch_netem``, so the netns backend adds latency in user space
-on fusion's gRPC path only (``latency_mode = "userspace"``); gloo's traffic (ddp,
-pipelining) gets the bandwidth limits but not the latency. The JSON says which.
+Latency: this kernel has no ``sch_netem``; the netns backend adds every link's latency to
+every packet with a TUN delay line per host (``latency_mode = "tun"``), so gloo's traffic
+(ddp, pipelining) is delayed as fusion's is. Where TUN devices are missing too, latency is
+added on fusion's gRPC path only (``"userspace"``). The JSON says which.
 """
 
 from __future__ import annotations

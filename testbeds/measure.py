@@ -7,9 +7,12 @@ Run on testbed hosts (``Testbed.spawn``), so that the bytes take the same path a
     python -m testbeds.measure echo --listen IP:PORT           # echoes until killed
     python -m testbeds.measure rtt --to IP:PORT --count 20     # prints one JSON line
 
-Throughput is what the receiver saw, counted from the end of the first chunk to the last
-(so connection set-up and the first burst do not count); RTT is the median of one-byte
-ping-pongs on an open connection (the connect itself is reported separately).
+Throughput is what the receiver saw after the first half second (``--warm``) to the last
+byte: the link's steady rate, without connection set-up and TCP's slow start, which over a
+50 ms round trip takes a few hundred milliseconds to open the window to the link's
+bandwidth-delay product on any link, shaped or real (``ramp_bytes_per_s`` reports the
+whole transfer from its first chunk). RTT is the median of one-byte ping-pongs on an open
+connection (the connect itself is reported separately).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 
 RECV_BYTES = 1 << 20
 SEND_BYTES = 1 << 18
+#: Seconds of a transfer the steady rate leaves out (slow start: ~6 round trips at 80 ms).
+WARM_S = 0.5
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -39,13 +44,15 @@ def _listen(address: str) -> socket.socket:
     return s
 
 
-def sink(address: str) -> dict[str, float]:
-    """Accept one connection, read to EOF, report bytes and receive rate."""
+def sink(address: str, *, warm_s: float = WARM_S) -> dict[str, float]:
+    """Accept one connection, read to EOF, report bytes and the steady receive rate (after
+    ``warm_s``; the whole transfer's when it was shorter than that)."""
     with _listen(address) as s:
         conn, _ = s.accept()
     with conn:
         total = first = 0
         t_first = t_last = 0.0
+        warm_bytes, t_warm = 0, None
         while True:
             data = conn.recv(RECV_BYTES)
             if not data:
@@ -53,11 +60,14 @@ def sink(address: str) -> dict[str, float]:
             now = time.perf_counter()
             if not first:
                 first, t_first = len(data), now
+            elif t_warm is None and now - t_first >= warm_s:
+                warm_bytes, t_warm = total + len(data), now  # counted up to now
             total += len(data)
             t_last = now
     span_s = t_last - t_first
-    rate = (total - first) / span_s if span_s > 0 else 0.0
-    return {"bytes": total, "seconds": span_s, "bytes_per_s": rate, "mbps": rate * 8 / 1e6}
+    ramp = (total - first) / span_s if span_s > 0 else 0.0
+    steady = (total - warm_bytes) / (t_last - t_warm) if t_warm is not None and t_last > t_warm else ramp
+    return {"bytes": total, "seconds": span_s, "bytes_per_s": steady, "ramp_bytes_per_s": ramp, "mbps": steady * 8 / 1e6}
 
 
 def send(address: str, seconds: float, size_bytes: int | None = None) -> dict[str, float]:
@@ -105,7 +115,9 @@ def rtt(address: str, count: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.measure", description="Bulk throughput and RTT over a testbed link.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("sink", help="receive one bulk transfer, print its rate").add_argument("--listen", required=True)
+    sk = sub.add_parser("sink", help="receive one bulk transfer, print its rate")
+    sk.add_argument("--listen", required=True)
+    sk.add_argument("--warm", type=float, default=WARM_S, help="seconds left out of the steady rate (default: %(default)s)")
     snd = sub.add_parser("send", help="send bytes for a while")
     snd.add_argument("--to", required=True)
     snd.add_argument("--seconds", type=float, default=3.0)
@@ -116,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--count", type=int, default=20)
     args = p.parse_args(argv)
     if args.cmd == "sink":
-        print(json.dumps(sink(args.listen)), flush=True)
+        print(json.dumps(sink(args.listen, warm_s=args.warm)), flush=True)
     elif args.cmd == "send":
         print(json.dumps(send(args.to, args.seconds, args.bytes)), flush=True)
     elif args.cmd == "echo":

@@ -140,8 +140,9 @@ class Testbed:
 
     Attributes:
         backend: ``"netns"`` or ``"proxy"``.
-        latency_mode: how latency is emulated: ``"netem"`` (kernel, every packet),
-            ``"userspace"`` (a delay proxy on the peer-mapped fusion path only) or ``"none"``.
+        latency_mode: how latency is emulated: ``"netem"`` (kernel, every packet), ``"tun"``
+            (a TUN delay line per host, every packet), ``"userspace"`` (a delay proxy on the
+            peer-mapped fusion path only) or ``"none"``.
         hosts: host names in topology order.
         topology: the parsed topology.
         prefix: the unique name prefix of everything this testbed created.
@@ -188,7 +189,9 @@ class Testbed:
         """A few lines: backend, latency mode, each host's address and how to run a command in it."""
         lines = [f"testbed {self.prefix.rstrip('-')} ({self.label}): backend {self.backend}, latency {self.latency_mode}"]
         if self.backend == "netns" and self.latency_mode == "userspace":
-            lines.append("  (no sch_netem in this kernel: latency is added only on fusion's peer-mapped path, by a user-space proxy)")
+            lines.append("  (no sch_netem nor TUN in this kernel: latency is added only on fusion's peer-mapped path, by a user-space proxy)")
+        if self.latency_mode == "tun":
+            lines.append("  (no sch_netem in this kernel: a TUN delay line per host adds each link's latency to every packet)")
         width = max(len(h) for h in self.hosts)
         for h in self.hosts:
             lines.append(f"  {h:<{width}}  {self.address(h):<15}  run: {' '.join(self.shell_prefix(h)) or '(this shell)'} CMD")

@@ -9,13 +9,21 @@ Nothing is created in the caller's namespace, so testbeds never collide on addre
 interface names; only namespace names carry the prefix. Each host shapes its own egress:
 eth0 has an ``htb`` root with one class per destination host (``rate`` = ``ceil`` = the
 link's bandwidth) and a ``u32`` filter on the destination IP, so every directed link gets
-its own bandwidth; the link's latency is a ``netem`` leaf under that class when the kernel
-has ``sch_netem`` (detected by adding one to a namespace's ``lo``). Without it, latency
-comes from a user-space delay proxy (:class:`testbeds.proxy.LinkProxy` with no bandwidth
-limit) living in the source host's namespace on the peer-mapped fusion path: packets that
-do not use the peer map (ping, the workers' control traffic to the coordinator) see the
-bandwidth but no latency. Links under 1 ms both ways (a lab fabric, a campus LAN) skip the
-proxy. ``latency_mode`` says which was used.
+its own bandwidth. Latency, by what the kernel offers (``latency_mode`` says which):
+
+- ``netem``: a ``netem`` leaf under each class (detected by adding one to a namespace's
+  ``lo``); every packet is delayed.
+- ``tun``: no ``sch_netem``, but TUN devices. Each host with a link of 1 ms or more routes
+  those destinations through a TUN device served by :mod:`testbeds.delayline`, which holds
+  each packet for its link's latency and hands it on to ``eth0`` and its ``htb`` class.
+  Every packet is delayed here too: gloo's all-reduce as much as fusion's gRPC.
+- ``userspace``: neither. A user-space delay proxy (:class:`testbeds.proxy.LinkProxy` with
+  no bandwidth limit) in the source host's namespace on the peer-mapped fusion path only:
+  packets that do not use the peer map (ping, gloo, the workers' control traffic to the
+  coordinator) see the bandwidth but no latency.
+
+Links under 1 ms (a lab fabric, a campus LAN) skip the user-space hops of the last two:
+the hop would add about as much delay as the link has, and CPU.
 
 ``htb`` counts whole frames (Ethernet + IP + TCP headers), so a bulk TCP transfer's payload
 rate is about 95 % of the configured rate with 1500-byte frames, as on a real link.
@@ -31,11 +39,18 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from scheduler.topology import Topology
-from testbeds.net import PEER_MAP_ENV, Testbed, TestbedError, netns_available
+from testbeds.net import (
+    PEER_MAP_ENV,
+    Testbed,
+    TestbedError,
+    netns_available,
+    wait_for_line,
+)
 from testbeds.proxy import LinkProxy, LinkShaper
 
 logger = logging.getLogger(__name__)
@@ -52,6 +67,14 @@ CLONE_NEWNET = 0x40000000
 #: delay proxy: the emulated delay is then what the veth path has (tens of microseconds).
 DIRECT_LATENCY_S = 1e-3
 NETNS_DIR = Path("/run/netns")
+#: The TUN device of a host's delay line, and the routing table that takes what it hands
+#: back on to eth0 (``tun`` latency mode).
+DELAY_TUN = "dly0"
+DELAY_TABLE = "100"
+#: Queue of a delayed link's htb class, in round trips of the link (plus 50 ms): forwarded
+#: packets have no socket back-pressure, so without a limit a bulk transfer would queue
+#: the default 1,000 frames (1.5 s on an 8 Mbps link) in front of everything else.
+DELAYED_QUEUE_RTTS = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -131,6 +154,19 @@ def netem_available(namespace: str) -> bool:
     return False
 
 
+def tun_available(namespace: str) -> bool:
+    """Whether TUN devices can be made here: try one in a scratch namespace."""
+    if not Path("/dev/net/tun").exists():
+        logger.info("no /dev/net/tun here")
+        return False
+    r = _ip("-n", namespace, "tuntap", "add", "dev", "probe0", "mode", "tun", check=False)
+    if r.returncode != 0:
+        logger.info("cannot make a TUN device (%s)", r.stderr.strip())
+        return False
+    _ip("-n", namespace, "link", "del", "probe0", check=False)
+    return True
+
+
 def host_address(host_idx: int) -> str:
     return f"{SUBNET_PREFIX}.{host_idx // 250}.{host_idx % 250 + 1}"
 
@@ -167,11 +203,16 @@ class NetnsTestbed(Testbed):
         self._created.append(self.switch)
         has_latency = any(v > 0 for row in self.topology.latency_s for v in row)
         netem = netem_available(self.switch)
-        self.latency_mode = "netem" if netem else ("userspace" if has_latency else "none")
-        if has_latency and not netem:
+        if netem or not has_latency:
+            self.latency_mode = "netem" if netem else "none"
+        elif tun_available(self.switch):
+            self.latency_mode = "tun"
+            logger.warning("this kernel has no sch_netem: link latency is added by a TUN delay line per host (every packet)")
+        else:
+            self.latency_mode = "userspace"
             logger.warning(
-                "this kernel has no sch_netem: link latency is added in user space on fusion's peer-mapped path only "
-                "(raw IP traffic such as ping sees bandwidth limits but no latency)"
+                "this kernel has no sch_netem and no TUN devices: link latency is added in user space on fusion's "
+                "peer-mapped path only (gloo, ping and other raw traffic see bandwidth limits but no latency)"
             )
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
@@ -184,7 +225,43 @@ class NetnsTestbed(Testbed):
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", "eth0", "up")
             self._shape(k, netem)
+        if self.latency_mode == "tun":
+            for k in range(len(self.hosts)):
+                self._start_delay_line(k)
         self._write_peer_maps()
+
+    def _delayed(self, i: int) -> dict[int, float]:
+        """Destinations of host ``i`` whose link latency the ``tun`` delay line adds."""
+        lat = self.topology.latency_s[i]
+        return {j: lat[j] for j in range(len(self.hosts)) if j != i and lat[j] >= DIRECT_LATENCY_S}
+
+    def _start_delay_line(self, i: int) -> None:
+        """Route host ``i``'s delayed destinations through a TUN device and serve it
+        (:mod:`testbeds.delayline`); what it hands back goes on through eth0 (table 100)."""
+        delayed = self._delayed(i)
+        if not delayed:
+            return
+        ns, me = self.namespaces[i], host_address(i)
+        _ip("-n", ns, "tuntap", "add", "dev", DELAY_TUN, "mode", "tun")
+        _ip("-n", ns, "link", "set", "dev", DELAY_TUN, "txqueuelen", "10000", "up")
+        # Packets handed back carry this host's own source address: accept them (accept_local,
+        # no reverse-path filter) and forward them.
+        with in_netns(ns):
+            for key, value in (("ip_forward", "1"), ("conf/all/rp_filter", "0"), (f"conf/{DELAY_TUN}/rp_filter", "0"),
+                               (f"conf/{DELAY_TUN}/accept_local", "1"), ("conf/all/send_redirects", "0")):
+                Path(f"/proc/sys/net/ipv4/{key}").write_text(value)
+        log = self.workdir / f"delayline-{i}.log"
+        argv = [sys.executable, "-m", "testbeds.delayline", "--tun", DELAY_TUN]
+        for j, latency in delayed.items():
+            argv += ["--delay", f"{host_address(j)}={latency!r}"]
+        with open(log, "w") as f:
+            proc = self.spawn(self.hosts[i], argv, stdout=f, stderr=subprocess.STDOUT)
+        wait_for_line(log, r"ready", proc, 30)
+        lines = [f"rule add iif {DELAY_TUN} lookup {DELAY_TABLE} pref 100", f"route add {SUBNET_PREFIX}.0.0/16 dev eth0 table {DELAY_TABLE}"]
+        lines += [f"route add {host_address(j)}/32 dev {DELAY_TUN} src {me}" for j in delayed]
+        r = subprocess.run(["ip", "-n", ns, "-batch", "-"], input="\n".join(lines) + "\n", check=False, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise TestbedError(f"routing host {self.hosts[i]}'s delayed links through {DELAY_TUN} failed: {r.stderr.strip()}")
 
     def _shape(self, i: int, netem: bool) -> None:
         """htb on host ``i``'s eth0: one class (and a netem leaf if available) per destination."""
@@ -204,6 +281,10 @@ class NetnsTestbed(Testbed):
                 latency_us = round(self.topology.latency_s[i][j] * 1e6)
                 limit = max(1000, int(rate_bytes_per_s * (self.topology.latency_s[i][j] + 0.1) / 1500))
                 lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: netem delay {latency_us}us limit {limit}")
+            elif self.latency_mode == "tun" and j in self._delayed(i):
+                rtt = self.topology.latency_s[i][j] + self.topology.latency_s[j][i]
+                limit = max(100, int(rate_bytes_per_s * (DELAYED_QUEUE_RTTS * rtt + 0.05) / 1500))
+                lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: pfifo limit {limit}")
             lines.append(f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {host_address(j)}/32 flowid 1:{cls}")
         r = subprocess.run(["tc", "-n", self.namespaces[i], "-batch", "-"], input="\n".join(lines) + "\n", check=False, capture_output=True, text=True)
         if r.returncode != 0:

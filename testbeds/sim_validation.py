@@ -23,7 +23,7 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     The testbed is priced as it ran: every host at this machine's speed on ``cores`` shared
     cores, fusion's coordinator on the first host with the executor overheads it calibrated
     (``step_costs`` in the result), and latency where the testbed emulated it: on fusion's
-    path in ``userspace`` mode, everywhere with ``netem``, nowhere with ``none``. fusion and
+    path in ``userspace`` mode, everywhere with ``netem`` or ``tun``, nowhere with ``none``. fusion and
     uniform are priced on the plans they ran (recorded in the result), so this checks the
     step-time model, not the planner's choice on noisy device measurements.
 
@@ -52,7 +52,7 @@ def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -
 
     def run_all(speed: float) -> dict[str, dict[str, Any]]:
         fusion_topo = testbed_topology(topology, speed, latency=mode != "none")
-        gloo_topo = testbed_topology(topology, speed, latency=mode == "netem")
+        gloo_topo = testbed_topology(topology, speed, latency=mode in ("netem", "tun"))
         sims = simulate(job, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
         for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
             if name in measured:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,9 +28,23 @@ def test_link_throughput_within_10_percent(tb: Testbed, src: str, dst: str) -> N
 
 @pytest.mark.parametrize("src,dst", [("a", "c"), ("b", "c")])
 def test_round_trip_time_is_both_latencies(tb: Testbed, src: str, dst: str) -> None:
-    """With netem every packet is delayed; without it the peer-mapped path is (userspace)."""
-    assert tb.latency_mode in ("netem", "userspace")
+    """With netem or the TUN delay line every packet is delayed; with neither, the
+    peer-mapped path is (userspace)."""
+    assert tb.latency_mode in ("netem", "tun", "userspace")
     checks.check_rtt(tb, src, dst)
+
+
+def test_tun_mode_delays_traffic_without_a_peer_map(tb: Testbed) -> None:
+    """In tun mode no process needs the peer map: each host dials the server's own address,
+    and the route to a host 10 ms away goes through the delay line's TUN device (the RTT
+    test above then measures both latencies on that direct path)."""
+    if tb.latency_mode != "tun":
+        pytest.skip(f"latency mode is {tb.latency_mode}, not tun")
+    port = tb.free_port("c")
+    assert tb.expose("c", port) == {h: f"{tb.address('c')}:{port}" for h in tb.hosts}
+    assert tb.peer_map_env("a") == {}
+    route = subprocess.run(["ip", "-n", tb.namespace("a"), "route", "get", tb.address("c")], capture_output=True, text=True, check=True)  # type: ignore[attr-defined]
+    assert "dev dly0" in route.stdout, route.stdout
 
 
 def test_hosts_live_in_their_own_namespaces(tb: Testbed) -> None:
@@ -62,8 +77,8 @@ def test_fusion_job_runs_on_netns_testbed(tmp_path: Path) -> None:
 
 
 def test_sub_millisecond_links_skip_the_delay_proxy(tmp_path: Path) -> None:
-    """Without netem, a 0.5 ms LAN link is not sent through the user-space delay proxy
-    (it would add as much delay as the link has, and CPU); a 20 ms link still is."""
+    """Without netem, a 0.5 ms LAN link is not sent through the user-space delay (proxy or
+    TUN delay line: it would add as much delay as the link has, and CPU); a 20 ms link is."""
     topo = tmp_path / "lan.toml"
     topo.write_text(
         '[[hosts]]\nname = "a"\n[[hosts]]\nname = "b"\n[[hosts]]\nname = "c"\n'
@@ -72,8 +87,17 @@ def test_sub_millisecond_links_skip_the_delay_proxy(tmp_path: Path) -> None:
         '[[links]]\nfrom = "c"\nto = "b"\nbandwidth_mbps = 100\nlatency_ms = 20\n'
     )
     with open_testbed(topo, backend="netns") as t:
+        if t.latency_mode == "tun":
+
+            def dev(src: str, dst: str) -> str:
+                out = subprocess.run(["ip", "-n", t.namespace(src), "route", "get", t.address(dst)], capture_output=True, text=True, check=True).stdout  # type: ignore[attr-defined]
+                return out.split(" dev ")[1].split()[0]
+
+            assert dev("a", "b") == dev("b", "a") == "eth0"  # 0.5 ms: htb alone
+            assert dev("a", "c") == dev("c", "b") == "dly0"  # 20 ms: the delay line
+            return
         if t.latency_mode != "userspace":
-            pytest.skip("the kernel has sch_netem: no link uses the delay proxy")
+            pytest.skip("the kernel has sch_netem: no link uses a user-space delay")
         port = t.free_port("a")
         routes = t.expose("a", port)
         assert routes["b"] == f"{t.address('a')}:{port}"  # direct: htb shapes it, no proxy
