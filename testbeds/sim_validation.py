@@ -89,7 +89,7 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
     """Print (and with ``out``, write ``out.md`` and ``out.json``) the comparison and its summary."""
     summary: dict[str, Any] = {"rows": rows}
     for key in ("error", "calibrated_error"):
-        errors = [abs(r[key]) for r in rows if r[key] is not None]
+        errors = [float(abs(r[key])) for r in rows if r[key] is not None]
         summary[key] = {
             "within_10pct": sum(e <= 0.10 for e in errors), "compared": len(errors),
             "median_abs": float(np.median(errors)) if errors else None,

@@ -13,11 +13,12 @@ plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The 
   (:class:`compress.controller.AdaTopK`) would pick for the link, and encoded at
   :func:`compress.topk.topk_encoded_size` bytes (zstd's further gain is not counted).
 - ``uniform``: equal node counts in join order, dense, priced by the same estimator.
-- ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed by a
-  ring all-reduce in rank order (:func:`ring_allreduce_s`), not overlapped with backward
-  (gloo on CPUs shares the cores with compute, and a small model fills one bucket).
+- ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed by
+  gloo's ring all-reduce (:func:`ring_allreduce_s`), not overlapped with backward (gloo on
+  CPUs shares the cores with compute, and a small model's buckets are ready together).
 - ``pipelining``: GPipe over ``S = min(N, blocks)`` hosts with the even block split of
-  :mod:`testbeds.baselines.split` (:func:`gpipe_step_s`).
+  :mod:`testbeds.baselines.split` (:func:`gpipe_step_s`), each transfer a round trip
+  plus its bytes (gloo sends only to a posted receive).
 
 ``--compute testbed`` prices every host at this machine's measured speed (the testbeds do
 not emulate ``slowdown``), as a testbed on one host runs them; ``--compute topology`` (default) uses
@@ -64,7 +65,7 @@ SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
 #: and 1.5 ms of mailbox/hand-off work per micro-batch and stage.
 DEFAULT_CONTROL_S = 6e-3
 DEFAULT_MICRO_BATCH_S = 1.5e-3
-#: One gloo collective's fixed cost beyond the link latency (rendezvous of the ring step).
+#: One iteration of gloo's ring beyond the link's latency and bytes (its bookkeeping).
 GLOO_STEP_OVERHEAD_S = 1e-4
 #: DDP's gradient buckets: the first holds 1 MiB, the rest 25 MiB (``bucket_cap_mb``).
 DDP_FIRST_BUCKET_BYTES = 1 << 20
@@ -312,22 +313,34 @@ def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topolo
     return act, grad, ratios
 
 
-def ring_allreduce_s(topology: Topology, ranks: list[int], size_bytes: float, *, num_buckets: int = 1) -> float:
-    """Seconds of a ring all-reduce of ``size_bytes`` over ``ranks`` (ring in rank order).
+def ring_allreduce_s(topology: Topology, ranks: list[int], size_bytes: float) -> float:
+    """Seconds of gloo's ring all-reduce of ``size_bytes`` over ``ranks`` (``gloo/allreduce.cc``).
 
-    Reduce-scatter then all-gather: ``2 (N - 1)`` synchronous steps in which every rank sends
-    one ``size / N`` chunk to its successor, so each step lasts as long as the slowest ring
-    link takes for a chunk. Each of ``num_buckets`` collectives pays the latencies again:
+    Rank ``r`` sends to rank ``r - 1``. The input is cut into ``2N`` segments of ``s`` bytes;
+    reduce-scatter and all-gather each take ``2N - 2`` iterations with two segments in
+    flight: the segment posted at one iteration must have arrived two iterations later, and
+    gloo's sender waits for the receiver's ready notice before it sends (its TCP pair's
+    ``NOTIFY_RECV_READY``), so a segment takes a round trip plus its bytes. On the worst
+    ring edge an iteration lasts
 
-        T = 2 (N - 1) · (num_buckets · (lat + o) + (size / N) / bw)  on the worst link
+        t = max(s / bw, (rtt + s / bw) / 2) + o,    T = 2 (2N − 2) · t
+
+    A large all-reduce is bandwidth-bound (the latency hides behind the other segment in
+    flight); a small one costs ``2 (N − 1)`` round trips. Measured on the two-sites testbed
+    (4 ranks, 100 Mbps and 40 ms round trips across): 0.26 / 0.27 / 0.37 / 0.50 s for
+    0.25 / 1 / 2.4 / 4 MB, against 0.26 / 0.30 / 0.39 / 0.48 s from this formula, with
+    ``1.5 x`` the size crossing each ring edge as ``tc`` counted.
     """
     n = len(ranks)
     if n < 2 or size_bytes <= 0:
         return 0.0
-    chunk = size_bytes / n
-    ring = [(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
-    per_step = max(num_buckets * (topology.latency_s[a][b] + GLOO_STEP_OVERHEAD_S) + chunk / topology.bandwidth_bytes_per_s[a][b] for a, b in ring)
-    return 2 * (n - 1) * per_step
+    segment = size_bytes / (2 * n)
+    ring = [(ranks[i], ranks[i - 1]) for i in range(n)]
+    per_iteration = max(
+        max(segment / topology.bandwidth_bytes_per_s[a][b], (topology.latency_s[a][b] + topology.latency_s[b][a] + segment / topology.bandwidth_bytes_per_s[a][b]) / 2)
+        for a, b in ring
+    )
+    return 2 * (2 * n - 2) * (per_iteration + GLOO_STEP_OVERHEAD_S)
 
 
 def ddp_buckets(param_bytes: float) -> int:
@@ -362,10 +375,12 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
     scale = job.reference_flops / slowest
     compute_s = per_mb_s * (per_rank_samples / mb) * scale * (max(1.0, n / cores) if cores else 1.0)
     buckets = ddp_buckets(param_bytes)
-    allreduce_s = ring_allreduce_s(topology, list(range(n)), param_bytes, num_buckets=buckets)
+    # gloo runs DDP's buckets on its worker threads at once, so their latencies overlap and
+    # their bytes share the links: one all-reduce of the whole gradient.
+    allreduce_s = ring_allreduce_s(topology, list(range(n)), param_bytes)
     optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * scale
     step_s = compute_s + allreduce_s + optimizer_s
-    ring_bytes = {(i, (i + 1) % n): 2 * (n - 1) / n * param_bytes for i in range(n)} if n > 1 else {}
+    ring_bytes = {(i, (i - 1) % n): 2 * (n - 1) / n * param_bytes for i in range(n)} if n > 1 else {}
     slow_bytes, slow_mbps = _slowest(topology, ring_bytes)
     return _finish(
         SystemResult(
@@ -391,19 +406,58 @@ def gpipe_stages(job: JobCosts, num_stages: int) -> np.ndarray:
     return stage
 
 
-def gpipe_step_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, g: np.ndarray, micro_batches: int) -> float:
-    """GPipe's step on a chain: all forwards, then all backwards.
+def gpipe_step_s(
+    f: np.ndarray, b: np.ndarray, x: np.ndarray, g: np.ndarray, micro_batches: int, *,
+    x_latency: np.ndarray | None = None, g_latency: np.ndarray | None = None, rendezvous: bool = False,
+) -> float:
+    """GPipe's step on a chain: every stage runs all its forwards, then all its backwards.
 
-    With per-micro-batch stage times ``f_s``, ``b_s`` and cut times ``x_j`` (activations) and
-    ``g_j`` (gradients), the forward wave takes its critical path plus ``M - 1`` periods of
-    its slowest element, and so does the backward wave:
+    ``f_s``, ``b_s``: a stage's seconds per micro-batch; ``x_j``, ``g_j``: seconds to move one
+    micro-batch's activations over cut ``j`` (stage ``j`` → ``j + 1``) and its gradients back,
+    latency included; ``x_latency``, ``g_latency``: those latencies (default 0), so that a
+    cut carries one transfer's bytes at a time while latencies overlap. Event by event:
+    stage ``s`` starts micro-batch ``i`` once it has finished ``i - 1`` and ``i``'s input
+    has arrived. Without latencies this is the closed form
 
         T = Σ f + Σ x + (M − 1) · max(f, x)  +  Σ b + Σ g + (M − 1) · max(b, g)
+
+    ``rendezvous``: gloo's sender waits for the receiver's ready notice before it sends
+    (``NOTIFY_RECV_READY`` in its TCP pair), and ``torch.distributed.pipelining`` posts a
+    receive only when the stage is about to need it, so a transfer leaves at
+    ``max(sender done, receiver ready + the latency back)``: every micro-batch pays the
+    cut's round trip, which no amount of pipelining hides.
     """
-    m = micro_batches
-    fwd = float(f.sum() + x.sum()) + (m - 1) * float(max(f.max(), x.max() if len(x) else 0.0))
-    bwd = float(b.sum() + g.sum()) + (m - 1) * float(max(b.max(), g.max() if len(g) else 0.0))
-    return fwd + bwd
+    m, n = micro_batches, len(f)
+    zeros = np.zeros(max(n - 1, 0))
+    x_lat = zeros if x_latency is None else x_latency
+    g_lat = zeros if g_latency is None else g_latency
+
+    def wave(cost: np.ndarray, order: list[int], cut_s: list[float], lat: list[float], back: list[float], start: list[float]) -> list[float]:
+        """One wave through ``order``; ``cut_s[k]``/``lat[k]``/``back[k]`` price the hop into
+        ``order[k + 1]``. Returns each stage's finish time (in ``order``)."""
+        prev_done: list[float] = []
+        finish = []
+        for k, s in enumerate(order):
+            done, depart = [], -math.inf
+            ready = start[k]
+            for i in range(m):
+                if k == 0:
+                    begin = ready
+                else:
+                    notice = ready + back[k - 1] if rendezvous else -math.inf
+                    depart = max(prev_done[i], notice, depart + cut_s[k - 1] - lat[k - 1])
+                    begin = max(ready, depart + cut_s[k - 1])
+                ready = begin + float(cost[s])
+                done.append(ready)
+            prev_done = done
+            finish.append(ready)
+        return finish
+
+    fwd_order = list(range(n))
+    fwd_done = wave(f, fwd_order, list(x), list(x_lat), list(g_lat), [0.0] * n)
+    bwd_order = fwd_order[::-1]
+    bwd_done = wave(b, bwd_order, list(g[::-1]), list(g_lat[::-1]), list(x_lat[::-1]), fwd_done[::-1])
+    return float(max(bwd_done))
 
 
 def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
@@ -439,8 +493,10 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
             grad[k] += gsize
     x = np.array([topology.transfer_s(k, k + 1, act[k]) for k in range(num_stages - 1)])
     g = np.array([topology.transfer_s(k + 1, k, grad[k]) for k in range(num_stages - 1)])
+    x_lat = np.array([topology.latency_s[k][k + 1] for k in range(num_stages - 1)])
+    g_lat = np.array([topology.latency_s[k + 1][k] for k in range(num_stages - 1)])
     m = spec.train.micro_batches
-    step_s = gpipe_step_s(f, b, x, g, m)
+    step_s = gpipe_step_s(f, b, x, g, m, x_latency=x_lat, g_latency=g_lat, rendezvous=True)
     stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
     for u, unit in enumerate(wl.params):
         for pid, size in unit:

@@ -48,20 +48,27 @@ def tiny() -> sim.JobCosts:
 
 def test_ring_allreduce_by_hand() -> None:
     topo = line_topology(3, bandwidth_bytes_per_s=1e6, latency_s=0.01)
-    # 3e6 bytes over 3 ranks: chunks of 1e6 bytes, 2 (N - 1) = 4 steps of (lat + o + 1 s).
-    expected = 4 * (0.01 + sim.GLOO_STEP_OVERHEAD_S + 1.0)
-    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e6) == pytest.approx(expected)
-    # Two buckets pay the latency twice per step, the bytes once.
-    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e6, num_buckets=2) == pytest.approx(4 * (2 * (0.01 + sim.GLOO_STEP_OVERHEAD_S) + 1.0))
+    o = sim.GLOO_STEP_OVERHEAD_S
+    # 3e6 bytes over 3 ranks: 6 segments of 0.5e6 bytes (0.5 s each, longer than the 20 ms
+    # round trip, which hides), 2 (2N - 2) = 8 iterations.
+    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e6) == pytest.approx(8 * (0.5 + o))
+    # 3e3 bytes: 0.5 ms segments, each iteration half a round trip and half a segment.
+    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e3) == pytest.approx(8 * ((0.02 + 0.0005) / 2 + o))
     assert sim.ring_allreduce_s(topo, [0], 3e6) == 0.0
 
 
-def test_ring_allreduce_waits_for_the_slowest_ring_link() -> None:
+def test_ring_allreduce_waits_for_the_slowest_ring_edge() -> None:
+    """gloo's rank r sends to r - 1: the ring is 0 -> 2 -> 1 -> 0; a slow 1 -> 2 is not on it."""
     topo = line_topology(3, bandwidth_bytes_per_s=1e6, latency_s=0.0)
-    bw = [list(r) for r in topo.bandwidth_bytes_per_s]
-    bw[1][2] = 0.25e6  # one slow hop in the ring 0 -> 1 -> 2 -> 0
-    slow = Topology(workers=topo.workers, bandwidth_bytes_per_s=bw, latency_s=topo.latency_s)
-    assert sim.ring_allreduce_s(slow, [0, 1, 2], 3e6) == pytest.approx(4 * (sim.GLOO_STEP_OVERHEAD_S + 4.0))
+    o = sim.GLOO_STEP_OVERHEAD_S
+
+    def with_slow(a: int, b: int) -> Topology:
+        bw = [list(r) for r in topo.bandwidth_bytes_per_s]
+        bw[a][b] = 0.25e6
+        return Topology(workers=topo.workers, bandwidth_bytes_per_s=bw, latency_s=topo.latency_s)
+
+    assert sim.ring_allreduce_s(with_slow(2, 1), [0, 1, 2], 3e6) == pytest.approx(8 * (2.0 + o))
+    assert sim.ring_allreduce_s(with_slow(1, 2), [0, 1, 2], 3e6) == pytest.approx(8 * (0.5 + o))
 
 
 def test_ddp_buckets() -> None:
@@ -78,6 +85,22 @@ def test_gpipe_by_hand() -> None:
     assert sim.gpipe_step_s(f, b, x, g, 3) == pytest.approx(22.0)
     # A link slower than every stage sets the period.
     assert sim.gpipe_step_s(f, b, np.array([3.0]), np.array([5.0]), 3) == pytest.approx((3 + 3 + 2 * 3) + (6 + 5 + 2 * 5))
+
+
+def test_gpipe_rendezvous_pays_each_round_trip() -> None:
+    """gloo sends only to a posted receive: with 1 s latency each way and 0.5 s of bytes,
+    the second micro-batch waits for the receiver's notice (1 s) before it leaves."""
+    f = b = np.array([1.0, 1.0])
+    x = g = np.array([1.5])
+    lat = np.array([1.0])
+    # forward: stage 1 gets mb 0 at 1 + 1.5 (its notice, sent at 0, was there at 1) and is
+    # done at 3.5; mb 1 leaves at 3.5 + 1 (notice) and arrives at 6: done 7. backward from
+    # 7: stage 1 done 8, 9; stage 0 gets mb 0 at 8 + 1.5, done 10.5; mb 1 leaves at 11.5
+    # (notice), arrives 13, done 14.
+    assert sim.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat, rendezvous=True) == pytest.approx(14.0)
+    # Eager sends overlap the latency: mb 1 leaves stage 0 at 2 (its bytes follow mb 0's),
+    # arrives 3.5, done 4.5; backward: stage 1 done 5.5, 6.5; stage 0 done 8 and 9.
+    assert sim.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat) == pytest.approx(9.0)
 
 
 def test_even_split_of_gpt2(tiny: sim.JobCosts) -> None:
