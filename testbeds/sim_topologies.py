@@ -75,6 +75,11 @@ def load_topology(name: str) -> Topology:
 TESTBED_MACHINE = "testbed-host/cpu"
 
 
+#: TCP payload per full Ethernet frame (1448 of 1514 bytes with timestamps): ``htb`` counts
+#: frames, so a shaped link carries this share of its rate as payload (measured: 95.5-95.6 %).
+TCP_PAYLOAD_SHARE = 1448 / 1514
+
+
 def testbed_topology(topology: Topology, reference_flops: float | None, *, latency: bool = True) -> Topology:
     """Every host at this machine's speed and on this machine (testbeds do not emulate
     ``slowdown``, and the workers share its CPU, as their coordinator sees from the boot id
@@ -84,4 +89,5 @@ def testbed_topology(topology: Topology, reference_flops: float | None, *, laten
     if reference_flops:
         workers = tuple(dataclasses.replace(w, flops=reference_flops, slowdown=1.0, machine=TESTBED_MACHINE) for w in workers)
     lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
-    return Topology(workers=workers, bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s, latency_s=lat)
+    bw = tuple(tuple(b * TCP_PAYLOAD_SHARE for b in row) for row in topology.bandwidth_bytes_per_s)
+    return Topology(workers=workers, bandwidth_bytes_per_s=bw, latency_s=lat)

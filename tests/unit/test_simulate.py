@@ -268,3 +268,14 @@ def test_pipelining_ranks_share_the_cores_all_the_time(tiny: sim.JobCosts) -> No
     # all-reduce; only the compute is slowed.
     tied = alone.detail["tied_sync_s"]
     assert 1.5 * (alone.step_s - tied) < shared.step_s - tied <= 2 * (alone.step_s - tied)
+
+
+def test_testbed_topology_prices_the_testbed_as_it_runs() -> None:
+    """One machine's speed everywhere, latency only where the testbed adds it, and links at
+    the TCP payload share of their rate (htb counts whole frames)."""
+    topo = line_topology(2, bandwidth_bytes_per_s=12.5e6, latency_s=0.02)
+    tb = sim_topologies.testbed_topology(topo, 5e10)
+    assert tb.bandwidth_bytes_per_s[0][1] == pytest.approx(12.5e6 * 1448 / 1514)
+    assert tb.latency_s[0][1] == 0.02 and {w.flops for w in tb.workers} == {5e10}
+    assert len({w.machine for w in tb.workers}) == 1
+    assert sim_topologies.testbed_topology(topo, 5e10, latency=False).latency_s[0][1] == 0.0
