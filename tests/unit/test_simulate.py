@@ -12,6 +12,7 @@ import pytest
 
 from fusion.config import JobSpec
 from scheduler.topology import Topology, WorkerSpec
+from testbeds import gloo_model as gloo
 from testbeds import sim_topologies
 from testbeds import simulate as sim
 from testbeds.baselines.split import block_names, even_split_points
@@ -48,43 +49,43 @@ def tiny() -> sim.JobCosts:
 
 def test_ring_allreduce_by_hand() -> None:
     topo = line_topology(3, bandwidth_bytes_per_s=1e6, latency_s=0.01)
-    o = sim.GLOO_STEP_OVERHEAD_S
+    o = gloo.GLOO_STEP_OVERHEAD_S
     # 3e6 bytes over 3 ranks: 6 segments of 0.5e6 bytes (0.5 s each, longer than the 20 ms
     # round trip, which hides), 2 (2N - 2) = 8 iterations.
-    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e6) == pytest.approx(8 * (0.5 + o))
+    assert gloo.ring_allreduce_s(topo, [0, 1, 2], 3e6) == pytest.approx(8 * (0.5 + o))
     # 3e3 bytes: 0.5 ms segments, each iteration half a round trip and half a segment.
-    assert sim.ring_allreduce_s(topo, [0, 1, 2], 3e3) == pytest.approx(8 * ((0.02 + 0.0005) / 2 + o))
-    assert sim.ring_allreduce_s(topo, [0], 3e6) == 0.0
+    assert gloo.ring_allreduce_s(topo, [0, 1, 2], 3e3) == pytest.approx(8 * ((0.02 + 0.0005) / 2 + o))
+    assert gloo.ring_allreduce_s(topo, [0], 3e6) == 0.0
 
 
 def test_ring_allreduce_waits_for_the_slowest_ring_edge() -> None:
     """gloo's rank r sends to r - 1: the ring is 0 -> 2 -> 1 -> 0; a slow 1 -> 2 is not on it."""
     topo = line_topology(3, bandwidth_bytes_per_s=1e6, latency_s=0.0)
-    o = sim.GLOO_STEP_OVERHEAD_S
+    o = gloo.GLOO_STEP_OVERHEAD_S
 
     def with_slow(a: int, b: int) -> Topology:
         bw = [list(r) for r in topo.bandwidth_bytes_per_s]
         bw[a][b] = 0.25e6
         return Topology(workers=topo.workers, bandwidth_bytes_per_s=bw, latency_s=topo.latency_s)
 
-    assert sim.ring_allreduce_s(with_slow(2, 1), [0, 1, 2], 3e6) == pytest.approx(8 * (2.0 + o))
-    assert sim.ring_allreduce_s(with_slow(1, 2), [0, 1, 2], 3e6) == pytest.approx(8 * (0.5 + o))
+    assert gloo.ring_allreduce_s(with_slow(2, 1), [0, 1, 2], 3e6) == pytest.approx(8 * (2.0 + o))
+    assert gloo.ring_allreduce_s(with_slow(1, 2), [0, 1, 2], 3e6) == pytest.approx(8 * (0.5 + o))
 
 
 def test_ddp_buckets() -> None:
-    assert sim.ddp_buckets(1000) == 1
-    assert sim.ddp_buckets(sim.DDP_FIRST_BUCKET_BYTES) == 1
-    assert sim.ddp_buckets(sim.DDP_FIRST_BUCKET_BYTES + 1) == 2
-    assert sim.ddp_buckets(sim.DDP_FIRST_BUCKET_BYTES + sim.DDP_BUCKET_BYTES + 1) == 3
+    assert gloo.ddp_buckets(1000) == 1
+    assert gloo.ddp_buckets(gloo.DDP_FIRST_BUCKET_BYTES) == 1
+    assert gloo.ddp_buckets(gloo.DDP_FIRST_BUCKET_BYTES + 1) == 2
+    assert gloo.ddp_buckets(gloo.DDP_FIRST_BUCKET_BYTES + gloo.DDP_BUCKET_BYTES + 1) == 3
 
 
 def test_gpipe_by_hand() -> None:
     f, b = np.array([1.0, 2.0]), np.array([2.0, 4.0])
     x, g = np.array([0.5]), np.array([0.5])
     # forward: 1 + 2 + 0.5 + 2 * max(2, 0.5) = 7.5; backward: 2 + 4 + 0.5 + 2 * 4 = 14.5
-    assert sim.gpipe_step_s(f, b, x, g, 3) == pytest.approx(22.0)
+    assert gloo.gpipe_step_s(f, b, x, g, 3) == pytest.approx(22.0)
     # A link slower than every stage sets the period.
-    assert sim.gpipe_step_s(f, b, np.array([3.0]), np.array([5.0]), 3) == pytest.approx((3 + 3 + 2 * 3) + (6 + 5 + 2 * 5))
+    assert gloo.gpipe_step_s(f, b, np.array([3.0]), np.array([5.0]), 3) == pytest.approx((3 + 3 + 2 * 3) + (6 + 5 + 2 * 5))
 
 
 def test_gpipe_rendezvous_pays_each_round_trip() -> None:
@@ -97,10 +98,10 @@ def test_gpipe_rendezvous_pays_each_round_trip() -> None:
     # done at 3.5; mb 1 leaves at 3.5 + 1 (notice) and arrives at 6: done 7. backward from
     # 7: stage 1 done 8, 9; stage 0 gets mb 0 at 8 + 1.5, done 10.5; mb 1 leaves at 11.5
     # (notice), arrives 13, done 14.
-    assert sim.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat, rendezvous=True) == pytest.approx(14.0)
+    assert gloo.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat, rendezvous=True) == pytest.approx(14.0)
     # Eager sends overlap the latency: mb 1 leaves stage 0 at 2 (its bytes follow mb 0's),
     # arrives 3.5, done 4.5; backward: stage 1 done 5.5, 6.5; stage 0 done 8 and 9.
-    assert sim.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat) == pytest.approx(9.0)
+    assert gloo.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat) == pytest.approx(9.0)
 
 
 def test_even_split_of_gpt2(tiny: sim.JobCosts) -> None:
@@ -127,7 +128,7 @@ def test_ddp_model_matches_its_parts(tiny: sim.JobCosts) -> None:
     r = sim.simulate_ddp(tiny, topo)
     wl = tiny.workload()
     param_bytes = wl.total_param_bytes
-    assert r.detail["allreduce_s"] == pytest.approx(sim.ring_allreduce_s(topo, [0, 1, 2, 3], param_bytes))
+    assert r.detail["allreduce_s"] == pytest.approx(gloo.ring_allreduce_s(topo, [0, 1, 2, 3], param_bytes))
     per_mb = float(wl.fwd_s.sum() + wl.bwd_s.sum())
     assert r.detail["compute_s"] == pytest.approx(per_mb * (16 / 4) / 4)  # B/N samples = one micro-batch of 4
     assert r.step_s == pytest.approx(r.detail["compute_s"] + r.detail["allreduce_s"] + r.detail["optimizer_s"])
