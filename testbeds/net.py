@@ -276,7 +276,8 @@ class Testbed:
         return f"{self.address(dst)}:{port}"
 
     def link_bytes(self) -> dict[tuple[str, str], int]:
-        """Bytes each directed link's user-space proxy carried (empty where no proxy is used)."""
+        """Bytes each directed link carried so far, as this backend counts them (its shaper's
+        counter); empty where it cannot tell."""
         return {}
 
     def peer_map_path(self, host: str) -> Path:

@@ -77,6 +77,8 @@ DELAY_TABLE = "100"
 DELAYED_QUEUE_RTTS = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
+#: One htb class and its counter in ``tc -s class show``: "class htb 1:12 ... Sent 1234 bytes".
+_CLASS_SENT = re.compile(r"class htb 1:([0-9a-f]+) .*?\n\s*Sent (\d+) bytes")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -338,7 +340,16 @@ class NetnsTestbed(Testbed):
         return self._delays[key]
 
     def link_bytes(self) -> dict[tuple[str, str], int]:
-        return {(self.hosts[i], self.hosts[j]): sh.bytes_total for (i, j), sh in self._delays.items()}
+        """What each directed link's ``htb`` class sent: every frame, headers included, of all
+        traffic (fusion's, the coordinator's, gloo's), whichever latency mode is in use."""
+        carried: dict[tuple[str, str], int] = {}
+        for i, ns in enumerate(self.namespaces):
+            r = subprocess.run(["tc", "-n", ns, "-s", "class", "show", "dev", "eth0"], check=False, capture_output=True, text=True)
+            for m in _CLASS_SENT.finditer(r.stdout):
+                j = int(m.group(1), 16) - 16  # class minors are destination index + 16 (_shape)
+                if 0 <= j < len(self.hosts) and j != i:
+                    carried[(self.hosts[i], self.hosts[j])] = int(m.group(2))
+        return carried
 
     def _teardown_network(self) -> None:
         proxies, self._proxies = self._proxies, []

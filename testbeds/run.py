@@ -183,5 +183,6 @@ def run_job_on_testbed(
         echo(line)
     carried = {k: v for k, v in tb.link_bytes().items() if v}
     if carried:
-        echo("  bytes over the emulated links (user-space proxies): " + ", ".join(f"{s}->{d} {n}" for (s, d), n in sorted(carried.items())))
+        how = "htb counters, frames of all traffic" if tb.backend == "netns" else "user-space proxies"
+        echo(f"  bytes over the emulated links ({how}): " + ", ".join(f"{s}->{d} {n:,}" for (s, d), n in sorted(carried.items())))
     return status

@@ -47,6 +47,17 @@ def test_tun_mode_delays_traffic_without_a_peer_map(tb: Testbed) -> None:
     assert "dev dly0" in route.stdout, route.stdout
 
 
+def test_link_bytes_count_what_each_link_carried(tb: Testbed) -> None:
+    """htb's class counters: a transfer a -> c shows on that link, frames and all, not on others."""
+    before = tb.link_bytes()
+    payload = int(tb.link("a", "c")[0] * 0.5)
+    checks.measure_throughput(tb, "a", "c", seconds=0.5)
+    after = tb.link_bytes()
+    sent = after[("a", "c")] - before.get(("a", "c"), 0)
+    assert payload <= sent <= payload * 1.1 + 100_000, (sent, payload)  # TCP/IP/Ethernet headers: ~5 %
+    assert after[("b", "c")] - before.get(("b", "c"), 0) < 50_000
+
+
 def test_hosts_live_in_their_own_namespaces(tb: Testbed) -> None:
     from testbeds.netns import namespace_pids
 
