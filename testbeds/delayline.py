@@ -31,7 +31,7 @@ import signal
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 TUNSETIFF = 0x400454CA
 TUNSETOFFLOAD = 0x400454D0
@@ -88,7 +88,7 @@ def parse_delay(text: str) -> tuple[bytes, float]:
 class DelayLine:
     """Holds each packet read from ``fd`` for its destination's delay, then writes it back."""
 
-    def __init__(self, fd: int, delays: dict[bytes, float], *, header: int = 0, clock: object = time.monotonic) -> None:
+    def __init__(self, fd: int, delays: dict[bytes, float], *, header: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.fd = fd
         self.header = header
         self.delays = delays
@@ -123,18 +123,18 @@ class DelayLine:
         try:
             os.write(self.fd, packet)
             self.packets += 1
-        except (BlockingIOError, OSError):
+        except OSError:  # EAGAIN included
             self.dropped += 1  # the namespace's backlog is full: a router drops it too
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT."""
         clock = self.clock
         while True:
-            wait = self.release(clock())  # type: ignore[operator]
+            wait = self.release(clock())
             readable, _, _ = select.select([self.fd], [], [], 1.0 if wait is None else wait)
             if not readable:
                 continue
-            now = clock()  # type: ignore[operator]
+            now = clock()
             for _ in range(READ_BATCH):
                 try:
                     packet = os.read(self.fd, READ_SIZE)

@@ -268,6 +268,7 @@ class NetnsTestbed(Testbed):
     def _shape(self, i: int, netem: bool) -> None:
         """htb on host ``i``'s eth0: one class (and a netem leaf if available) per destination."""
         lines = ["qdisc add dev eth0 root handle 1: htb"]
+        delayed = self._delayed(i) if self.latency_mode == "tun" else {}
         for j in range(len(self.hosts)):
             if j == i:
                 continue
@@ -283,7 +284,7 @@ class NetnsTestbed(Testbed):
                 latency_us = round(self.topology.latency_s[i][j] * 1e6)
                 limit = max(1000, int(rate_bytes_per_s * (self.topology.latency_s[i][j] + 0.1) / 1500))
                 lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: netem delay {latency_us}us limit {limit}")
-            elif self.latency_mode == "tun" and j in self._delayed(i):
+            elif j in delayed:
                 rtt = self.topology.latency_s[i][j] + self.topology.latency_s[j][i]
                 limit = max(100, int(rate_bytes_per_s * (DELAYED_QUEUE_RTTS * rtt + 0.05) / 1500))
                 lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: pfifo limit {limit}")

@@ -80,14 +80,18 @@ TESTBED_MACHINE = "testbed-host/cpu"
 TCP_PAYLOAD_SHARE = 1448 / 1514
 
 
-def testbed_topology(topology: Topology, reference_flops: float | None, *, latency: bool = True) -> Topology:
+def testbed_topology(
+    topology: Topology, reference_flops: float | None, *, latency: bool = True, payload_share: float = 1.0
+) -> Topology:
     """Every host at this machine's speed and on this machine (testbeds do not emulate
     ``slowdown``, and the workers share its CPU, as their coordinator sees from the boot id
     they report), as one-host testbeds run them; ``reference_flops=None`` keeps the hosts'
-    speeds and machines, ``latency=False`` zeroes every latency."""
+    speeds and machines, ``latency=False`` zeroes every latency, and every link carries
+    ``payload_share`` of its rate (:data:`TCP_PAYLOAD_SHARE` on the netns backend, whose
+    ``htb`` counts frames; 1 on the proxy backend, which paces payload)."""
     workers = topology.workers
     if reference_flops:
         workers = tuple(dataclasses.replace(w, flops=reference_flops, slowdown=1.0, machine=TESTBED_MACHINE) for w in workers)
     lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
-    bw = tuple(tuple(b * TCP_PAYLOAD_SHARE for b in row) for row in topology.bandwidth_bytes_per_s)
+    bw = tuple(tuple(b * payload_share for b in row) for row in topology.bandwidth_bytes_per_s)
     return Topology(workers=workers, bandwidth_bytes_per_s=bw, latency_s=lat)

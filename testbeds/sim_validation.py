@@ -13,7 +13,7 @@ import numpy as np
 
 from fusion.config import JobSpec
 from scheduler.estimator import StepCosts
-from testbeds.sim_topologies import load_topology, testbed_topology
+from testbeds.sim_topologies import TCP_PAYLOAD_SHARE, load_topology, testbed_topology
 from testbeds.simulate import job_costs, simulate, simulate_plan
 
 
@@ -23,7 +23,8 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     The testbed is priced as it ran: every host at this machine's speed on ``cores`` shared
     cores, fusion's coordinator on the first host with the executor overheads it calibrated
     (``step_costs`` in the result), and latency where the testbed emulated it: on fusion's
-    path in ``userspace`` mode, everywhere with ``netem`` or ``tun``, nowhere with ``none``. fusion and
+    path in ``userspace`` mode, everywhere with ``netem`` or ``tun``, nowhere with ``none``;
+    netns links at the TCP payload share of their rate (``htb`` counts frames). fusion and
     uniform are priced on the plans they ran (recorded in the result), so this checks the
     step-time model, not the planner's choice on noisy device measurements.
 
@@ -51,8 +52,9 @@ def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
 
     def run_all(speed: float) -> dict[str, dict[str, Any]]:
-        fusion_topo = testbed_topology(topology, speed, latency=mode != "none")
-        gloo_topo = testbed_topology(topology, speed, latency=mode in ("netem", "tun"))
+        share = TCP_PAYLOAD_SHARE if doc["backend"] == "netns" else 1.0
+        fusion_topo = testbed_topology(topology, speed, latency=mode != "none", payload_share=share)
+        gloo_topo = testbed_topology(topology, speed, latency=mode in ("netem", "tun"), payload_share=share)
         sims = simulate(job, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
         for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
             if name in measured:

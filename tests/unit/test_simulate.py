@@ -272,11 +272,12 @@ def test_pipelining_ranks_share_the_cores_all_the_time(tiny: sim.JobCosts) -> No
 
 
 def test_testbed_topology_prices_the_testbed_as_it_runs() -> None:
-    """One machine's speed everywhere, latency only where the testbed adds it, and links at
-    the TCP payload share of their rate (htb counts whole frames)."""
+    """One machine's speed everywhere, latency only where the testbed adds it, and netns
+    links at the TCP payload share of their rate (htb counts whole frames)."""
     topo = line_topology(2, bandwidth_bytes_per_s=12.5e6, latency_s=0.02)
-    tb = sim_topologies.testbed_topology(topo, 5e10)
+    tb = sim_topologies.testbed_topology(topo, 5e10, payload_share=sim_topologies.TCP_PAYLOAD_SHARE)
     assert tb.bandwidth_bytes_per_s[0][1] == pytest.approx(12.5e6 * 1448 / 1514)
+    assert sim_topologies.testbed_topology(topo, 5e10).bandwidth_bytes_per_s[0][1] == 12.5e6  # proxy: payload paced
     assert tb.latency_s[0][1] == 0.02 and {w.flops for w in tb.workers} == {5e10}
     assert len({w.machine for w in tb.workers}) == 1
     assert sim_topologies.testbed_topology(topo, 5e10, latency=False).latency_s[0][1] == 0.0
