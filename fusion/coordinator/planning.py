@@ -275,7 +275,7 @@ def calibrate_executor(
     profiled = sum(float(v.get("fwd_time_s", 0.0)) + float(v.get("bwd_time_s", 0.0)) for k, v in profile.nodes.items() if not k.startswith("__"))
     stages = split_stages(captured.dag, {n.name: 0 for n in captured.dag.compute_nodes()})
     rest: list[float] = []
-    factors: list[float] = []
+    factor = 1.0
     for count in counts:
         job = spec.replace(data={"batch_size": mb * count}, train={"micro_batches": count})
         _, example_y = example_micro_batch(job, dataset)
@@ -294,8 +294,9 @@ def calibrate_executor(
                     steps_compute.append(compute)
                     steps_rest.append(max(stats.step_s - compute, 0.0))
             rest.append(statistics.median(steps_rest))
-            if profiled > 0:
-                factors.append(statistics.median(steps_compute) / (count * profiled))
+            # The M-micro-batch run (the last) is the one plans resemble; its compute sets the level.
+            measured = statistics.median(steps_compute) / (count * profiled) if profiled > 0 else 0.0
+            factor = measured if measured > 0 else 1.0
         finally:
             driver.close()
     slope = (rest[1] - rest[0]) / (counts[1] - counts[0])
@@ -306,8 +307,6 @@ def calibrate_executor(
     example_x, example_y = example_micro_batch(spec, dataset)
     driver_s = DRIVER_CONTROL_ROUND_TRIPS * driver_link[0] + feed_s(driver_link, [wire_bytes(example_x), wire_bytes(example_y)])
     fixed = max(rest[0] - per_mb - optimizer_s - driver_s, 0.0)
-    # The M-micro-batch run is the one plans resemble; its compute sets the level.
-    factor = factors[-1] if factors and factors[-1] > 0 else 1.0
     return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb, compute_factor=factor)
 
 
