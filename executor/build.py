@@ -20,6 +20,7 @@ from executor.mailbox import ExpectedValue
 from executor.runtime import TARGET_NAME
 from executor.transport import dtype_from_wire
 from fusion.config import TrainSpec
+from fusion.devices import use_exact_fp32
 from fusion.errors import AuthError, ConfigError, GraphExportError, WireError
 from fusion.graph.export import capture_graph, graph_fingerprint
 from fusion.graph.split import StageSpec, build_stage_module
@@ -40,7 +41,11 @@ class BuiltStage:
 
 
 def parse_device(text: str) -> torch.device:
-    """``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``ConfigError`` if unavailable here."""
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``ConfigError`` if unavailable here.
+
+    Every stage's device comes through here, so this is also where a CUDA worker turns
+    TF32 off (:func:`fusion.devices.use_exact_fp32`).
+    """
     try:
         device = torch.device(text or "cpu")
     except RuntimeError as e:
@@ -49,6 +54,7 @@ def parse_device(text: str) -> torch.device:
         raise ConfigError(f"device {text!r} requested but CUDA is not available on this worker")
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {text!r} is not supported; use cpu or cuda[:N]")
+    use_exact_fp32(device)
     return device
 
 

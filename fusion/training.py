@@ -17,9 +17,10 @@ import torch
 
 from fusion.config import JobSpec
 from fusion.data import batch_for_step, build_dataset
+from fusion.devices import use_exact_fp32
 from fusion.errors import ConfigError
 from fusion.losses import get_loss
-from fusion.models import build_model, default_dataset
+from fusion.models import build_model, context_length, default_dataset
 from fusion.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,18 @@ def dataset_name(job: JobSpec) -> str:
 
 
 def build_job_dataset(job: JobSpec) -> torch.utils.data.Dataset:
-    """The job's data set from ``[data]`` (``name`` and keyword arguments)."""
+    """The job's data set from ``[data]`` (``name`` and keyword arguments).
+
+    Sequences longer than the model's context are refused here, by name, rather than as
+    an ``IndexError`` from the position embedding in the middle of a step.
+    """
+    seq_len = job.data.kwargs.get("seq_len")
+    limit = context_length(job.model.name, job.model.preset, **job.model.kwargs)
+    if isinstance(seq_len, int) and limit is not None and seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len {seq_len} is longer than {job.model.name} (preset {job.model.preset}) takes: "
+            f"its block_size is {limit}; shorten seq_len or set model.block_size"
+        )
     return build_dataset(dataset_name(job), seed=job.train.seed, **job.data.kwargs)
 
 
@@ -83,6 +95,7 @@ def train_reference(
     divided by their number) — identical for most models, and the right reference for
     models whose forward sees the micro-batch, such as BatchNorm in training mode.
     """
+    use_exact_fp32(device)
     model = build_job_model(job).to(device)
     dataset = build_job_dataset(job)
     loss_fn = get_loss(job.train.loss)

@@ -20,6 +20,32 @@ from executor.local import LocalCluster
 logger = logging.getLogger(__name__)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device", default="cpu",
+        help="device the parity tests train on, in the workers and the reference (cpu, cuda, cuda:N)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A ``--device`` this machine lacks stops the run (it is a usage error, not a skip)."""
+    name = str(config.getoption("--device"))
+    try:
+        kind = torch.device(name).type
+    except RuntimeError as e:
+        raise pytest.UsageError(f"--device {name}: {e}") from e
+    if kind not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device {name}: use cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {name}: CUDA is not available here")
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> str:
+    """The ``--device`` the parity tests run on."""
+    return str(request.config.getoption("--device"))
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

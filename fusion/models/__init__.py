@@ -22,7 +22,7 @@ from fusion.models import gpt2, resnet
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model", "check_arguments", "check_model", "default_dataset", "load_factory", "model_names"]
+__all__ = ["build_model", "check_arguments", "check_model", "context_length", "default_dataset", "load_factory", "model_names"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +115,14 @@ def check_model(name: str, preset: str | None = None, **kwargs: Any) -> None:
         check_arguments(factory, {**kwargs, **({"preset": preset} if preset is not None else {})}, name)
         return
     raise ConfigError(f"unknown model {name!r}; choose one of {model_names()} or give 'package.module:factory'")
+
+
+def context_length(name: str, preset: str | None = None, **kwargs: Any) -> int | None:
+    """The longest sequence a bundled model takes (GPT-2's ``block_size``); ``None`` if unbounded or unknown."""
+    builtin = _BUILTIN.get(name)
+    if builtin is None:
+        return None
+    return getattr(_builtin_config(name, builtin, preset, kwargs), "block_size", None)
 
 
 def _build_builtin(name: str, builtin: _BuiltinModel, preset: str | None, kwargs: dict[str, Any]) -> nn.Module:

@@ -2,7 +2,8 @@
 
 The heart of fusion's contract. Each case runs one step over 2–4 executor processes on
 loopback and compares loss and every parameter gradient with single-process PyTorch;
-longer runs compare the parameters after 5 SGD and 5 AdamW steps.
+longer runs compare the parameters after 5 SGD and 5 AdamW steps. ``pytest --device cuda``
+runs them all on a GPU (stages and reference alike).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def dag_of(job: JobSpec):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("cut", ["chain-2", "chain-3", "chain-4", "skip-3", "skip-4"])
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
-def test_one_step_gradients_match(cluster: LocalCluster, family: str, cut: str, schedule: str, micro_batches: int) -> None:
+def test_one_step_gradients_match(cluster: LocalCluster, device: str, family: str, cut: str, schedule: str, micro_batches: int) -> None:
     base = GPT2 if family == "gpt2" else RESNET
     job = make_job(base, micro_batches=micro_batches, schedule=schedule)
     kind, k = cut.split("-")
@@ -45,7 +46,7 @@ def test_one_step_gradients_match(cluster: LocalCluster, family: str, cut: str, 
     assignment = skip_assignment(dag_of(job), BRANCH[family], num_stages) if kind == "skip" else None
     # BatchNorm sees micro-batches (as in every pipeline system): with M > 1 the reference
     # accumulates gradients over the same micro-batches.
-    result = assert_parity(job, cluster.addresses[:num_stages], assignment=assignment, accumulate=family == "resnet")
+    result = assert_parity(job, cluster.addresses[:num_stages], assignment=assignment, accumulate=family == "resnet", device=device)
     assert len(result.stages) == num_stages
     if kind == "skip":
         consumers_of_skip = [dsts for s in result.stages for _, dsts in s.outputs if len(dsts) > 1]
@@ -55,24 +56,24 @@ def test_one_step_gradients_match(cluster: LocalCluster, family: str, cut: str, 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
-def test_five_steps_parameters_match(cluster: LocalCluster, family: str, optimizer: str) -> None:
+def test_five_steps_parameters_match(cluster: LocalCluster, device: str, family: str, optimizer: str) -> None:
     base = GPT2 if family == "gpt2" else RESNET
     lr = 0.05 if optimizer == "sgd" else 3e-3
     extra = {"momentum": 0.9} if optimizer == "sgd" else {}
     job = make_job(base, steps=5, optimizer=optimizer, lr=lr, micro_batches=2 if family == "gpt2" else 1, **extra)
     assignment = skip_assignment(dag_of(job), BRANCH[family], 4)
-    assert_parity(job, cluster.addresses, steps=5, assignment=assignment)
+    assert_parity(job, cluster.addresses, steps=5, assignment=assignment, device=device)
 
 
-def test_tied_embeddings_on_different_stages(cluster: LocalCluster) -> None:
+def test_tied_embeddings_on_different_stages(cluster: LocalCluster, device: str) -> None:
     job = make_job(GPT2, steps=3, micro_batches=2)
-    result = assert_parity(job, cluster.addresses[:3], steps=3)
+    result = assert_parity(job, cluster.addresses[:3], steps=3, device=device)
     holders = [s.stage_idx for s in result.stages if "transformer.wte.weight" in s.params or "lm_head.weight" in s.params]
     assert holders == [0, 2], holders
     assert (result.state_dict["lm_head.weight"] == result.state_dict["transformer.wte.weight"]).all()
 
 
-def test_control_flow_model_falls_back_to_export(cluster: LocalCluster) -> None:
+def test_control_flow_model_falls_back_to_export(cluster: LocalCluster, device: str) -> None:
     base = {
         "model": {"name": "tests.support.models:control_flow_net"},
         "data": {"name": "shapes", "batch_size": 8, "image_size": 8, "num_classes": 4, "num_samples": 64},
@@ -81,10 +82,10 @@ def test_control_flow_model_falls_back_to_export(cluster: LocalCluster) -> None:
     assert dag_of(job).capture == "export"
     # AdamW divides by sqrt(v): near-zero gradients amplify fp32 summation-order noise, so
     # compare with the same micro-batches accumulated in one process.
-    assert_parity(job, cluster.addresses[:3], steps=3, accumulate=True)
+    assert_parity(job, cluster.addresses[:3], steps=3, accumulate=True, device=device)
 
 
-def test_two_stages_on_one_worker(cluster: LocalCluster) -> None:
+def test_two_stages_on_one_worker(cluster: LocalCluster, device: str) -> None:
     job = make_job(GPT2, steps=2, micro_batches=2)
     assignment = uniform_assignment(dag_of(job), 3)
-    assert_parity(job, cluster.addresses[:2], steps=2, assignment=assignment, stage_workers=[0, 1, 0])
+    assert_parity(job, cluster.addresses[:2], steps=2, assignment=assignment, stage_workers=[0, 1, 0], device=device)

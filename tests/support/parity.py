@@ -30,11 +30,13 @@ def assert_parity(
     assignment: Mapping[str, int] | None = None,
     accumulate: bool = False,
     stage_workers: Sequence[int] | None = None,
+    device: str = "cpu",
 ) -> DistributedResult:
-    """Run ``job`` distributed and in one process; assert they agree; return the distributed run."""
-    ref = train_reference(job, steps=steps, accumulate=accumulate)
+    """Run ``job`` distributed and in one process, both on ``device``; assert they agree;
+    return the distributed run."""
+    ref = train_reference(job, steps=steps, accumulate=accumulate, device=device)
     got = train_distributed(
-        job, addresses, steps=steps, assignment=assignment, collect_gradients=True, stage_workers=stage_workers
+        job, addresses, steps=steps, assignment=assignment, collect_gradients=True, stage_workers=stage_workers, device=device
     )
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=RTOL, atol=ATOL)
     assert set(got.gradients) == set(ref.gradients), set(got.gradients) ^ set(ref.gradients)

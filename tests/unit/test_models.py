@@ -212,3 +212,19 @@ def test_cross_entropy_flattens_sequence_logits() -> None:
     assert get_loss("cross_entropy") is cross_entropy
     with pytest.raises(ConfigError, match="cross_entropy"):
         get_loss("mse")
+
+
+def test_sequence_longer_than_the_context_is_refused_by_name() -> None:
+    from fusion.config import JobSpec
+    from fusion.models import context_length
+    from fusion.training import build_job_dataset
+
+    assert context_length("gpt2", "tiny") == 64
+    assert context_length("gpt2", "tiny", block_size=128) == 128
+    assert context_length("resnet", "tiny") is None
+    job = {"model": {"name": "gpt2", "preset": "tiny"}, "data": {"batch_size": 2, "seq_len": 128}}
+    with pytest.raises(ConfigError, match="seq_len 128 .* block_size is 64"):
+        build_job_dataset(JobSpec.from_dict(job))
+    job["model"]["block_size"] = 128  # type: ignore[index]
+    x, _ = build_job_dataset(JobSpec.from_dict(job))[0]
+    assert x.shape == (128,)
