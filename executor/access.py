@@ -55,7 +55,7 @@ POLICY: dict[str, frozenset[str]] = {
     **{
         m: frozenset({SCHEME_CONTROL})
         for m in (
-            "LoadStage", "SetState", "GetState", "RunStep", "WaitStep", "ApplyStep", "Abort", "UnloadJob",
+            "LoadStage", "SetState", "GetState", "RunStep", "WaitStep", "SyncTied", "ApplyStep", "Abort", "UnloadJob",
             "Ping", "ProfileModel", "ProbeLinks", "AdmitJob",
         )
     },

@@ -204,6 +204,11 @@ class ExecutorClient:
         request = epb.WaitStepRequest(job_id=job_id, stage_idx=stage_idx, step=step, timeout_s=timeout_s)
         return self._call(self.stub.WaitStep, request, f"WaitStep(stage {stage_idx}, step {step})", timeout_s + 30.0)
 
+    def sync_tied(self, job_id: str, stage_idx: int, step: int, timeout_s: float) -> epb.SyncTiedResponse:
+        """Once per step and not retried: the holders exchange gradients with each other."""
+        request = epb.SyncTiedRequest(job_id=job_id, stage_idx=stage_idx, step=step)
+        return self._call(self.stub.SyncTied, request, f"SyncTied(stage {stage_idx}, step {step})", timeout_s, attempts=1)
+
     def apply_step(
         self, job_id: str, stage_idx: int, step: int, *, optimizer_step: bool = True,
         snapshot: bool = False, replicate_to: str = "", replicate_bytes_per_s: float = 0.0,

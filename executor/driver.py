@@ -7,8 +7,8 @@ One step, as the driver sees it:
    the loss stage — from then on stages talk to each other directly;
 3. poll ``WaitStep`` on every stage; the first failure aborts the step everywhere and is
    raised with the stage that caused it;
-4. sum the gradients of parameters held by several stages (tied embeddings) and give
-   every holder the sum, so they stay identical;
+4. ``SyncTied`` on the stages that share a parameter (tied embeddings): they exchange
+   its gradient directly and each keeps the sum, so the copies stay identical;
 5. ``ApplyStep``: each stage runs the job's optimizer on its own parameters.
 
 The coordinator drives jobs through this class; tests and benchmarks use it through
@@ -93,6 +93,20 @@ class SnapshotRequest:
     rate_bytes_per_s: float = 0.0
 
 
+def tied_holders(stages: Sequence[StageSpec], tied_params: Mapping[str, str]) -> dict[str, list[tuple[int, str]]]:
+    """Canonical name -> ``(stage, local name)`` per holder, ascending by stage, for every
+    parameter more than one stage holds (a stage that holds it under two names counts once)."""
+    holders: dict[str, list[tuple[int, str]]] = {}
+    for spec in sorted(stages, key=lambda s: s.stage_idx):
+        seen: set[str] = set()
+        for name in spec.params:
+            canonical = tied_params.get(name, name)
+            if canonical not in seen:
+                seen.add(canonical)
+                holders.setdefault(canonical, []).append((spec.stage_idx, name))
+    return {k: v for k, v in holders.items() if len(v) > 1}
+
+
 class PipelineDriver:
     """Drives one job's stages on a set of workers."""
 
@@ -132,7 +146,8 @@ class PipelineDriver:
         self.loss_stage = next(s.stage_idx for s in self.stages if s.is_loss_stage)
         self._param_names: list[list[str]] = [[] for _ in self.stages]
         self._state_names: list[set[str]] = [set() for _ in self.stages]
-        self._tied: dict[str, list[tuple[int, str]]] = {}
+        #: Canonical name -> (stage, local name) of each holder, for parameters several stages hold.
+        self._tied = tied_holders(self.stages, self.dag.tied_params)
         self.cut_settings = {k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()}
         self.ratio_controller = ratio_controller
         # A fresh key per job: stages prove it to each other on Send; it reaches each worker
@@ -176,6 +191,12 @@ class PipelineDriver:
             micro_batch_weights=[1.0 / m] * m,
             cut_codecs=self._cut_codecs(spec.stage_idx),
             auth=self._wrapped_job_key(self.addresses[spec.stage_idx]),
+            tied=[
+                epb.TiedParameter(name=name, canonical=canonical, holder_stage_idx=[h for h, _ in holders])
+                for canonical, holders in sorted(self._tied.items())
+                for h, name in holders
+                if h == spec.stage_idx
+            ],
         )
 
     def _cut_codecs(self, stage_idx: int | None = None) -> list[epb.CutCodec]:
@@ -204,15 +225,6 @@ class PipelineDriver:
                 client.set_state(self.job_id, spec.stage_idx, pb.TRANSFER_KIND_PARAMETER, tensors)
 
         run_parallel([lambda s=s: load_one(s) for s in self.stages], name="load-stage")
-        holders: dict[str, list[tuple[int, str]]] = {}
-        for stage_idx, names in enumerate(self._param_names):
-            seen: set[str] = set()
-            for name in names:
-                canonical = self.dag.tied_params.get(name, name)
-                if canonical not in seen:
-                    seen.add(canonical)
-                    holders.setdefault(canonical, []).append((stage_idx, name))
-        self._tied = {k: v for k, v in holders.items() if len(v) > 1}
         if self._tied:
             logger.info("parameters shared across stages: %s", {k: [s for s, _ in v] for k, v in self._tied.items()})
 
@@ -346,26 +358,19 @@ class PipelineDriver:
             job_id=self.job_id, stage_idx=stage_idx, src_stage_idx=DRIVER, step=step, micro_batch_idx=micro_batch_idx, kind=kind
         )
 
-    def sync_tied_gradients(self) -> None:
-        """Give every holder of a shared parameter the sum of all holders' gradients."""
-        if not self._tied:
+    def sync_tied_gradients(self, step: int) -> None:
+        """Give every holder of a shared parameter the sum of all holders' gradients.
+
+        The holders exchange their gradients directly (``SyncTied``); the driver only
+        starts the exchange on each, at once.
+        """
+        stages = sorted({s for holders in self._tied.values() for s, _ in holders})
+        if not stages:
             return
-        for holders in self._tied.values():
-            # Fetch from every holder at once, sum, push to every holder at once.
-            fetched = run_parallel(
-                [lambda s=s, n=n: self.clients[s].get_state(self.job_id, s, epb.STATE_KIND_GRADIENTS, [n]).get(n) for s, n in holders],
-                name="tied-fetch",
-            )
-            parts = [g for g in fetched if g is not None]
-            if not parts:
-                continue
-            total = parts[0].clone()
-            for g in parts[1:]:
-                total += g
-            run_parallel(
-                [lambda s=s, n=n: self.clients[s].set_state(self.job_id, s, pb.TRANSFER_KIND_PARAMETER_GRADIENT, {n: total}) for s, n in holders],
-                name="tied-push",
-            )
+        run_parallel(
+            [lambda s=s: self.clients[s].sync_tied(self.job_id, s, step, self.step_timeout_s) for s in stages],
+            name="tied-sync",
+        )
 
     def apply(self, step: int, *, optimizer_step: bool = True, snapshot: SnapshotRequest | None = None) -> None:
         """Run the optimizer on every stage (or only zero the gradients); optionally snapshot."""
@@ -394,7 +399,7 @@ class PipelineDriver:
         """
         t0 = time.perf_counter()
         stats = self.forward_backward(step, inputs, target, measure_memory=measure_memory)
-        self.sync_tied_gradients()
+        self.sync_tied_gradients(step)
         self.apply(step, snapshot=snapshot)
         stats.step_s = time.perf_counter() - t0
         return stats

@@ -223,7 +223,7 @@ def train_distributed(
             x, y = job_batch(job, dataset, step)
             t0 = time.perf_counter()
             stats = driver.forward_backward(step, (x,), y)
-            driver.sync_tied_gradients()
+            driver.sync_tied_gradients(step)
             if collect_gradients:
                 result.gradients = driver.gradients()
             driver.apply(step)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +71,8 @@ class StepResult:
     peak_memory_bytes: int = 0
     poisoned: PoisonedInputError | None = None
     """Set when the step failed because a peer sent a poisoned tensor."""
+    tied_synced: bool = False
+    """The tied gradients of this run of the step were exchanged (at most once)."""
 
 
 #: Sends ``(dst_stage, header, tensors, scalars, encoded)`` asynchronously; the future gives
@@ -79,6 +81,25 @@ SendFn = Callable[
     [int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, tuple[pb.TensorMeta, bytes]]],
     "Future[tuple[int, float]]",
 ]
+
+
+@dataclass(frozen=True)
+class TiedParam:
+    """A parameter this stage shares with others (tied weights): each holder computes a
+    gradient for its own uses, and all must step with the sum."""
+
+    name: str
+    """Its name in this stage's module."""
+    canonical: str
+    """The name every holder knows it by (tied gradients travel under it)."""
+    holders: tuple[int, ...]
+    """Every holding stage, this one included, ascending: the order of the sum, so that
+    every holder adds the same numbers in the same order and the copies stay bit-identical."""
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, or zeros when this stage's uses of ``p`` got no gradient."""
+    return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
 
 
 class StageRuntime:
@@ -101,6 +122,7 @@ class StageRuntime:
         stage_key: str = "",
         input_guard: InputGuard | None = None,
         fault: Fault | None = None,
+        tied: Sequence[TiedParam] = (),
     ) -> None:
         self.job_id = job_id
         self.stage_key = stage_key
@@ -136,6 +158,23 @@ class StageRuntime:
         # Set while no snapshot is copying the weights; the optimizer waits for it.
         self._weights_free = threading.Event()
         self._weights_free.set()
+        self.tied = self._check_tied(tied)
+
+    def _check_tied(self, tied: Sequence[TiedParam]) -> list[TiedParam]:
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        me = self.spec.stage_idx
+        for t in tied:
+            if t.name not in params:
+                raise WireError(f"stage {me} holds no parameter {t.name!r} to tie")
+            if me not in t.holders or len(t.holders) < 2 or list(t.holders) != sorted(set(t.holders)):
+                raise WireError(f"tied parameter {t.canonical!r}: holders {list(t.holders)} must be ascending, distinct, include stage {me} and another")
+        if len({t.canonical for t in tied}) != len(tied):
+            raise WireError(f"stage {me} names a tied parameter twice")
+        return list(tied)
+
+    def _tied_with(self, peer: int) -> list[TiedParam]:
+        """The tied parameters this stage shares with stage ``peer``."""
+        return [t for t in self.tied if peer in t.holders and peer != self.spec.stage_idx]
 
     # ------------------------------------------------------------- receiving
     def check_transfer(self, header: pb.TransferHeader) -> None:
@@ -162,6 +201,9 @@ class StageRuntime:
             if not self.spec.is_loss_stage or src != DRIVER:
                 raise WireError(f"stage {self.spec.stage_idx} does not compute the loss; targets go to the loss stage")
             names = [TARGET_NAME]
+        elif kind == pb.TRANSFER_KIND_TIED_GRADIENT:
+            self._check_tied_transfer(header)
+            return
         else:
             raise WireError(f"transfer kind {kind} cannot be sent to a running stage")
         metas = {m.name: m for m in header.tensors}
@@ -179,6 +221,23 @@ class StageRuntime:
             if kind == pb.TRANSFER_KIND_GRADIENT and exp.kind != "tensor":
                 raise WireError(f"value {name!r} is a {exp.kind}; it has no gradient")
             exp.check(name, metas.get(name), scalars.get(name))
+
+    def _check_tied_transfer(self, header: pb.TransferHeader) -> None:
+        """A tied-gradient transfer: from a co-holder, exactly the parameters shared with
+        it, each shaped and typed like this stage's copy."""
+        src = header.src_stage_idx
+        shared = {t.canonical: t for t in self._tied_with(src)}
+        if not shared:
+            raise WireError(f"stage {self.spec.stage_idx} shares no tied parameter with stage {src}")
+        if header.values:
+            raise WireError("tied gradients are tensors; the transfer carries scalars")
+        received = {m.name: m for m in header.tensors}
+        if set(received) != set(shared):
+            raise WireError(f"tied gradients from stage {src} must be exactly {sorted(shared)}, got {sorted(received)}")
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        for name, meta in received.items():
+            p = params[shared[name].name]
+            ExpectedValue(kind="tensor", dtype=p.dtype, shape=tuple(p.shape)).check(name, meta, None)
 
     def deliver(self, transfer: Transfer, tensors: Mapping[str, torch.Tensor]) -> None:
         """Deposit a validated transfer for the compute thread."""
@@ -407,6 +466,57 @@ class StageRuntime:
             sends.append(self._send_tracked(result, src, header, raw, {}, encoded, dense))
         return sends
 
+    def sync_tied(self, step: int) -> tuple[int, float]:
+        """Send this stage's gradient of each tied parameter to the other holders, take
+        theirs, and set the gradient to the sum over holders in stage order.
+
+        Peer to peer: the gradients never pass through the driver (a GPT-2 small head is
+        154 MB; through the driver it crossed two links twice). Returns (bytes sent,
+        seconds). Call once per step, after the step and before :meth:`apply_step`.
+        """
+        with self._lock:
+            self._check_finished(step, "sync tied gradients of")
+            result = self._step
+            assert result is not None  # checked above
+            if result.tied_synced:
+                raise StateError(f"stage {self.spec.stage_idx} already synced the tied gradients of step {step}")
+            result.tied_synced = True
+        t0 = time.perf_counter()
+        me = self.spec.stage_idx
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        own = {t.canonical: _grad_or_zeros(params[t.name]) for t in self.tied}
+        peers = sorted({h for t in self.tied for h in t.holders if h != me})
+        sends = []
+        for peer in peers:
+            header = pb.TransferHeader(
+                job_id=self.job_id, stage_idx=peer, src_stage_idx=me, step=step, micro_batch_idx=0, kind=pb.TRANSFER_KIND_TIED_GRADIENT
+            )
+            sends.append(self._send(peer, header, {t.canonical: own[t.canonical] for t in self._tied_with(peer)}, {}, {}))
+        received = {
+            peer: self.mailbox.take(
+                (pb.TRANSFER_KIND_TIED_GRADIENT, 0, peer), timeout_s=self.step_timeout_s, what=f"tied gradients from stage {peer}"
+            )
+            for peer in peers
+        }
+        sent = sum(f.result(timeout=self.step_timeout_s)[0] for f in sends)
+        with torch.no_grad():
+            for t in self.tied:
+                parts = [own[t.canonical] if h == me else received[h][t.canonical].to(self.device) for h in t.holders]
+                total = parts[0].clone()
+                for g in parts[1:]:
+                    total += g
+                params[t.name].grad = total
+        return sent, time.perf_counter() - t0
+
+    def _check_finished(self, step: int, doing: str) -> None:
+        result = self._step
+        if result is None or result.step != step or not result.done.is_set():
+            raise StateError(f"stage {self.spec.stage_idx} cannot {doing} step {step}: it has not finished it")
+        if result.error is not None:
+            raise StateError(f"stage {self.spec.stage_idx} cannot {doing} step {step}: it failed ({result.error})")
+        if self._last_applied == step:
+            raise StateError(f"stage {self.spec.stage_idx} already applied step {step}")
+
     def apply_step(
         self, step: int, *, optimizer_step: bool, snapshot_to: Callable[[Snapshot], None] | None = None
     ) -> None:
@@ -416,13 +526,7 @@ class StageRuntime:
         snapshotted in the background and handed to ``snapshot_to``; the next optimizer step
         waits for the copy, the next forward pass does not.
         """
-        result = self._step
-        if result is None or result.step != step or not result.done.is_set():
-            raise StateError(f"stage {self.spec.stage_idx} cannot apply step {step}: it has not finished it")
-        if result.error is not None:
-            raise StateError(f"stage {self.spec.stage_idx} cannot apply step {step}: it failed ({result.error})")
-        if self._last_applied == step:
-            raise StateError(f"stage {self.spec.stage_idx} already applied step {step}")
+        self._check_finished(step, "apply")
         self._weights_free.wait()
         if optimizer_step:
             self.optimizer.step()

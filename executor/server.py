@@ -34,7 +34,7 @@ from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, CutSetting, decode_tensor
 from executor.guard import FAULT_HELP, Fault
-from executor.runtime import StageRuntime
+from executor.runtime import StageRuntime, TiedParam
 from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
 from executor.status import rpc_errors
 from executor.transport import (
@@ -213,6 +213,7 @@ class ExecutorService:
             compression=compression,
             stage_key=stage_key(list(request.nodes), request.graph_fingerprint),
             fault=self.fault,
+            tied=[TiedParam(t.name, t.canonical, tuple(t.holder_stage_idx)) for t in request.tied],
         )
         key = (request.job_id, request.stage_idx)
         with self._lock:
@@ -299,6 +300,11 @@ class ExecutorService:
             dense_bytes=result.dense_bytes,
             peak_memory_bytes=result.peak_memory_bytes,
         )
+
+    @rpc_errors
+    def SyncTied(self, request: epb.SyncTiedRequest, context: grpc.ServicerContext) -> epb.SyncTiedResponse:
+        sent_bytes, seconds = self.stage(request.job_id, request.stage_idx).sync_tied(request.step)
+        return epb.SyncTiedResponse(sent_bytes=sent_bytes, seconds=seconds)
 
     @rpc_errors
     def ApplyStep(self, request: epb.ApplyStepRequest, context: grpc.ServicerContext) -> epb.ApplyStepResponse:

@@ -73,9 +73,7 @@ class StepCosts:
     optimizer_s_per_byte: float = 0.0
     """Optimizer update seconds per parameter byte on the reference device."""
     driver_round_trip_s: float = 0.0
-    """One control round trip from the driver to a worker (tied-gradient sync uses several)."""
-    driver_bandwidth_bytes_per_s: float = float("inf")
-    """Driver ↔ worker bandwidth, for gradients of tied parameters that the driver sums."""
+    """One control round trip from the driver to a worker (where the links to each are not measured)."""
     target_bytes: int = 0
     """Bytes of one micro-batch's targets, which the driver sends to the loss stage."""
 
@@ -316,7 +314,10 @@ def estimate(
         memory[w] = memory.get(w, 0) + int(stage_mem)
 
     opt_s = workload.step.optimizer_s_per_byte * max(param_bytes[s] * scale[s] for s in range(num_stages)) if num_stages else 0.0
-    tied_s = _tied_sync_s(workload, stage_params, [topology.driver_link(w) for w in stage_workers] if topology.driver_links is not None else None)
+    tied_s = _tied_sync_s(
+        workload, stage_params, stage_workers, topology,
+        [topology.driver_link(w) for w in stage_workers] if topology.driver_links is not None else None,
+    )
     step_s = critical + (micro_batches - 1) * period + workload.step.control_s + driver_control_s + opt_s + tied_s
     return Estimate(
         step_s=float(step_s),
@@ -364,28 +365,27 @@ def feed_s(driver_link: tuple[float, float], sends: Sequence[float]) -> float:
     return sum(rtt + size / bw for size in sends)
 
 
-def _tied_sync_s(workload: Workload, stage_params: list[dict[int, int]], driver_links: list[tuple[float, float]] | None) -> float:
-    """The driver sums the gradients of parameters several stages hold: it fetches from
-    all holders at once, then pushes the sum to all at once (the driver's link carries
-    each holder's copy). ``driver_links``: per stage, when measured; else the job's
-    single driver round trip and bandwidth."""
+def _tied_sync_s(
+    workload: Workload, stage_params: list[dict[int, int]], stage_workers: Sequence[int], topology: Topology,
+    driver_links: list[tuple[float, float]] | None,
+) -> float:
+    """Parameters several stages hold: the driver starts ``SyncTied`` on every holder at
+    once (one round trip to the farthest), and each holder sends its gradient straight to
+    every other holder, all at once, so the slowest of those transfers sets the time.
+    ``driver_links``: per stage, when measured; else the job's single driver round trip."""
     holders: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
     for s, sp in enumerate(stage_params):
         for pid, size in sp.items():
             holders.setdefault(pid, []).append(s)
             sizes[pid] = size
-    step = workload.step
     total = 0.0
     for pid, stages in holders.items():
         if len(stages) < 2:
             continue
-        if driver_links is None:
-            rtt, bw = step.driver_round_trip_s, step.driver_bandwidth_bytes_per_s
-        else:
-            rtt = max(driver_links[s][0] for s in stages)
-            bw = min(driver_links[s][1] for s in stages)
-        total += 2 * (rtt + len(stages) * sizes[pid] / bw)
+        rtt = workload.step.driver_round_trip_s if driver_links is None else max(driver_links[s][0] for s in stages)
+        exchange = max(topology.transfer_s(stage_workers[a], stage_workers[b], sizes[pid]) for a in stages for b in stages if a != b)
+        total += rtt + exchange
     return total
 
 

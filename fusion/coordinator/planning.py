@@ -312,7 +312,7 @@ def calibrate_executor(
 
 def plan_request(
     spec: JobSpec, profile: ModelProfile, round_trip_s: float, *, strategy: str | None = None, overhead: ExecutorOverhead | None = None,
-    driver_bandwidth: float = float("inf"), target_bytes: int = 0,
+    target_bytes: int = 0,
 ) -> PlanRequest:
     """The planner's view of the job."""
     overhead = overhead or ExecutorOverhead(step_s=3 * round_trip_s)
@@ -321,7 +321,6 @@ def plan_request(
         micro_batch_s=overhead.micro_batch_s,
         optimizer_s_per_byte=profile.optimizer_s_per_byte,
         driver_round_trip_s=round_trip_s,
-        driver_bandwidth_bytes_per_s=driver_bandwidth,
         target_bytes=target_bytes,
     )
     return request_for_job(spec, strategy=strategy, step_costs=costs)
@@ -336,7 +335,6 @@ class Measurements:
     topology: Topology
     round_trip_s: float
     overhead: ExecutorOverhead
-    driver_bandwidth_bytes_per_s: float = float("inf")
     target_bytes: int = 0
     """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
 
@@ -400,7 +398,6 @@ def measure(
         topology=topology,
         round_trip_s=statistics.median(rtt for rtt, _ in driver_links),
         overhead=overhead,
-        driver_bandwidth_bytes_per_s=statistics.median(b for _, b in driver_links),
         target_bytes=wire_bytes(example_y),
     )
 
@@ -423,7 +420,7 @@ def wire_bytes(t: Any) -> int:
 def plan_job(spec: JobSpec, m: Measurements, *, strategy: str | None = None) -> Plan:
     """Plan the job over the measured topology."""
     request = plan_request(
-        spec, m.profile, m.round_trip_s, strategy=strategy, overhead=m.overhead, driver_bandwidth=m.driver_bandwidth_bytes_per_s, target_bytes=m.target_bytes
+        spec, m.profile, m.round_trip_s, strategy=strategy, overhead=m.overhead, target_bytes=m.target_bytes
     )
     return make_plan(m.dag, m.topology, request)
 

@@ -85,7 +85,7 @@ class CutCodec(_message.Message):
     def __init__(self, src_stage_idx: _Optional[int] = ..., dst_stage_idx: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., keep_ratio: _Optional[float] = ..., activations: _Optional[bool] = ..., gradients: _Optional[bool] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth", "cut_codecs")
+    __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth", "cut_codecs", "tied")
     class StageAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class LoadStageRequest(_message.Message):
     MICRO_BATCH_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     CUT_CODECS_FIELD_NUMBER: _ClassVar[int]
+    TIED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     model: ModelSpec
@@ -131,7 +132,18 @@ class LoadStageRequest(_message.Message):
     micro_batch_weights: _containers.RepeatedScalarFieldContainer[float]
     auth: str
     cut_codecs: _containers.RepeatedCompositeFieldContainer[CutCodec]
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[StageInput, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., is_loss_stage: _Optional[bool] = ..., loss: _Optional[str] = ..., stage_addresses: _Optional[_Mapping[int, str]] = ..., depth: _Optional[int] = ..., train_json: _Optional[str] = ..., graph_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., micro_batch_weights: _Optional[_Iterable[float]] = ..., auth: _Optional[str] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ...) -> None: ...
+    tied: _containers.RepeatedCompositeFieldContainer[TiedParameter]
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[StageInput, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., is_loss_stage: _Optional[bool] = ..., loss: _Optional[str] = ..., stage_addresses: _Optional[_Mapping[int, str]] = ..., depth: _Optional[int] = ..., train_json: _Optional[str] = ..., graph_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., micro_batch_weights: _Optional[_Iterable[float]] = ..., auth: _Optional[str] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ..., tied: _Optional[_Iterable[_Union[TiedParameter, _Mapping]]] = ...) -> None: ...
+
+class TiedParameter(_message.Message):
+    __slots__ = ("name", "canonical", "holder_stage_idx")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CANONICAL_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    canonical: str
+    holder_stage_idx: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., canonical: _Optional[str] = ..., holder_stage_idx: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadStageResponse(_message.Message):
     __slots__ = ("parameter_names", "buffer_names", "parameter_bytes")
@@ -271,6 +283,26 @@ class ApplyStepRequest(_message.Message):
 class ApplyStepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SyncTiedRequest(_message.Message):
+    __slots__ = ("job_id", "stage_idx", "step", "auth")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage_idx: int
+    step: int
+    auth: str
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., auth: _Optional[str] = ...) -> None: ...
+
+class SyncTiedResponse(_message.Message):
+    __slots__ = ("sent_bytes", "seconds")
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sent_bytes: int
+    seconds: float
+    def __init__(self, sent_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("job_id", "reason", "auth")

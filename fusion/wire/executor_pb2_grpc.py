@@ -65,6 +65,11 @@ class ExecutorStub:
                 request_serializer=fusion_dot_wire_dot_executor__pb2.WaitStepRequest.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_executor__pb2.WaitStepResponse.FromString,
                 _registered_method=True)
+        self.SyncTied = channel.unary_unary(
+                '/fusion.wire.Executor/SyncTied',
+                request_serializer=fusion_dot_wire_dot_executor__pb2.SyncTiedRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_executor__pb2.SyncTiedResponse.FromString,
+                _registered_method=True)
         self.ApplyStep = channel.unary_unary(
                 '/fusion.wire.Executor/ApplyStep',
                 request_serializer=fusion_dot_wire_dot_executor__pb2.ApplyStepRequest.SerializeToString,
@@ -172,6 +177,14 @@ class ExecutorServicer:
 
     def WaitStep(self, request, context):
         """Wait (up to timeout_s) for the step's forward and backward work to finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncTied(self, request, context):
+        """Exchange the gradients of tied parameters (held by several stages) with the other
+        holders, directly, and leave each holder with their sum (in stage order).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -307,6 +320,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.WaitStep,
                     request_deserializer=fusion_dot_wire_dot_executor__pb2.WaitStepRequest.FromString,
                     response_serializer=fusion_dot_wire_dot_executor__pb2.WaitStepResponse.SerializeToString,
+            ),
+            'SyncTied': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncTied,
+                    request_deserializer=fusion_dot_wire_dot_executor__pb2.SyncTiedRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_executor__pb2.SyncTiedResponse.SerializeToString,
             ),
             'ApplyStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyStep,
@@ -536,6 +554,33 @@ class Executor:
             '/fusion.wire.Executor/WaitStep',
             fusion_dot_wire_dot_executor__pb2.WaitStepRequest.SerializeToString,
             fusion_dot_wire_dot_executor__pb2.WaitStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncTied(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Executor/SyncTied',
+            fusion_dot_wire_dot_executor__pb2.SyncTiedRequest.SerializeToString,
+            fusion_dot_wire_dot_executor__pb2.SyncTiedResponse.FromString,
             options,
             channel_credentials,
             insecure,

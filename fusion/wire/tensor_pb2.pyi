@@ -38,6 +38,7 @@ class TransferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_KIND_PARAMETER: _ClassVar[TransferKind]
     TRANSFER_KIND_PARAMETER_GRADIENT: _ClassVar[TransferKind]
     TRANSFER_KIND_PROBE: _ClassVar[TransferKind]
+    TRANSFER_KIND_TIED_GRADIENT: _ClassVar[TransferKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -61,6 +62,7 @@ TRANSFER_KIND_TARGET: TransferKind
 TRANSFER_KIND_PARAMETER: TransferKind
 TRANSFER_KIND_PARAMETER_GRADIENT: TransferKind
 TRANSFER_KIND_PROBE: TransferKind
+TRANSFER_KIND_TIED_GRADIENT: TransferKind
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "size_bytes", "codec")

@@ -206,6 +206,19 @@ def test_malformed_compressed_tensor(driver: PipelineDriver) -> None:
     assert "CompressionError" in info.value.details()
 
 
+def test_bad_tied_gradients(driver: PipelineDriver) -> None:
+    """GPT-2's embedding (stage 0) and head (stage 1) are one tied parameter."""
+    tied = lambda **kw: activation_header(driver, kind=pb.TRANSFER_KIND_TIED_GRADIENT, **kw)  # noqa: E731
+    head = torch.zeros(256, 32)
+    send = driver.clients[1].send
+    expect_code(lambda: send(tied(), {"transformer.wte.weight": torch.zeros(255, 32)}), grpc.StatusCode.INVALID_ARGUMENT, "shape")
+    expect_code(lambda: send(tied(), {"transformer.wte.weight": head.double()}), grpc.StatusCode.INVALID_ARGUMENT, "dtype")
+    expect_code(lambda: send(tied(), {"lm_head.bias": head}), grpc.StatusCode.INVALID_ARGUMENT, "must be exactly")
+    expect_code(lambda: send(tied(src_stage_idx=5), {"transformer.wte.weight": head}), grpc.StatusCode.INVALID_ARGUMENT, "shares no tied parameter with stage 5")
+    # Step 0 is still running: its tied gradients cannot be exchanged yet.
+    expect_code(lambda: driver.clients[1].sync_tied(driver.job_id, 1, 0, 10.0), grpc.StatusCode.FAILED_PRECONDITION, "has not finished")
+
+
 def test_bad_state_and_load_requests(driver: PipelineDriver) -> None:
     client = driver.clients[0]
     expect_code(lambda: client.set_state(driver.job_id, 0, pb.TRANSFER_KIND_PARAMETER, {"no.such.weight": torch.zeros(2)}), grpc.StatusCode.NOT_FOUND, "no.such.weight")

@@ -440,15 +440,17 @@ def test_gpipe_stashes_every_micro_batch_and_1f1b_only_depth_plus_one() -> None:
 
 
 def test_tied_parameters_on_two_stages_add_the_sync_cost() -> None:
-    step = StepCosts(driver_round_trip_s=0.01, driver_bandwidth_bytes_per_s=1e8)
+    step = StepCosts(driver_round_trip_s=0.01)
     tied = chain_workload([0.01, 0.01], param_bytes=[4 * MB, 4 * MB], param_ids=[0, 0], step=step)
     untied = chain_workload([0.01, 0.01], param_bytes=[4 * MB, 4 * MB], param_ids=[0, 1], step=step)
-    topology = make_topology(uniform_bandwidth(2))
+    bw = np.array([[np.inf, 1e8], [5e7, np.inf]])
+    lat = np.array([[0.0, 0.02], [0.03, 0.0]])
+    topology = make_topology(bw, latency_s=lat)
     split_tied = estimate(tied, [0, 1], [0, 1], topology, micro_batches=4)
     split_untied = estimate(untied, [0, 1], [0, 1], topology, micro_batches=4)
-    # The driver fetches from both holders at once, then pushes to both at once: two round
-    # trips, each moving both 4 MB copies over the driver's link.
-    assert split_tied.step_s - split_untied.step_s == pytest.approx(2 * (0.01 + 2 * 4 * MB / 1e8))
+    # The driver starts the exchange (one round trip); the holders send each other their
+    # 4 MB at once, and the slower direction (1 -> 0: 30 ms, 50 MB/s) sets the time.
+    assert split_tied.step_s - split_untied.step_s == pytest.approx(0.01 + 0.03 + 4 * MB / 5e7)
     one_stage = estimate(tied, [0, 0], [0], topology, micro_batches=4)
     assert one_stage.step_s == pytest.approx(estimate(untied, [0, 0], [0], topology, micro_batches=4).step_s)
     assert one_stage.peak_memory_bytes[0] < estimate(untied, [0, 0], [0], topology, micro_batches=4).peak_memory_bytes[0]

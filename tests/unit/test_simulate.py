@@ -159,10 +159,9 @@ def test_uniform_equals_the_estimator_plus_the_driver(tiny: sim.JobCosts) -> Non
     period = far.detail["bottleneck_s"]
     assert period >= feed
     slower = 3 * max(0.0, feed - near.detail["bottleneck_s"])
-    # The tied embedding's gradients are summed by the driver: fetched and pushed, each a round trip.
-    tied_at_least = 2 * rtt
-    tied_at_most = 2 * (rtt + 2 * tiny.workload().total_param_bytes / (100 * MBPS))
-    assert 2.5 * rtt + slower + tied_at_least <= far.detail["driver_s"] <= 2.5 * rtt + feed + slower + tied_at_most
+    # The tied embedding's holders exchange gradients between themselves (in both runs);
+    # the remote driver adds the round trip that starts the exchange.
+    assert 2.5 * rtt + slower + rtt <= far.detail["driver_s"] <= 2.5 * rtt + feed + slower + rtt
     assert far.step_s == pytest.approx(far.detail["estimator_step_s"])
 
 

@@ -1,0 +1,74 @@
+"""Tied parameters: the holders exchange gradients directly and each keeps the same sum.
+
+GPT-2 ties its token embedding (first stage) to its output head (last stage). After a
+step, ``SyncTied`` must leave both holders with bit-identical gradients equal to the sum
+of what each computed, added in stage order; the bytes go between the holders.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from executor.client import ChannelPool
+from executor.driver import PipelineDriver, tied_holders
+from executor.local import LocalCluster
+from fusion.config import JobSpec
+from fusion.errors import RemoteError
+from fusion.graph.export import capture
+from fusion.graph.split import split_stages
+from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+from fusion.wire import executor_pb2 as epb
+from scheduler.baselines import uniform_assignment
+
+JOB = JobSpec.from_dict(
+    {
+        "model": {"name": "gpt2", "preset": "tiny"},
+        "data": {"batch_size": 4, "seq_len": 16},
+        "train": {"steps": 1, "micro_batches": 2, "optimizer": "sgd", "lr": 0.1},
+    }
+)
+
+
+def test_holders_exchange_and_sum_in_stage_order(cluster: LocalCluster) -> None:
+    model = build_job_model(JOB)
+    dataset = build_job_dataset(JOB)
+    x, y = example_micro_batch(JOB, dataset)
+    captured = capture(model, (x,))
+    stages = split_stages(captured.dag, uniform_assignment(captured.dag, 3))
+    holders = tied_holders(stages, captured.dag.tied_params)
+    assert holders == {"transformer.wte.weight": [(0, "transformer.wte.weight"), (2, "lm_head.weight")]}
+    pool = ChannelPool()
+    try:
+        driver = PipelineDriver(
+            job_id="tied-sync", job=JOB, model=model, captured=captured, stages=stages,
+            addresses=cluster.addresses[:3], example_target=y, pool=pool,
+        )
+        try:
+            driver.load()
+            bx, by = job_batch(JOB, dataset, 0)
+            driver.forward_backward(0, (bx,), by)
+            grad = lambda s, n: driver.clients[s].get_state(driver.job_id, s, epb.STATE_KIND_GRADIENTS, [n])[n]  # noqa: E731
+            before = [grad(0, "transformer.wte.weight"), grad(2, "lm_head.weight")]
+            assert not torch.equal(before[0], before[1])
+            # Each waits for the other's gradient: the two calls must run at once (as the driver makes them).
+            with ThreadPoolExecutor(2) as ex:
+                sent = list(ex.map(lambda s: driver.clients[s].sync_tied(driver.job_id, s, 0, 60.0), (0, 2)))
+            after = [grad(0, "transformer.wte.weight"), grad(2, "lm_head.weight")]
+            expected = before[0].clone()
+            expected += before[1]
+            assert torch.equal(after[0], expected) and torch.equal(after[1], expected)
+            # Each holder sent its whole gradient to the other (plus framing), nothing else.
+            size = before[0].numel() * 4
+            assert all(size <= r.sent_bytes < size + 4096 for r in sent), [r.sent_bytes for r in sent]
+            # Once per step: a second exchange would add the peer's gradient again.
+            with pytest.raises(RemoteError, match="already synced"):
+                driver.clients[0].sync_tied(driver.job_id, 0, 0, 60.0)
+            # A stage that holds no tied parameter has nothing to exchange.
+            assert driver.clients[1].sync_tied(driver.job_id, 1, 0, 60.0).sent_bytes == 0
+        finally:
+            driver.close()
+    finally:
+        pool.close()
