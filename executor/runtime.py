@@ -492,13 +492,15 @@ class StageRuntime:
                 job_id=self.job_id, stage_idx=peer, src_stage_idx=me, step=step, micro_batch_idx=0, kind=pb.TRANSFER_KIND_TIED_GRADIENT
             )
             sends.append(self._send(peer, header, {t.canonical: own[t.canonical] for t in self._tied_with(peer)}, {}, {}))
+        # A send completes once the peer has it (its SyncTied need not have started), so an
+        # unreachable peer fails here rather than after the wait below times out.
+        sent = sum(f.result(timeout=self.step_timeout_s)[0] for f in sends)
         received = {
             peer: self.mailbox.take(
                 (pb.TRANSFER_KIND_TIED_GRADIENT, 0, peer), timeout_s=self.step_timeout_s, what=f"tied gradients from stage {peer}"
             )
             for peer in peers
         }
-        sent = sum(f.result(timeout=self.step_timeout_s)[0] for f in sends)
         with torch.no_grad():
             for t in self.tied:
                 parts = [own[t.canonical] if h == me else received[h][t.canonical].to(self.device) for h in t.holders]
