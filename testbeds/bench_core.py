@@ -50,6 +50,10 @@ while True:
 """
 
 
+#: Seconds a new executor spends on its start-up imports (~3 s on 2 cores), with margin.
+EXECUTOR_WARM_UP_S = 6.0
+
+
 class SocketSink:
     """A separate process that receives length-prefixed bytes into a preallocated buffer."""
 
@@ -88,6 +92,10 @@ def bench_transport(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
             pool = ChannelPool()
             client = ExecutorClient(cluster.addresses[0], pool)
             client.probe(1 << 20)  # warm up the channel
+            # ... and let the executor finish warming up: for its first seconds a background
+            # thread imports torch's optimizer machinery (executor.server._warm_imports) and
+            # holds the GIL, which timed every call at 3-5 ms instead of ~1 ms.
+            time.sleep(EXECUTOR_WARM_UP_S)
             for mib in sizes_mib:
                 n = mib << 20
                 payload = memoryview(bytearray(n))
@@ -132,6 +140,7 @@ def bench_steps(preset: str, workers: list[int], steps: int, batch_size: int, se
     rows = [{"system": "single-process", "workers": 1, "step_s": round(single, 3), "ratio": 1.0}]
     for k in workers:
         with LocalCluster(k) as cluster:
+            time.sleep(EXECUTOR_WARM_UP_S)  # see bench_transport
             result = train_distributed(
                 job, cluster.addresses, device=device,
                 on_step=lambda s: print(f"  {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s", file=sys.stderr),
