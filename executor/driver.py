@@ -367,10 +367,15 @@ class PipelineDriver:
         stages = sorted({s for holders in self._tied.values() for s, _ in holders})
         if not stages:
             return
-        run_parallel(
-            [lambda s=s: self.clients[s].sync_tied(self.job_id, s, step, self.step_timeout_s) for s in stages],
-            name="tied-sync",
-        )
+        try:
+            run_parallel(
+                [lambda s=s: self.clients[s].sync_tied(self.job_id, s, step, self.step_timeout_s) for s in stages],
+                name="tied-sync",
+            )
+        except FusionError as e:
+            # A holder waiting for a peer that failed would wait out the step timeout.
+            self.abort(f"tied-gradient sync of step {step} failed: {e}")
+            raise
 
     def apply(self, step: int, *, optimizer_step: bool = True, snapshot: SnapshotRequest | None = None) -> None:
         """Run the optimizer on every stage (or only zero the gradients); optionally snapshot."""

@@ -7,6 +7,7 @@ of what each computed, added in stage order; the bytes go between the holders.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -68,6 +69,14 @@ def test_holders_exchange_and_sum_in_stage_order(cluster: LocalCluster) -> None:
                 driver.clients[0].sync_tied(driver.job_id, 0, 0, 60.0)
             # A stage that holds no tied parameter has nothing to exchange.
             assert driver.clients[1].sync_tied(driver.job_id, 1, 0, 60.0).sent_bytes == 0
+            # A holder whose peer never answers is freed by an abort, with the reason.
+            driver.forward_backward(1, (bx,), by)
+            with ThreadPoolExecutor(1) as ex:
+                waiting = ex.submit(driver.clients[0].sync_tied, driver.job_id, 0, 1, 60.0)
+                time.sleep(0.5)
+                driver.abort("stage 2 is gone")
+                with pytest.raises(RemoteError, match="aborted while waiting for tied gradients from stage 2: stage 2 is gone"):
+                    waiting.result(timeout=30)
         finally:
             driver.close()
     finally:
