@@ -32,6 +32,7 @@ from executor.guard import Fault, InputGuard
 from executor.mailbox import Aborted, ExpectedValue, Mailbox, Payload
 from executor.memory_meter import MemoryMeter
 from executor.schedule import Action, stage_actions
+from executor.tied import TiedParam, TiedSet
 from executor.transport import Transfer, dtype_from_wire
 from fusion.checkpoint import (
     Snapshot,
@@ -81,25 +82,6 @@ SendFn = Callable[
     [int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, tuple[pb.TensorMeta, bytes]]],
     "Future[tuple[int, float]]",
 ]
-
-
-@dataclass(frozen=True)
-class TiedParam:
-    """A parameter this stage shares with others (tied weights): each holder computes a
-    gradient for its own uses, and all must step with the sum."""
-
-    name: str
-    """Its name in this stage's module."""
-    canonical: str
-    """The name every holder knows it by (tied gradients travel under it)."""
-    holders: tuple[int, ...]
-    """Every holding stage, this one included, ascending: the order of the sum, so that
-    every holder adds the same numbers in the same order and the copies stay bit-identical."""
-
-
-def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
-    """``p.grad``, or zeros when this stage's uses of ``p`` got no gradient."""
-    return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
 
 
 class StageRuntime:
@@ -158,23 +140,7 @@ class StageRuntime:
         # Set while no snapshot is copying the weights; the optimizer waits for it.
         self._weights_free = threading.Event()
         self._weights_free.set()
-        self.tied = self._check_tied(tied)
-
-    def _check_tied(self, tied: Sequence[TiedParam]) -> list[TiedParam]:
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        me = self.spec.stage_idx
-        for t in tied:
-            if t.name not in params:
-                raise WireError(f"stage {me} holds no parameter {t.name!r} to tie")
-            if me not in t.holders or len(t.holders) < 2 or list(t.holders) != sorted(set(t.holders)):
-                raise WireError(f"tied parameter {t.canonical!r}: holders {list(t.holders)} must be ascending, distinct, include stage {me} and another")
-        if len({t.canonical for t in tied}) != len(tied):
-            raise WireError(f"stage {me} names a tied parameter twice")
-        return list(tied)
-
-    def _tied_with(self, peer: int) -> list[TiedParam]:
-        """The tied parameters this stage shares with stage ``peer``."""
-        return [t for t in self.tied if peer in t.holders and peer != self.spec.stage_idx]
+        self.tied = TiedSet(spec.stage_idx, dict(module.named_parameters(remove_duplicate=False)), tied)
 
     # ------------------------------------------------------------- receiving
     def check_transfer(self, header: pb.TransferHeader) -> None:
@@ -202,7 +168,7 @@ class StageRuntime:
                 raise WireError(f"stage {self.spec.stage_idx} does not compute the loss; targets go to the loss stage")
             names = [TARGET_NAME]
         elif kind == pb.TRANSFER_KIND_TIED_GRADIENT:
-            self._check_tied_transfer(header)
+            self.tied.check_transfer(header)
             return
         else:
             raise WireError(f"transfer kind {kind} cannot be sent to a running stage")
@@ -221,23 +187,6 @@ class StageRuntime:
             if kind == pb.TRANSFER_KIND_GRADIENT and exp.kind != "tensor":
                 raise WireError(f"value {name!r} is a {exp.kind}; it has no gradient")
             exp.check(name, metas.get(name), scalars.get(name))
-
-    def _check_tied_transfer(self, header: pb.TransferHeader) -> None:
-        """A tied-gradient transfer: from a co-holder, exactly the parameters shared with
-        it, each shaped and typed like this stage's copy."""
-        src = header.src_stage_idx
-        shared = {t.canonical: t for t in self._tied_with(src)}
-        if not shared:
-            raise WireError(f"stage {self.spec.stage_idx} shares no tied parameter with stage {src}")
-        if header.values:
-            raise WireError("tied gradients are tensors; the transfer carries scalars")
-        received = {m.name: m for m in header.tensors}
-        if set(received) != set(shared):
-            raise WireError(f"tied gradients from stage {src} must be exactly {sorted(shared)}, got {sorted(received)}")
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        for name, meta in received.items():
-            p = params[shared[name].name]
-            ExpectedValue(kind="tensor", dtype=p.dtype, shape=tuple(p.shape)).check(name, meta, None)
 
     def deliver(self, transfer: Transfer, tensors: Mapping[str, torch.Tensor]) -> None:
         """Deposit a validated transfer for the compute thread."""
@@ -483,15 +432,13 @@ class StageRuntime:
             result.tied_synced = True
         t0 = time.perf_counter()
         me = self.spec.stage_idx
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        own = {t.canonical: _grad_or_zeros(params[t.name]) for t in self.tied}
-        peers = sorted({h for t in self.tied for h in t.holders if h != me})
+        own = self.tied.own_gradients()
         sends = []
-        for peer in peers:
+        for peer in self.tied.peers():
             header = pb.TransferHeader(
                 job_id=self.job_id, stage_idx=peer, src_stage_idx=me, step=step, micro_batch_idx=0, kind=pb.TRANSFER_KIND_TIED_GRADIENT
             )
-            sends.append(self._send(peer, header, {t.canonical: own[t.canonical] for t in self._tied_with(peer)}, {}, {}))
+            sends.append(self._send(peer, header, {t.canonical: own[t.canonical] for t in self.tied.shared_with(peer)}, {}, {}))
         # A send completes once the peer has it (its SyncTied need not have started), so an
         # unreachable peer fails here rather than after the wait below times out.
         sent = sum(f.result(timeout=self.step_timeout_s)[0] for f in sends)
@@ -499,15 +446,9 @@ class StageRuntime:
             peer: self.mailbox.take(
                 (pb.TRANSFER_KIND_TIED_GRADIENT, 0, peer), timeout_s=self.step_timeout_s, what=f"tied gradients from stage {peer}"
             )
-            for peer in peers
+            for peer in self.tied.peers()
         }
-        with torch.no_grad():
-            for t in self.tied:
-                parts = [own[t.canonical] if h == me else received[h][t.canonical].to(self.device) for h in t.holders]
-                total = parts[0].clone()
-                for g in parts[1:]:
-                    total += g
-                params[t.name].grad = total
+        self.tied.set_sums(own, received)
         return sent, time.perf_counter() - t0
 
     def _check_finished(self, step: int, doing: str) -> None:

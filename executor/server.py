@@ -34,9 +34,10 @@ from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, CutSetting, decode_tensor
 from executor.guard import FAULT_HELP, Fault
-from executor.runtime import StageRuntime, TiedParam
+from executor.runtime import StageRuntime
 from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
 from executor.status import rpc_errors
+from executor.tied import TiedParam
 from executor.transport import (
     DEFAULT_CHUNK_BYTES,
     RawChunk,
