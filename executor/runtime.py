@@ -562,7 +562,7 @@ class StageRuntime:
                 )
 
     def set_state(self, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy parameters/buffers in, or set parameter gradients (tied-gradient sync)."""
+        """Copy parameters/buffers in, or set parameter gradients."""
         if self._step is not None and not self._step.done.is_set():
             raise StateError(f"stage {self.spec.stage_idx} is running step {self._step.step}; state cannot change now")
         with torch.no_grad():
