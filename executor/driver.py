@@ -144,7 +144,6 @@ class PipelineDriver:
         self.step_timeout_s = step_timeout_s
         self.clients = [ExecutorClient(a, self.pool) for a in self.addresses]
         self.loss_stage = next(s.stage_idx for s in self.stages if s.is_loss_stage)
-        self._param_names: list[list[str]] = [[] for _ in self.stages]
         self._state_names: list[set[str]] = [set() for _ in self.stages]
         #: Canonical name -> (stage, local name) of each holder, for parameters several stages hold.
         self._tied = tied_holders(self.stages, self.dag.tied_params)
@@ -218,7 +217,6 @@ class PipelineDriver:
             client = self.clients[spec.stage_idx]
             response = client.load_stage(self.load_request(spec))
             names = list(response.parameter_names) + list(response.buffer_names)
-            self._param_names[spec.stage_idx] = list(response.parameter_names)
             self._state_names[spec.stage_idx] = set(names)
             if set_initial:
                 tensors = {n: state[n] for n in names if n in state}
