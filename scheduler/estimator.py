@@ -12,15 +12,20 @@ backward seconds per micro-batch (profiled node times scaled by
 the critical path ``P`` of the stage graph: forward along the longest path of
 ``f`` and ``x``, backward along the longest path of ``b`` and ``g``. With ``M``
 micro-batches the pipeline then emits one micro-batch per bottleneck period
-``B = max(max_s (f_s + b_s), max_ab max(x_ab, g_ab))`` (every stage does one forward and one
-backward per micro-batch; each link carries one activation each way per micro-batch and
-is full duplex). Hence
+``B = max(max_s (f_s + b_s), max_ab max(x_ab + lat_ba, g_ab + lat_ab))`` (every stage does
+one forward and one backward per micro-batch; each link carries one activation each way
+per micro-batch and is full duplex; and a stage sends to one destination one transfer at a
+time, each until the receiver's answer is back, so a link is busy a round trip plus the
+bytes per transfer). Hence
 
     T = P + (M - 1) * B + t_step,
 
 which is DESIGN.md's ``Σ c_i + Σ t_j + (M − 1)·max(max c_i, max t_j)`` for a chain, with
 the per-step fixed costs ``t_step`` (control round trips and the optimizer update, both
-measured by the profiler) added.
+measured by the profiler) added. The form is fast enough for planners to call thousands of
+times; it assumes a steady state a short pipeline over latency never reaches, and the
+simulator replays the executor's schedule event by event instead (``testbeds.replay``,
+from the same :class:`StageGraph`).
 
 **The driver's path.** When the topology knows the driver's link to each worker
 (round trip ``r_w``, bandwidth ``β_w``), every step also pays ``2.5 · max r`` of control
@@ -216,7 +221,7 @@ class Estimate:
     stage_compute_s: tuple[float, ...]
     """Forward + backward seconds per micro-batch, per stage."""
     link_s: dict[tuple[int, int], float]
-    """Seconds per micro-batch on each cut (max of the two directions), by (src stage, dst stage)."""
+    """Seconds per micro-batch each cut is busy (the slower direction, the answer included), by (src stage, dst stage)."""
     link_bytes: dict[tuple[int, int], int]
     """Activation bytes per micro-batch on each cut."""
     peak_memory_bytes: dict[int, int]
@@ -225,6 +230,76 @@ class Estimate:
     """The pipeline period ``B``."""
     depth: tuple[int, ...]
     """Longest path, in stages, from each stage to a sink."""
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """A placement reduced to its stages: what each computes per micro-batch and what
+    crosses each cut. Shared by :func:`estimate`'s closed form and by event replays of the
+    executor's schedule (``testbeds.replay``)."""
+
+    num_stages: int
+    stage_of: np.ndarray
+    """Stage of every unit."""
+    fwd_s: np.ndarray
+    """Forward seconds per micro-batch per stage on its worker, bookkeeping included."""
+    bwd_s: np.ndarray
+    act: dict[tuple[int, int], int]
+    """Activation bytes per micro-batch per cut (src stage, dst stage)."""
+    grad: dict[tuple[int, int], int]
+    """Gradient bytes per micro-batch sent back over each cut."""
+    order: list[int]
+    """Stages in topological order."""
+    depth: list[int]
+    """Longest path, in stages, from each stage to a sink."""
+    model_input_bytes: np.ndarray
+    """Per stage: bytes of model inputs it reads per micro-batch (fed by the driver)."""
+    received_bytes: np.ndarray
+    """Per stage: activation bytes it receives per micro-batch."""
+    loss_stage: int
+    stage_params: list[dict[int, int]]
+    """Per stage: parameter id -> bytes."""
+    scale: np.ndarray
+    """Per stage: seconds on its worker per profiled second."""
+
+    def feed_bytes(self, stage: int, target_bytes: int) -> list[float]:
+        """The driver's sends to ``stage`` per micro-batch, in order: its model inputs, then
+        the loss stage's targets."""
+        inputs = [float(self.model_input_bytes[stage])] if self.model_input_bytes[stage] > 0 else []
+        return inputs + ([float(target_bytes)] if stage == self.loss_stage else [])
+
+
+def stage_graph(workload: Workload, unit_stage: Sequence[int], stage_workers: Sequence[int], topology: Topology) -> StageGraph:
+    """Reduce a placement to its :class:`StageGraph`.
+
+    Raises:
+        PlanError: an index is out of range or the stage graph is cyclic.
+    """
+    num_stages = len(stage_workers)
+    stage_of = np.asarray(unit_stage, dtype=np.int64)
+    if len(stage_of) != len(workload) or (num_stages and (stage_of.min() < 0 or stage_of.max() >= num_stages)):
+        raise PlanError("unit_stage must give every unit a stage in range")
+    speed = np.array([topology.workers[w].effective_flops for w in stage_workers])
+    scale = workload.reference_flops / speed  # seconds multiplier per stage
+    overhead = workload.step.micro_batch_s / 2  # half with each of forward and backward
+    f = np.bincount(stage_of, weights=workload.fwd_s, minlength=num_stages) * scale + overhead
+    b = np.bincount(stage_of, weights=workload.bwd_s, minlength=num_stages) * scale + overhead
+    # Cut traffic: a value crosses once per (producer, destination stage).
+    act, grad, received = _cut_traffic(workload, stage_of, num_stages)
+    order = _stage_order(num_stages, act)
+    depth = [0] * num_stages
+    for s in reversed(order):
+        depth[s] = max((depth[c] + 1 for (a, c) in act if a == s), default=0)
+    stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
+    for u, unit in enumerate(workload.params):
+        for pid, size in unit:
+            stage_params[stage_of[u]][pid] = size
+    return StageGraph(
+        num_stages=num_stages, stage_of=stage_of, fwd_s=f, bwd_s=b, act=act, grad=grad, order=order, depth=depth,
+        model_input_bytes=np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages), received_bytes=received,
+        loss_stage=int(stage_of[workload.output_unit]) if workload.output_unit >= 0 else num_stages - 1,
+        stage_params=stage_params, scale=scale,
+    )
 
 
 def estimate(
@@ -249,28 +324,15 @@ def estimate(
     Raises:
         PlanError: the stage graph is cyclic or an index is out of range.
     """
-    num_stages = len(stage_workers)
-    stage_of = np.asarray(unit_stage, dtype=np.int64)
-    if len(stage_of) != len(workload) or (num_stages and (stage_of.min() < 0 or stage_of.max() >= num_stages)):
-        raise PlanError("unit_stage must give every unit a stage in range")
-    speed = np.array([topology.workers[w].effective_flops for w in stage_workers])
-    scale = workload.reference_flops / speed  # seconds multiplier per stage
-    overhead = workload.step.micro_batch_s / 2  # half with each of forward and backward
-    f = np.bincount(stage_of, weights=workload.fwd_s, minlength=num_stages) * scale + overhead
-    b = np.bincount(stage_of, weights=workload.bwd_s, minlength=num_stages) * scale + overhead
-    saved = np.bincount(stage_of, weights=workload.saved_bytes, minlength=num_stages)
-    model_inputs = np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages)  # per micro-batch
-    stash_in = model_inputs.copy()
-
-    # Cut traffic: a value crosses once per (producer, destination stage).
-    act, grad, received = _cut_traffic(workload, stage_of, num_stages)
-    stash_in = stash_in + received  # received inputs stay stashed until backward
+    sg = stage_graph(workload, unit_stage, stage_workers, topology)
+    num_stages, f, b, act, grad, order = sg.num_stages, sg.fwd_s, sg.bwd_s, sg.act, sg.grad, sg.order
+    saved = np.bincount(sg.stage_of, weights=workload.saved_bytes, minlength=num_stages)
+    stash_in = sg.model_input_bytes + sg.received_bytes  # received inputs stay stashed until backward
     for (a, _), size in act.items():
         stash_in[a] += size  # so do the outputs a stage sent
     if workload.output_unit >= 0:
-        stash_in[stage_of[workload.output_unit]] += 2 * workload.output_bytes
-    order = _stage_order(num_stages, act)
-    feed, driver_control_s = _driver_path(workload, stage_of, stage_workers, topology, model_inputs)
+        stash_in[sg.loss_stage] += 2 * workload.output_bytes
+    feed, driver_control_s = _driver_path(sg, stage_workers, topology, workload.step.target_bytes)
     x = {k: topology.transfer_s(stage_workers[k[0]], stage_workers[k[1]], v) for k, v in act.items()}
     g = {k: topology.transfer_s(stage_workers[k[1]], stage_workers[k[0]], grad[k]) if grad[k] else 0.0 for k in act}
 
@@ -284,7 +346,11 @@ def estimate(
         start = max((bwd_done[c] + g[(a, c)] for (a, c) in act if a == s), default=0.0)
         bwd_done[s] = max(start, fwd_done[s]) + b[s]
     critical = float(bwd_done.max()) if num_stages else 0.0
-    link = {k: max(x[k], g[k]) for k in act}
+    # A sender's transfers to one stage go one after another, each waiting for the answer.
+    link = {
+        (a, c): max(x[(a, c)] + answer_s(topology, stage_workers[c], stage_workers[a]), g[(a, c)] + answer_s(topology, stage_workers[a], stage_workers[c]))
+        for (a, c) in act
+    }
     period = max(
         float((f + b).max()) if num_stages else 0.0,
         max(link.values(), default=0.0),
@@ -292,19 +358,11 @@ def estimate(
         _shared_machine_s(f + b, stage_workers, topology),
     )
 
-    depth = [0] * num_stages
-    for s in reversed(order):
-        depth[s] = max((depth[c] + 1 for (a, c) in act if a == s), default=0)
+    depth = sg.depth
+    stage_params = sg.stage_params
+    param_bytes = [float(sum(sp.values())) for sp in stage_params]
 
     # Memory per stage, then per worker.
-    param_bytes = [0.0] * num_stages
-    stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
-    for u, unit in enumerate(workload.params):
-        sp = stage_params[stage_of[u]]
-        for pid, size in unit:
-            sp[pid] = size
-    for s in range(num_stages):
-        param_bytes[s] = float(sum(stage_params[s].values()))
     factor = 2.0 + OPTIMIZER_STATE_FACTOR[workload.optimizer]
     memory: dict[int, int] = {}
     for s in range(num_stages):
@@ -313,11 +371,8 @@ def estimate(
         w = stage_workers[s]
         memory[w] = memory.get(w, 0) + int(stage_mem)
 
-    opt_s = workload.step.optimizer_s_per_byte * max(param_bytes[s] * scale[s] for s in range(num_stages)) if num_stages else 0.0
-    tied_s = _tied_sync_s(
-        workload, stage_params, stage_workers, topology,
-        [topology.driver_link(w) for w in stage_workers] if topology.driver_links is not None else None,
-    )
+    opt_s = optimizer_s(workload, sg, stage_workers, topology)
+    tied_s = tied_sync_s(workload, sg, stage_workers, topology)
     step_s = critical + (micro_batches - 1) * period + workload.step.control_s + driver_control_s + opt_s + tied_s
     return Estimate(
         step_s=float(step_s),
@@ -330,6 +385,13 @@ def estimate(
     )
 
 
+def answer_s(topology: Topology, i: int, j: int) -> float:
+    """Seconds until a sender hears that its transfer to ``i`` arrived (the answer from
+    ``i`` back to ``j``): a stage's sends to one destination go one after another, each
+    waiting for that answer, so a link is busy a round trip plus the bytes per transfer."""
+    return 0.0 if i == j else float(topology.latency_s[i][j])
+
+
 def _shared_machine_s(compute: np.ndarray, stage_workers: Sequence[int], topology: Topology) -> float:
     """The most compute per micro-batch that one machine does for its stages (they take
     turns on it; module docstring)."""
@@ -339,22 +401,17 @@ def _shared_machine_s(compute: np.ndarray, stage_workers: Sequence[int], topolog
     return float(np.bincount(machine, weights=compute).max())
 
 
-def _driver_path(
-    workload: Workload, stage_of: np.ndarray, stage_workers: Sequence[int], topology: Topology, input_bytes: np.ndarray
-) -> tuple[np.ndarray, float]:
+def _driver_path(sg: StageGraph, stage_workers: Sequence[int], topology: Topology, target_bytes: int) -> tuple[np.ndarray, float]:
     """Per stage, the feed time of one micro-batch ``φ_s``; and the control round trips per
     step (module docstring). Zeros when the topology does not know the driver's links."""
-    num_stages = len(stage_workers)
-    feed = np.zeros(num_stages)
-    if topology.driver_links is None or not num_stages:
+    feed = np.zeros(sg.num_stages)
+    if topology.driver_links is None or not sg.num_stages:
         return feed, 0.0
-    loss_stage = int(stage_of[workload.output_unit]) if workload.output_unit >= 0 else num_stages - 1
     rtts = []
     for s, w in enumerate(stage_workers):
-        rtt, bw = topology.driver_link(w)
-        rtts.append(rtt)
-        sends = ([float(input_bytes[s])] if input_bytes[s] > 0 else []) + ([float(workload.step.target_bytes)] if s == loss_stage else [])
-        feed[s] = feed_s((rtt, bw), sends)
+        link = topology.driver_link(w)
+        rtts.append(link[0])
+        feed[s] = feed_s(link, sg.feed_bytes(s, target_bytes))
     return feed, DRIVER_CONTROL_ROUND_TRIPS * max(rtts)
 
 
@@ -365,17 +422,22 @@ def feed_s(driver_link: tuple[float, float], sends: Sequence[float]) -> float:
     return sum(rtt + size / bw for size in sends)
 
 
-def _tied_sync_s(
-    workload: Workload, stage_params: list[dict[int, int]], stage_workers: Sequence[int], topology: Topology,
-    driver_links: list[tuple[float, float]] | None,
-) -> float:
+def optimizer_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> float:
+    """The optimizer update of the slowest stage (all stages update at once)."""
+    if not sg.num_stages:
+        return 0.0
+    return workload.step.optimizer_s_per_byte * max(sum(sp.values()) * sg.scale[s] for s, sp in enumerate(sg.stage_params))
+
+
+def tied_sync_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> float:
     """Parameters several stages hold: the driver starts ``SyncTied`` on every holder at
     once (one round trip to the farthest), and each holder sends its gradient straight to
-    every other holder, all at once, so the slowest of those transfers sets the time.
-    ``driver_links``: per stage, when measured; else the job's single driver round trip."""
+    every other holder, all at once, and answers once its own sends are acknowledged, so
+    the slowest transfer plus its acknowledgement sets the time. The driver's round trip
+    is the measured link's where the topology has one, else the job's single round trip."""
     holders: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
-    for s, sp in enumerate(stage_params):
+    for s, sp in enumerate(sg.stage_params):
         for pid, size in sp.items():
             holders.setdefault(pid, []).append(s)
             sizes[pid] = size
@@ -383,8 +445,14 @@ def _tied_sync_s(
     for pid, stages in holders.items():
         if len(stages) < 2:
             continue
-        rtt = workload.step.driver_round_trip_s if driver_links is None else max(driver_links[s][0] for s in stages)
-        exchange = max(topology.transfer_s(stage_workers[a], stage_workers[b], sizes[pid]) for a in stages for b in stages if a != b)
+        if topology.driver_links is None:
+            rtt = workload.step.driver_round_trip_s
+        else:
+            rtt = max(topology.driver_link(stage_workers[s])[0] for s in stages)
+        exchange = max(
+            topology.transfer_s(stage_workers[a], stage_workers[b], sizes[pid]) + answer_s(topology, stage_workers[b], stage_workers[a])
+            for a in stages for b in stages if a != b
+        )
         total += rtt + exchange
     return total
 

@@ -60,7 +60,7 @@ def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -
             if name in measured:
                 given = doc["systems"][name].get("plan")
                 sims[name] = simulate_plan(
-                    job, fusion_topo, strategy=strategy, compression=compression, driver=0, given=given
+                    job, fusion_topo, strategy=strategy, compression=compression, driver=0, given=given, cores=cores
                 ).to_dict()
         return sims
 

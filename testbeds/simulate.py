@@ -12,7 +12,7 @@ plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The 
   estimator with the cuts it marks as slow carrying top-k tensors at the ratio AdaTopK
   (:class:`compress.controller.AdaTopK`) would pick for the link, and encoded at
   :func:`compress.topk.topk_encoded_size` bytes (zstd's further gain is not counted).
-- ``uniform``: equal node counts in join order, dense, priced by the same estimator.
+- ``uniform``: equal node counts in join order, dense, priced the same way.
 - ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed by
   gloo's ring all-reduce (:func:`testbeds.gloo_model.ring_allreduce_s`), not overlapped
   with backward (gloo on CPUs shares the cores with compute, and a small model's buckets
@@ -55,6 +55,7 @@ from scheduler.estimator import (
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
 from scheduler.topology import GIB, Topology
 from testbeds.gloo_model import ddp_buckets, gpipe_step_s, ring_allreduce_s
+from testbeds.replay import replay_step
 from testbeds.sim_topologies import MBPS, load_topology, testbed_topology
 
 logger = logging.getLogger(__name__)
@@ -200,15 +201,17 @@ def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tu
 
 def simulate_plan(
     job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None,
-    driver: int | None = 0, given: list[dict[str, Any]] | None = None,
+    driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
     estimator with the driver (the coordinator) on host ``driver``: its control round trips
     and feed cross that host's links (``None``: the driver's path is free).
 
     ``given``: price this plan (``[{"worker", "nodes"}]``, as a bench run recorded it)
-    instead of planning. Hosts that share a machine (:func:`testbed_topology`) share its
-    compute, as the estimator models it.
+    instead of planning. The step is the event replay of the executor running the plan
+    (:mod:`testbeds.replay`); the estimator's closed form, which planned it, is kept in
+    ``detail``. Hosts that share a machine (:func:`testbed_topology`) share its ``cores``
+    (``None``: one at a time, as the estimator assumes).
     """
     from fusion.graph.split import split_stages
 
@@ -255,7 +258,7 @@ def simulate_plan(
         per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
-    step_s = est.step_s
+    step_s = replay_step(wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1).step_s
     return _finish(
         SystemResult(
             name=name,
@@ -435,8 +438,8 @@ def simulate(
 
     ``driver``: host index of fusion's coordinator (``None``: ignore its control path);
     ``cores``: cores all hosts share on a one-machine testbed, for the gloo baselines'
-    ranks (``None``: hosts are machines); fusion's and uniform's stages share compute where
-    the topology puts hosts on one machine.
+    ranks and for fusion's and uniform's stages where the topology puts hosts on one machine
+    (``None``: hosts are machines).
     """
     results: dict[str, SystemResult] = {}
     timings: dict[str, float] = {}
@@ -444,10 +447,10 @@ def simulate(
         t0 = time.perf_counter()
         if name == "fusion":
             results[name] = simulate_plan(
-                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver
+                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver, cores=cores
             )
         elif name == "uniform":
-            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver)
+            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver, cores=cores)
         elif name == "ddp":
             results[name] = simulate_ddp(job, topology, cores=cores)
         elif name == "pipelining":

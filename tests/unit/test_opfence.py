@@ -411,9 +411,11 @@ def test_two_stage_chain_matches_the_hand_computed_step_time(act_bytes: int, gra
     x = 0.01 + act_bytes / 1e8  # activation forward on 0 -> 1
     g = 0.02 + grad_bytes / 5e7  # gradient back on 1 -> 0
     critical = 0.01 + x + 0.03 + 0.05 + g + 0.02
-    period = max(0.01 + 0.02, 0.03 + 0.05, x, g)
-    assert (period == g) == (bound == "link")
-    assert est.link_s == {(0, 1): pytest.approx(max(x, g))}
+    # Each sender waits for the answer before its next transfer: the link is busy a round trip.
+    busy = max(x + 0.02, g + 0.01)
+    period = max(0.01 + 0.02, 0.03 + 0.05, busy)
+    assert (period == busy) == (bound == "link")
+    assert est.link_s == {(0, 1): pytest.approx(busy)}
     assert est.link_bytes == {(0, 1): act_bytes}
     assert est.bottleneck_s == pytest.approx(period)
     assert est.step_s == pytest.approx(critical + (micro_batches - 1) * period)
@@ -449,8 +451,9 @@ def test_tied_parameters_on_two_stages_add_the_sync_cost() -> None:
     split_tied = estimate(tied, [0, 1], [0, 1], topology, micro_batches=4)
     split_untied = estimate(untied, [0, 1], [0, 1], topology, micro_batches=4)
     # The driver starts the exchange (one round trip); the holders send each other their
-    # 4 MB at once, and the slower direction (1 -> 0: 30 ms, 50 MB/s) sets the time.
-    assert split_tied.step_s - split_untied.step_s == pytest.approx(0.01 + 0.03 + 4 * MB / 5e7)
+    # 4 MB at once, and the slower direction (1 -> 0: 30 ms, 50 MB/s) with its answer
+    # (0 -> 1: 20 ms) sets the time.
+    assert split_tied.step_s - split_untied.step_s == pytest.approx(0.01 + 0.03 + 4 * MB / 5e7 + 0.02)
     one_stage = estimate(tied, [0, 0], [0], topology, micro_batches=4)
     assert one_stage.step_s == pytest.approx(estimate(untied, [0, 0], [0], topology, micro_batches=4).step_s)
     assert one_stage.peak_memory_bytes[0] < estimate(untied, [0, 0], [0], topology, micro_batches=4).peak_memory_bytes[0]
@@ -458,12 +461,12 @@ def test_tied_parameters_on_two_stages_add_the_sync_cost() -> None:
 
 def test_a_cut_without_gradient_bytes_costs_nothing_backward() -> None:
     wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[0])
-    bw = np.array([[np.inf, 1e8], [1e3, np.inf]])  # the way back is hopeless: 1 kB/s and 5 s
-    lat = np.array([[0.0, 0.01], [5.0, 0.0]])
+    bw = np.array([[np.inf, 1e8], [1e3, np.inf]])  # the way back is hopeless for bytes: 1 kB/s
+    lat = np.array([[0.0, 0.01], [0.02, 0.0]])
     est = estimate(wl, [0, 1], [0, 1], make_topology(bw, latency_s=lat), micro_batches=2)
     x = 0.01 + 1_000_000 / 1e8
-    assert est.link_s == {(0, 1): pytest.approx(x)}
-    assert est.step_s == pytest.approx((0.01 + x + 0.03 + 0.05 + 0.02) + max(0.03, 0.08, x))
+    assert est.link_s == {(0, 1): pytest.approx(x + 0.02)}  # only the send's answer comes back
+    assert est.step_s == pytest.approx((0.01 + x + 0.03 + 0.05 + 0.02) + max(0.03, 0.08, x + 0.02))
 
 
 def test_a_cyclic_stage_graph_is_refused() -> None:

@@ -145,15 +145,15 @@ def test_ddp_does_not_apply_when_the_model_does_not_fit(tiny: sim.JobCosts) -> N
     assert r.step_s is None and r.note.startswith("n/a")
 
 
-def test_uniform_equals_the_estimator_plus_the_driver(tiny: sim.JobCosts) -> None:
+def test_uniform_pays_the_driver_path(tiny: sim.JobCosts) -> None:
     topo = line_topology(2, bandwidth_bytes_per_s=100 * MBPS, latency_s=0.01)
     near = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
     far = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=0)
     assert near.detail["driver_s"] == 0.0
-    assert near.step_s == pytest.approx(near.detail["estimator_step_s"])
-    # Stage 1 (the loss stage) is remote: 2.5 round trips, then the target feed as one more
-    # pipeline element: its first send delays that stage's start (by less than the whole
-    # feed when its input arrives later anyway), the later ones cost where slower than the period.
+    # The estimator's closed form (kept in detail): stage 1 (the loss stage) is remote: 2.5
+    # round trips, then the target feed as one more pipeline element: its first send delays
+    # that stage's start (by less than the whole feed when its input arrives later anyway),
+    # the later ones cost where slower than the period.
     rtt = 0.02
     feed = rtt + tiny.target_bytes / (100 * MBPS)
     period = far.detail["bottleneck_s"]
@@ -162,7 +162,10 @@ def test_uniform_equals_the_estimator_plus_the_driver(tiny: sim.JobCosts) -> Non
     # The tied embedding's holders exchange gradients between themselves (in both runs);
     # the remote driver adds the round trip that starts the exchange.
     assert 2.5 * rtt + slower + rtt <= far.detail["driver_s"] <= 2.5 * rtt + feed + slower + rtt
-    assert far.step_s == pytest.approx(far.detail["estimator_step_s"])
+    # The step itself is the event replay (tests/unit/test_replay.py): the remote driver
+    # costs at least its control round trips (RunStep, the wait's answer, the optimizer call).
+    assert far.step_s - near.step_s >= 2.5 * rtt + rtt - 1e-9
+    assert near.step_s >= near.detail["estimator_step_s"] * 0.9
 
 
 def test_compression_shrinks_a_slow_cut(tiny: sim.JobCosts) -> None:

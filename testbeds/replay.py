@@ -1,0 +1,162 @@
+"""An event replay of one training step as fusion's executor runs it.
+
+The estimator's closed form (``T = P + (M - 1)·B``) assumes a pipeline in steady state.
+A short pipeline over links with latency never reaches one, and three things of the real
+executor decide its step instead (each seen in a traced two-sites run):
+
+- **the schedule's fixed order**: a stage runs its action list (``executor.schedule``)
+  strictly in order, so under 1F1B a backward whose gradient has arrived still waits for
+  the forward before it, whose input may be on the slow link;
+- **one send at a time per destination**: a stage's transfers to one stage go one after
+  another, each waiting for the receiver's answer (``executor.server.PeerSender``), so a
+  link is busy a round trip plus the bytes per transfer, while the data arrives after the
+  one-way latency plus the bytes;
+- **the driver's path**: ``RunStep`` reaches every stage first (the feed starts when all
+  have answered), the feed to each stage is one synchronous send after another, the driver
+  hears a stage is done half a round trip after it is (and after its last send was
+  answered), then come the tied-gradient exchange and the optimizer call.
+
+Compute is list-scheduled: a stage's action starts when its inputs are in and its machine
+has a free core (``cores`` per machine; stages on one machine take turns beyond that).
+Everything else is priced as :mod:`scheduler.estimator` prices it, from the same
+:class:`~scheduler.estimator.StageGraph`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from executor.schedule import stage_actions
+from scheduler.estimator import (
+    StageGraph,
+    Workload,
+    answer_s,
+    optimizer_s,
+    stage_graph,
+    tied_sync_s,
+)
+from scheduler.topology import Topology
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replayed step."""
+
+    step_s: float
+    """Seconds from the driver's ``RunStep`` to the end of the optimizer call."""
+    stages_done_s: tuple[float, ...]
+    """When the driver heard each stage had finished (its compute and its sends)."""
+    tied_s: float
+    apply_s: float
+
+
+class _SendQueue:
+    """One sender's transfers to one destination: one at a time, each until its answer."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+
+    def send(self, ready: float, one_way_s: float, answer_s: float) -> float:
+        """Start a transfer no earlier than ``ready``; returns when its data arrives."""
+        start = max(ready, self.free_at)
+        self.free_at = start + one_way_s + answer_s
+        return start + one_way_s
+
+
+def replay_step(
+    workload: Workload,
+    unit_stage: Sequence[int],
+    stage_workers: Sequence[int],
+    topology: Topology,
+    *,
+    micro_batches: int,
+    schedule: str = "1f1b",
+    cores: int = 1,
+) -> Replay:
+    """Replay one step of a placement (the arguments are :func:`scheduler.estimator.estimate`'s).
+
+    ``cores``: stages whose workers share a machine compute at once on up to this many
+    cores (1: one at a time, as the estimator assumes).
+    """
+    sg = stage_graph(workload, unit_stage, stage_workers, topology)
+    n, m = sg.num_stages, micro_batches
+    w = list(stage_workers)
+    rtt = [topology.driver_link(x)[0] if topology.driver_links is not None else 0.0 for x in w]
+    # RunStep reaches each stage after half its round trip; the feed starts once all answered.
+    feed_in = _feed(sg, w, topology, workload.step.target_bytes, m, start=max(rtt, default=0.0))
+    actions = [stage_actions(schedule, num_micro_batches=m, depth=sg.depth[s]) for s in range(n)]
+    producers = {s: [a for (a, c) in sg.act if c == s] for s in range(n)}
+    consumers = {s: [c for (a, c) in sg.act if a == s] for s in range(n)}
+    arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, micro-batch) -> time
+    queues = {(a, c): _SendQueue() for a in range(n) for c in range(n) if a != c}
+    machine = [topology.machine_of[x] for x in w]
+    cores_free = {k: [0.0] * max(1, cores) for k in set(machine)}
+    free = [r / 2 for r in rtt]
+    nxt = [0] * n
+
+    def inputs_at(s: int) -> float | None:
+        act = actions[s][nxt[s]]
+        mb = act.micro_batch_idx
+        if act.kind == "F":
+            keys = [("act", a, s, mb) for a in producers[s]]
+            base = feed_in[s][mb]
+        else:
+            keys = [("grad", c, s, mb) for c in consumers[s] if sg.grad[(s, c)]]
+            base = 0.0
+        if any(k not in arrived for k in keys):
+            return None
+        return max([free[s], base, *(arrived[k] for k in keys)])
+
+    for _ in range(sum(len(a) for a in actions)):
+        ready = [(t, s) for s in range(n) if nxt[s] < len(actions[s]) and (t := inputs_at(s)) is not None]
+        t, s = min(ready)  # the earliest startable action: nothing unscheduled can start before it
+        act = actions[s][nxt[s]]
+        pool = cores_free[machine[s]]
+        start = max(t, heapq.heappop(pool))
+        end = start + (sg.fwd_s[s] if act.kind == "F" else sg.bwd_s[s])
+        heapq.heappush(pool, end)
+        free[s] = end
+        nxt[s] += 1
+        mb = act.micro_batch_idx
+        if act.kind == "F":
+            for c in consumers[s]:
+                arrived[("act", s, c, mb)] = _send(queues[(s, c)], end, topology, w[s], w[c], sg.act[(s, c)])
+        else:
+            for a in producers[s]:
+                if sg.grad[(a, s)]:
+                    arrived[("grad", s, a, mb)] = _send(queues[(s, a)], end, topology, w[s], w[a], sg.grad[(a, s)])
+    # A stage answers the driver's wait once its compute is done and its sends are answered.
+    done = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) + rtt[s] / 2 for s in range(n))
+    tied = tied_sync_s(workload, sg, w, topology)
+    apply = max(rtt, default=0.0) + optimizer_s(workload, sg, w, topology)
+    step = max(done, default=0.0) + tied + apply + workload.step.control_s
+    return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply)
+
+
+def _send(queue: _SendQueue, ready: float, topology: Topology, src: int, dst: int, size: float) -> float:
+    if src == dst:
+        return ready
+    return queue.send(ready, topology.transfer_s(src, dst, size), answer_s(topology, dst, src))
+
+
+def _feed(sg: StageGraph, workers: list[int], topology: Topology, target_bytes: int, m: int, *, start: float) -> list[list[float]]:
+    """Per stage and micro-batch, when the driver's inputs and targets for it have arrived
+    (one synchronous send after another per stage, the stages fed in parallel)."""
+    out = []
+    for s, w in enumerate(workers):
+        sends = sg.feed_bytes(s, target_bytes)
+        if not sends or topology.driver_links is None:
+            out.append([0.0] * m)
+            continue
+        rtt, bw = topology.driver_link(w)
+        t, arrivals = start, []
+        for _ in range(m):
+            last = t
+            for size in sends:
+                last = t + rtt / 2 + size / bw
+                t += rtt + size / bw
+            arrivals.append(last)
+        out.append(arrivals)
+    return out

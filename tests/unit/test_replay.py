@@ -1,0 +1,83 @@
+"""The event replay of the executor's step (testbeds.replay), against hand-computed timelines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler.estimator import StepCosts, estimate
+from testbeds.replay import replay_step
+from tests.unit.test_opfence import MB, chain_workload, make_topology
+
+
+def test_one_stage_without_a_driver_equals_the_closed_form() -> None:
+    step = StepCosts(control_s=0.05, micro_batch_s=0.001, optimizer_s_per_byte=1e-9)
+    wl = chain_workload([0.001, 0.002], bwd_s=[0.002, 0.004], param_bytes=[MB, 2 * MB], step=step)
+    topology = make_topology(np.full((1, 1), np.inf))
+    est = estimate(wl, [0, 0], [0], topology, micro_batches=4)
+    replay = replay_step(wl, [0, 0], [0], topology, micro_batches=4)
+    assert replay.step_s == pytest.approx(est.step_s)
+
+
+def test_two_stages_over_a_latency_link_by_hand() -> None:
+    """f0=10 b0=20, f1=30 b1=50 ms; 0->1 10 ms + 1 MB at 100 MB/s, 1->0 20 ms + 1 MB at 50 MB/s.
+
+    Stage 0 (depth 1) runs F0 F1 B0 B1, stage 1 runs F0 B0 F1 B1. Each sender waits for the
+    answer of one transfer before the next: activations arrive 20 ms after they leave and
+    keep the link 40 ms; gradients arrive after 40 ms and keep it 50 ms.
+
+    s0 F0 0-10, act0 sent 10 (arrives 30, link free 50); s0 F1 10-20, act1 sent 50 (arr 70);
+    s1 F0 30-60, B0 60-110, grad0 sent 110 (arr 150, free 160); s1 F1 110-140, B1 140-190,
+    grad1 sent 190 (arr 230, free 240); s0 B0 150-170, B1 230-250. Stage 1 is done when its
+    last send is answered (240), stage 0 at 250.
+    """
+    wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[1_000_000])
+    bw = np.array([[np.inf, 1e8], [5e7, np.inf]])
+    lat = np.array([[0.0, 0.01], [0.02, 0.0]])
+    replay = replay_step(wl, [0, 1], [0, 1], make_topology(bw, latency_s=lat), micro_batches=2)
+    assert replay.stages_done_s == pytest.approx((0.25, 0.24))
+    assert replay.step_s == pytest.approx(0.25)
+    # A two-stage chain reaches its bottleneck at once: the closed form agrees here.
+    assert estimate(wl, [0, 1], [0, 1], make_topology(bw, latency_s=lat), micro_batches=2).step_s == pytest.approx(0.25)
+
+
+def test_gpipe_runs_every_forward_first() -> None:
+    """Same stages, GPipe: stage 1 runs F0 F1 B0 B1, so B0 waits for F1 (input at 70 ms).
+
+    s1 F0 30-60, F1 70-100, B0 100-150, grad0 sent 150 (arr 190, free 200), B1 150-200, grad1
+    sent 200 (arr 240, free 250); s0 B0 190-210, B1 240-260.
+    """
+    wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[1_000_000])
+    bw = np.array([[np.inf, 1e8], [5e7, np.inf]])
+    lat = np.array([[0.0, 0.01], [0.02, 0.0]])
+    replay = replay_step(wl, [0, 1], [0, 1], make_topology(bw, latency_s=lat), micro_batches=2, schedule="gpipe")
+    assert replay.stages_done_s == pytest.approx((0.26, 0.25))
+
+
+def test_the_driver_feeds_one_send_after_another() -> None:
+    """One stage on a worker 100 ms (round trip) from the driver, 1 MB/s; inputs and targets
+    of 1 kB each per micro-batch, compute 1 + 2 ms.
+
+    RunStep returns after 100 ms; each micro-batch's two sends take 2 x 101 ms, its targets
+    arriving 50 + 1 ms after the second starts: at 252, 454 and 656 ms. The last backward ends
+    at 659, the driver hears it 50 ms later, then the optimizer call takes a round trip: 809.
+    """
+    step = StepCosts(target_bytes=1000)
+    wl = chain_workload([0.001], bwd_s=[0.002], input_bytes=[1000], step=step)
+    topology = make_topology(np.array([[np.inf, 1e6], [1e6, np.inf]]), latency_s=0.05).with_driver_at(0)
+    replay = replay_step(wl, [0], [1], topology, micro_batches=3)
+    assert replay.stages_done_s == pytest.approx((0.709,))
+    assert replay.apply_s == pytest.approx(0.1)
+    assert replay.step_s == pytest.approx(0.809)
+
+
+def test_stages_on_one_machine_take_turns_beyond_its_cores() -> None:
+    wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1000], grad_bytes=[1000])
+    apart = replay_step(wl, [0, 1], [0, 1], make_topology(np.array([[np.inf, 1e15], [1e15, np.inf]])), micro_batches=4)
+    one_core = replay_step(wl, [0, 1], [0, 0], make_topology(np.full((1, 1), np.inf)), micro_batches=4, cores=1)
+    two_cores = replay_step(wl, [0, 1], [0, 0], make_topology(np.full((1, 1), np.inf)), micro_batches=4, cores=2)
+    # One core does all 4 x 110 ms of compute one after another; two run the stages as two
+    # free machines would.
+    assert one_core.step_s == pytest.approx(4 * 0.11)
+    assert two_cores.step_s == pytest.approx(apart.step_s)
+    assert two_cores.step_s < one_core.step_s
