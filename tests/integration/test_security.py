@@ -168,7 +168,11 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
                 assert time.monotonic() < deadline, s
                 time.sleep(0.2)
             assert s["state"] == "succeeded", s
-            states = {w.name: w.state for w in client.workers()}
+            # The job's end is recorded first; its workers are released once their stages
+            # are unloaded, a moment later.
+            while any((states := {w.name: w.state for w in client.workers()})[n] == "busy" for n in ("w0", "w2")):
+                assert time.monotonic() < deadline, states
+                time.sleep(0.2)
         records = [json.loads(line) for line in (Path(s["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
         events = [r for r in records if "event" in r]
         print("\n".join(f"{e['event']}: {e.get('message', '')}" for e in s["events"]))
