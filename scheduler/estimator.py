@@ -371,7 +371,7 @@ def estimate(
         w = stage_workers[s]
         memory[w] = memory.get(w, 0) + int(stage_mem)
 
-    opt_s = optimizer_s(workload, sg, stage_workers, topology)
+    opt_s = optimizer_s(workload, sg)
     tied_s = tied_sync_s(workload, sg, stage_workers, topology)
     step_s = critical + (micro_batches - 1) * period + workload.step.control_s + driver_control_s + opt_s + tied_s
     return Estimate(
@@ -422,7 +422,7 @@ def feed_s(driver_link: tuple[float, float], sends: Sequence[float]) -> float:
     return sum(rtt + size / bw for size in sends)
 
 
-def optimizer_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> float:
+def optimizer_s(workload: Workload, sg: StageGraph) -> float:
     """The optimizer update of the slowest stage (all stages update at once)."""
     if not sg.num_stages:
         return 0.0

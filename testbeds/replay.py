@@ -58,10 +58,10 @@ class _SendQueue:
     def __init__(self) -> None:
         self.free_at = 0.0
 
-    def send(self, ready: float, one_way_s: float, answer_s: float) -> float:
+    def send(self, ready: float, one_way_s: float, back_s: float) -> float:
         """Start a transfer no earlier than ``ready``; returns when its data arrives."""
         start = max(ready, self.free_at)
-        self.free_at = start + one_way_s + answer_s
+        self.free_at = start + one_way_s + back_s
         return start + one_way_s
 
 
@@ -130,7 +130,7 @@ def replay_step(
     # A stage answers the driver's wait once its compute is done and its sends are answered.
     done = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) + rtt[s] / 2 for s in range(n))
     tied = tied_sync_s(workload, sg, w, topology)
-    apply = max(rtt, default=0.0) + optimizer_s(workload, sg, w, topology)
+    apply = max(rtt, default=0.0) + optimizer_s(workload, sg)
     step = max(done, default=0.0) + tied + apply + workload.step.control_s
     return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply)
 
