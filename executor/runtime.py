@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from executor.compression import CutCompression
+from executor.emulation import Slowdown
 from executor.guard import Fault, InputGuard
 from executor.mailbox import Aborted, ExpectedValue, Mailbox, Payload
 from executor.memory_meter import MemoryMeter
@@ -105,6 +106,7 @@ class StageRuntime:
         input_guard: InputGuard | None = None,
         fault: Fault | None = None,
         tied: Sequence[TiedParam] = (),
+        slowdown: Slowdown | None = None,
     ) -> None:
         self.job_id = job_id
         self.stage_key = stage_key
@@ -112,6 +114,9 @@ class StageRuntime:
         self.input_guard = input_guard if input_guard is not None else InputGuard()
         #: Test-only: corrupt what this stage sends (``--inject-fault``).
         self.fault = fault
+        #: Testbed emulation of a slower device (``--emulate-slowdown``): each computation
+        #: is stretched, and its stretched time is what ``compute_s`` reports.
+        self.slowdown = slowdown if slowdown is not None else Slowdown()
         self.spec = spec
         self.module = module
         self.expected = dict(expected)
@@ -352,6 +357,7 @@ class StageRuntime:
                 assert self.loss_fn is not None
                 loss = self.loss_fn(outs[-1], target) * self.micro_batch_weights[m]
                 result.loss += float(loss.detach())
+        self.slowdown.stretch(time.perf_counter() - t0)
         result.compute_s += time.perf_counter() - t0
         for out in outs:
             if isinstance(out, torch.Tensor):
@@ -402,6 +408,7 @@ class StageRuntime:
         if tensors:
             t0 = time.perf_counter()
             torch.autograd.backward(tensors, grad_tensors)
+            self.slowdown.stretch(time.perf_counter() - t0)
             result.compute_s += time.perf_counter() - t0
         sends = []
         for src, names in self._inputs_from.items():

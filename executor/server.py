@@ -33,6 +33,7 @@ from executor.binding import executor_handler
 from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, CutSetting, decode_tensor
+from executor.emulation import Slowdown, check_factor
 from executor.guard import FAULT_HELP, Fault
 from executor.runtime import StageRuntime
 from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
@@ -151,7 +152,7 @@ class ExecutorService:
 
     def __init__(
         self, *, worker_name: str = "", allow_code: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        access: ExecutorAccess | None = None, fault: Fault | None = None,
+        access: ExecutorAccess | None = None, fault: Fault | None = None, slowdown: float = 1.0,
     ) -> None:
         self.worker_name = worker_name
         self.allow_code = allow_code
@@ -160,6 +161,8 @@ class ExecutorService:
         self.access = access if access is not None else ExecutorAccess(keyring=self.pool.keyring)
         #: Test-only fault injected into every stage loaded here (``--inject-fault``).
         self.fault = fault
+        #: Testbed emulation of a slower device, applied to every stage loaded here.
+        self.slowdown = check_factor(slowdown)
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._lock = threading.Lock()
@@ -214,6 +217,7 @@ class ExecutorService:
             compression=compression,
             stage_key=stage_key(list(request.nodes), request.graph_fingerprint),
             fault=self.fault,
+            slowdown=Slowdown(self.slowdown),
             tied=[TiedParam(t.name, t.canonical, tuple(t.holder_stage_idx)) for t in request.tied],
         )
         key = (request.job_id, request.stage_idx)
@@ -526,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-ca", default=None, help="CA bundle to verify peer executors with (TLS to peers)")
     parser.add_argument("--auth-failure-burst", type=float, default=30.0, help="failed authentications per peer IP before it is refused for a while (default: %(default)s)")
     parser.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
+    parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="FACTOR",
+                        help="testbed emulation: compute as a device FACTOR times slower (default: %(default)s, none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.torch_threads > 0:
@@ -535,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         set_client_ca(args.tls_ca)
     warn_if_exposed(args.listen.rpartition(":")[0], tls, "the executor")
     control = bytes.fromhex(Path(args.control_key_file).read_text().strip()) if args.control_key_file else None
-    service = ExecutorService(worker_name=args.name, allow_code=args.allow_code, chunk_bytes=args.chunk_bytes, fault=Fault.parse(args.inject_fault))
+    service = ExecutorService(worker_name=args.name, allow_code=args.allow_code, chunk_bytes=args.chunk_bytes, fault=Fault.parse(args.inject_fault),
+                              slowdown=args.emulate_slowdown)
     service.access = ExecutorAccess(keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst)
     server, port = start_server(service, args.listen, tls=tls)
     stop = threading.Event()

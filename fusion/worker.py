@@ -40,16 +40,20 @@ def advertised_address(listen: str, bound_port: int, coordinator: str) -> str:
     return f"{host}:{bound_port}"
 
 
-def resources_message(profile: DeviceProfile) -> cpb.WorkerResources:
+def resources_message(profile: DeviceProfile, *, slowdown: float = 1.0) -> cpb.WorkerResources:
+    """What the worker reports at join; with an emulated ``slowdown`` (testbeds) the matmul
+    speed is the one it emulates, and the factor goes along so that the coordinator can
+    still tell the machine's speed from the device's (:func:`fusion.coordinator.planning.machine_speeds`)."""
     from fusion import __version__
 
     return cpb.WorkerResources(
+        emulated_slowdown=slowdown if slowdown > 1.0 else 0.0,
         num_cores=profile.num_cores,
         memory_bytes=profile.memory_bytes,
         device=profile.device,
         device_name=profile.device_name,
         device_memory_bytes=profile.device_memory_bytes,
-        matmul_flops=profile.matmul_flops,
+        matmul_flops=profile.matmul_flops / slowdown,
         machine=profile.machine,
         torch_version=torch.__version__,
         fusion_version=__version__,
@@ -73,6 +77,7 @@ class Worker:
         tls: ServerTls | None = None,
         fault: Fault | None = None,
         machine: str | None = None,
+        slowdown: float = 1.0,
     ) -> None:
         self.coordinator = coordinator
         self.name = name
@@ -84,7 +89,9 @@ class Worker:
         self._token = token
         self.client = CoordinatorClient(coordinator, token)
         self.tls = tls
-        self.service = ExecutorService(worker_name=name, allow_code=allow_code, fault=fault)
+        #: Testbed emulation: compute as a device this many times slower (1: this one's speed).
+        self.slowdown = slowdown
+        self.service = ExecutorService(worker_name=name, allow_code=allow_code, fault=fault, slowdown=slowdown)
         self.server: grpc.Server | None = None
         self.address = ""
         self.worker_id = ""
@@ -108,7 +115,7 @@ class Worker:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                response = self.client.register(self.name, self.address, resources_message(self.profile))
+                response = self.client.register(self.name, self.address, resources_message(self.profile, slowdown=self.service.slowdown))
                 break
             except RemoteError as e:
                 if e.code == "UNAUTHENTICATED":

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers-per-host", type=int, default=1, help="fusion-worker processes per host (default: %(default)s)")
     run.add_argument("--logs", default=None, help="directory for the coordinator's and workers' logs (default: a temp dir, kept)")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the job (default: %(default)s)")
+    run.add_argument("--emulate-speeds", action="store_true",
+                     help="emulate the topology's device speeds: workers on hosts slower than its fastest (flops / slowdown) compute "
+                          "that many times slower (fusion-worker --emulate-slowdown)")
     add_log_arg(run)
     return p
 
@@ -97,12 +100,19 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from testbeds.run import run_job_on_testbed
+    from testbeds.sim_topologies import emulated_slowdowns
 
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fusion-testbed-logs-"))
     with open_testbed(args.topology, backend=args.backend) as tb:
         print(tb.describe(), flush=True)
         print(f"logs in {log_dir}", flush=True)
-        status = run_job_on_testbed(tb, args.job, log_dir, workers_per_host=args.workers_per_host, timeout_s=args.timeout, echo=lambda s: print(s, flush=True))
+        slowdowns = emulated_slowdowns(tb.topology) if args.emulate_speeds else {}
+        if slowdowns:
+            print("emulating slower devices: " + ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items()), flush=True)
+        status = run_job_on_testbed(
+            tb, args.job, log_dir, workers_per_host=args.workers_per_host, timeout_s=args.timeout, echo=lambda s: print(s, flush=True),
+            slowdowns=slowdowns,
+        )
     print("testbed removed", flush=True)
     return 0 if status["state"] == "succeeded" else 1
 

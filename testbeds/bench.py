@@ -26,6 +26,11 @@ coordinator measured: profiled nodes, probed links, calibrated executor overhead
 compression) divided by the measured step time. 1.0 means the run is as fast as the model
 of its own plan says it can be; below, the executor loses time the model does not see.
 
+With ``--emulate-speeds`` the hosts keep the topology's device speed ratios on this one
+machine: a host ``k`` times slower than the fastest (by ``flops / slowdown``) stretches each
+computation of every system to ``k`` times its length (:mod:`executor.emulation`; fusion's
+workers report the emulated speed, so its planner sees it). The table says so.
+
 With ``--simulate`` the table also gets the simulator's prediction for each system
 (:mod:`testbeds.simulate` in testbed mode: this machine's speed on every host, its own
 profile of the model, the coordinator's calibrated executor overheads) and its error.
@@ -48,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +61,8 @@ from typing import Any
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
 from scheduler.topology import Topology
+from testbeds.run import slowdown_args
+from testbeds.sim_topologies import emulated_slowdowns
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +136,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 class FusionFleet:
     """A coordinator on the first host and a worker on every host of a testbed."""
 
-    def __init__(self, tb: Any, workdir: Path, *, torch_threads: int = 1) -> None:
+    def __init__(self, tb: Any, workdir: Path, *, torch_threads: int = 1, slowdowns: Mapping[str, float] | None = None) -> None:
         self.tb = tb
         self.workdir = workdir
         self.token = secrets.token_hex(16)
@@ -156,7 +164,8 @@ class FusionFleet:
             p = tb.spawn(
                 host,
                 [sys.executable, "-m", "fusion.cli.worker", "--coordinator", self.coordinator, "--token-file", str(workdir / "token"),
-                 "--name", host, "--listen", f"{tb.address(host)}:{wport}", "--torch-threads", str(torch_threads), "--log-level", "INFO"],
+                 "--name", host, "--listen", f"{tb.address(host)}:{wport}", "--torch-threads", str(torch_threads), "--log-level", "INFO",
+                 *slowdown_args((slowdowns or {}).get(host))],
                 stdout=open(wlog, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
             )
             wait_for_line(wlog, r"fusion-worker ready", p, 120.0)
@@ -225,7 +234,10 @@ class FusionFleet:
         return {"control_s": p["overhead_step_s"], "micro_batch_s": p["overhead_micro_batch_s"], "optimizer_s_per_byte": p["optimizer_s_per_byte"]}
 
 
-def run_ranks(tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps: int, workdir: Path, timeout_s: float) -> list[dict[str, Any]]:
+def run_ranks(
+    tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps: int, workdir: Path, timeout_s: float,
+    slowdowns: Mapping[str, float] | None = None,
+) -> list[dict[str, Any]]:
     """Start one ``module`` rank per host (rank 0 on the first) and return rank 0's records."""
     master = f"{tb.address(hosts[0])}:{tb.free_port(hosts[0])}"
     metrics = workdir / f"{module.rsplit('.', 1)[-1]}-{time.monotonic_ns()}.jsonl"
@@ -235,7 +247,8 @@ def run_ranks(tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps:
         procs.append(tb.spawn(
             host,
             [sys.executable, "-m", module, "--job", str(spec_file), "--rank", str(rank), "--world-size", str(len(hosts)),
-             "--master", master, "--address", tb.address(host), "--steps", str(steps), "--metrics", str(metrics)],
+             "--master", master, "--address", tb.address(host), "--steps", str(steps), "--metrics", str(metrics),
+             *slowdown_args((slowdowns or {}).get(host), "--slowdown")],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         ))
     deadline = time.monotonic() + timeout_s
@@ -256,7 +269,9 @@ def run_ranks(tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps:
     return _read_jsonl(metrics)
 
 
-def run_baseline(tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Path, timeout_s: float) -> Run:
+def run_baseline(
+    tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Path, timeout_s: float, slowdowns: Mapping[str, float] | None = None,
+) -> Run:
     """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not apply)."""
     spec_file = workdir / f"{system}.toml"
     spec_file.write_text(job_toml(spec))
@@ -265,7 +280,7 @@ def run_baseline(tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Pa
     if system == "ddp":
         if spec.data.batch_size < len(hosts):
             return Run(system=system, note=f"n/a: batch {spec.data.batch_size} < {len(hosts)} ranks")
-        records = run_ranks(tb, "testbeds.baselines.ddp", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s)
+        records = run_ranks(tb, "testbeds.baselines.ddp", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s, slowdowns=slowdowns)
     else:
         from fusion.training import build_job_model
         from testbeds.baselines.split import num_pipeline_stages
@@ -275,7 +290,9 @@ def run_baseline(tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Pa
             return Run(system=system, note="n/a: the model has fewer than 2 blocks to split")
         hosts = hosts[:num_stages]
         try:
-            records = run_ranks(tb, "testbeds.baselines.pipelining", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s)
+            records = run_ranks(
+                tb, "testbeds.baselines.pipelining", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s, slowdowns=slowdowns,
+            )
         except FusionError as e:
             return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
     # Ranks name links by rank; the table names hosts.
@@ -375,6 +392,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; medians."
         ),
         "",
+        *emulation_lines(doc.get("emulated_slowdown")),
         "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err | calibrated s | err | note |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -407,6 +425,18 @@ def markdown(doc: dict[str, Any]) -> str:
             "compute fusion and uniform measured in this run to the profile's."
         )
     return "\n".join(lines) + "\n"
+
+
+def emulation_lines(slowdowns: dict[str, float] | None) -> list[str]:
+    """The table's label for a run with emulated device speeds (none without)."""
+    if not slowdowns:
+        return []
+    hosts = ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items())
+    return [
+        f"**Emulated device speeds** (`--emulate-speeds`): {hosts} slower than the topology's fastest host (its flops ratio); "
+        "every system's computations there are followed by a sleep of (factor - 1) times their length (`executor.emulation`).",
+        "",
+    ]
 
 
 def f_or(v: float | None) -> str:
@@ -460,12 +490,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     topology, label = resolve_topology(args.topology)
+    slowdowns = emulated_slowdowns(topology) if args.emulate_speeds else {}
+    if slowdowns:
+        print("emulating slower devices: " + ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items()), file=sys.stderr, flush=True)
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
-        fleet = FusionFleet(tb, workdir) if {"fusion", "uniform"} & set(systems) else None
+        fleet = FusionFleet(tb, workdir, slowdowns=slowdowns) if {"fusion", "uniform"} & set(systems) else None
         for round_idx in range(args.repeats):
             for system in systems:
                 logger.info("round %d: %s", round_idx + 1, system)
@@ -475,7 +508,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     run = fleet.run(job, system, timeout_s=args.timeout)
                 else:
                     job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
-                    run = run_baseline(tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout)
+                    run = run_baseline(tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout, slowdowns=slowdowns)
                 print(f"  round {round_idx + 1} {system}: {len(run.records)} steps in {time.monotonic() - t0:.1f}s {run.note}", file=sys.stderr, flush=True)
                 runs[system].append(run)
         if fleet is not None:
@@ -485,7 +518,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
     meta = {
         "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
-        "latency_mode": latency_mode, "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
+        "latency_mode": latency_mode, "emulated_slowdown": slowdowns, "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
@@ -508,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (default: %(default)s)")
     p.add_argument("--backend", default="netns", help="testbed backend (default: %(default)s; gloo needs netns)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default: %(default)s)")
+    p.add_argument("--emulate-speeds", action="store_true",
+                   help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
+                        "times slower, in every system (each computation is followed by a sleep; labelled in the output)")
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")

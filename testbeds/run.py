@@ -9,8 +9,9 @@ followed with ``fusion logs --follow``; the final ``fusion status --json`` is th
 Workers reach the coordinator directly (control traffic); executor traffic — the
 coordinator's driver calls and every stage-to-stage transfer — crosses the emulated links.
 
-The ``slowdown`` of a topology's hosts is not emulated: every worker computes at this
-machine's speed.
+Every worker computes at this machine's speed unless ``slowdowns`` names its host
+(``python -m testbeds run --emulate-speeds``: :func:`testbeds.sim_topologies.emulated_slowdowns`),
+whose workers then run ``fusion-worker --emulate-slowdown`` — emulation of a slower device.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,10 @@ class TestbedRun:
 
     __test__ = False
 
-    def __init__(self, tb: Testbed, log_dir: Path, *, workers_per_host: int = 1, torch_threads: int = 1, echo: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, tb: Testbed, log_dir: Path, *, workers_per_host: int = 1, torch_threads: int = 1, echo: Callable[[str], None] = print,
+        slowdowns: Mapping[str, float] | None = None,
+    ) -> None:
         if workers_per_host < 1:
             raise TestbedError(f"--workers-per-host must be at least 1, got {workers_per_host}")
         self.tb = tb
@@ -55,6 +59,7 @@ class TestbedRun:
         self.workers_per_host = workers_per_host
         self.torch_threads = torch_threads
         self.echo = echo
+        self.slowdowns = dict(slowdowns or {})
         self.env = child_env()
         self.token = secrets.token_urlsafe(18)
         self.token_file = self.log_dir / "token"
@@ -88,7 +93,7 @@ class TestbedRun:
             proc, log = self._spawn_logged(host, f"worker-{name}", [
                 "-m", "fusion.cli.worker", "--coordinator", self.coordinator, "--token-file", str(self.token_file),
                 "--name", name, "--listen", f"{tb.address(host)}:{port}", "--torch-threads", str(self.torch_threads),
-                "--log-level", "INFO",
+                "--log-level", "INFO", *slowdown_args(self.slowdowns.get(host)),
             ])
             started.append((name, proc, log))
         for name, proc, log in started:
@@ -151,6 +156,12 @@ class TestbedRun:
             time.sleep(1.0)
 
 
+def slowdown_args(factor: float | None, flag: str = "--emulate-slowdown") -> list[str]:
+    """Arguments for a process on a host emulated ``factor`` times slower (none at 1):
+    ``fusion-worker``'s flag by default, the baselines' ``--slowdown``."""
+    return [flag, str(factor)] if factor and factor > 1.0 else []
+
+
 def summary_lines(status: dict[str, Any]) -> list[str]:
     """The end-of-run summary a user reads."""
     loss = f"{status['loss']:.4f}" if status.get("loss") is not None else "-"
@@ -169,13 +180,13 @@ def summary_lines(status: dict[str, Any]) -> list[str]:
 
 def run_job_on_testbed(
     tb: Testbed, job_file: str | Path, log_dir: Path, *, workers_per_host: int = 1, timeout_s: float = 3600.0,
-    echo: Callable[[str], None] = print,
+    echo: Callable[[str], None] = print, slowdowns: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Start the fleet on ``tb``, run the job to its end, return its final status."""
     job_file = Path(job_file)
     if not job_file.exists():
         raise TestbedError(f"no job file {job_file}")
-    run = TestbedRun(tb, log_dir, workers_per_host=workers_per_host, echo=echo)
+    run = TestbedRun(tb, log_dir, workers_per_host=workers_per_host, echo=echo, slowdowns=slowdowns)
     run.start()
     job_id = run.submit(job_file)
     status = run.follow(job_id, timeout_s=timeout_s)

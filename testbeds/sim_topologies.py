@@ -4,6 +4,7 @@ FusionLLM paper's testbed, and a topology as a one-host testbed runs it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -80,18 +81,32 @@ TESTBED_MACHINE = "testbed-host/cpu"
 TCP_PAYLOAD_SHARE = 1448 / 1514
 
 
+def emulated_slowdowns(topology: Topology) -> dict[str, float]:
+    """Per host slower than the topology's fastest, how many times slower it is (its
+    ``flops / slowdown`` against the fastest's): what ``--emulate-speeds`` makes a one-host
+    testbed emulate (:class:`executor.emulation.Slowdown`), so that the hosts keep the
+    topology's speed ratios though they share one CPU."""
+    fastest = max(w.effective_flops for w in topology.workers)
+    return {w.name: round(fastest / w.effective_flops, 3) for w in topology.workers if w.effective_flops < fastest}
+
+
 def testbed_topology(
-    topology: Topology, reference_flops: float | None, *, latency: bool = True, payload_share: float = 1.0
+    topology: Topology, reference_flops: float | None, *, latency: bool = True, payload_share: float = 1.0,
+    emulated: Mapping[str, float] | None = None,
 ) -> Topology:
-    """Every host at this machine's speed and on this machine (testbeds do not emulate
-    ``slowdown``, and the workers share its CPU, as their coordinator sees from the boot id
-    they report), as one-host testbeds run them; ``reference_flops=None`` keeps the hosts'
-    speeds and machines, ``latency=False`` zeroes every latency, and every link carries
-    ``payload_share`` of its rate (:data:`TCP_PAYLOAD_SHARE` on the netns backend, whose
-    ``htb`` counts frames; 1 on the proxy backend, which paces payload)."""
+    """Every host at this machine's speed and on this machine (the workers share its CPU, as
+    their coordinator sees from the boot id they report), as one-host testbeds run them;
+    a host in ``emulated`` (:func:`emulated_slowdowns`, when the run emulated speeds) that
+    many times slower. ``reference_flops=None`` keeps the hosts' speeds and machines,
+    ``latency=False`` zeroes every latency, and every link carries ``payload_share`` of its
+    rate (:data:`TCP_PAYLOAD_SHARE` on the netns backend, whose ``htb`` counts frames; 1 on
+    the proxy backend, which paces payload)."""
     workers = topology.workers
+    emulated = emulated or {}
     if reference_flops:
-        workers = tuple(dataclasses.replace(w, flops=reference_flops, slowdown=1.0, machine=TESTBED_MACHINE) for w in workers)
+        workers = tuple(
+            dataclasses.replace(w, flops=reference_flops, slowdown=emulated.get(w.name, 1.0), machine=TESTBED_MACHINE) for w in workers
+        )
     lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
     bw = tuple(tuple(b * payload_share for b in row) for row in topology.bandwidth_bytes_per_s)
     return Topology(workers=workers, bandwidth_bytes_per_s=bw, latency_s=lat)

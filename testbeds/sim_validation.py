@@ -53,8 +53,9 @@ def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -
 
     def run_all(speed: float) -> dict[str, dict[str, Any]]:
         share = TCP_PAYLOAD_SHARE if doc["backend"] == "netns" else 1.0
-        fusion_topo = testbed_topology(topology, speed, latency=mode != "none", payload_share=share)
-        gloo_topo = testbed_topology(topology, speed, latency=mode in ("netem", "tun"), payload_share=share)
+        emulated = doc.get("emulated_slowdown")  # hosts the run made slower (--emulate-speeds)
+        fusion_topo = testbed_topology(topology, speed, latency=mode != "none", payload_share=share, emulated=emulated)
+        gloo_topo = testbed_topology(topology, speed, latency=mode in ("netem", "tun"), payload_share=share, emulated=emulated)
         sims = simulate(job, gloo_topo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
         for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
             if name in measured:

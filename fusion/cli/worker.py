@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA bundle that signed the coordinator's and the peers' certificates (turns TLS on for every call this worker makes)")
     p.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
+    p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="FACTOR",
+                   help="testbed emulation: behave as a device FACTOR times slower (each computation is followed by a sleep "
+                        "of FACTOR - 1 times its length; the reported speed is divided by FACTOR). Default: %(default)s, none")
     add_log_arg(p)
     return p
 
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(
             coordinator=args.coordinator, token=token, name=args.name, listen=args.listen,
             advertise=args.advertise, device=args.device, allow_code=args.allow_code,
-            tls=tls, fault=Fault.parse(args.inject_fault), machine=args.machine,
+            tls=tls, fault=Fault.parse(args.inject_fault), machine=args.machine, slowdown=args.emulate_slowdown,
         )
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

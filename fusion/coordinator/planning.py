@@ -59,6 +59,9 @@ class Endpoint:
     device_name: str = ""
     machine: str | None = None
     """What the worker computes on, as it reported it; workers reporting the same share it."""
+    slowdown: float = 1.0
+    """Testbed emulation: the worker computes this many times slower than its machine
+    (``matmul_flops`` already includes it)."""
 
     @staticmethod
     def from_registration(name: str, address: str, resources: Mapping[str, Any]) -> Endpoint:
@@ -71,6 +74,7 @@ class Endpoint:
             memory_bytes=int(resources["device_memory_bytes"]) if resources.get("device_memory_bytes") else None,
             device_name=str(resources.get("device_name", "")),
             machine=str(resources["machine"]) if resources.get("machine") else None,
+            slowdown=max(1.0, float(resources.get("emulated_slowdown") or 1.0)),
         )
 
 
@@ -404,12 +408,13 @@ def measure(
 
 def machine_speeds(workers: Sequence[Endpoint]) -> list[float]:
     """Per worker, the fastest matmul speed reported on its machine (its own where it
-    reported no machine)."""
+    reported no machine), divided by the worker's emulated slowdown: on a testbed, workers
+    on one CPU that emulate slower devices keep their ratios to the machine's speed."""
     best: dict[str, float] = {}
     for w in workers:
         if w.machine is not None:
-            best[w.machine] = max(best.get(w.machine, 0.0), w.matmul_flops)
-    return [best[w.machine] if w.machine is not None else w.matmul_flops for w in workers]
+            best[w.machine] = max(best.get(w.machine, 0.0), w.matmul_flops * w.slowdown)
+    return [best[w.machine] / w.slowdown if w.machine is not None else w.matmul_flops for w in workers]
 
 
 def wire_bytes(t: Any) -> int:

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -186,6 +187,8 @@ class CoordinatorService:
         long = [f for f in ("device", "device_name", "machine", "torch_version", "fusion_version") if len(getattr(r, f)) > MAX_LABEL_CHARS]
         if long:
             raise WireError(f"register: resources.{long[0]} is {len(getattr(r, long[0]))} characters; at most {MAX_LABEL_CHARS}")
+        if not (r.emulated_slowdown == 0.0 or 1.0 <= r.emulated_slowdown < math.inf):
+            raise WireError(f"register: resources.emulated_slowdown must be 0 (none) or a finite number >= 1, got {r.emulated_slowdown!r}")
         name = request.name or request.address
         worker_id = f"w-{uuid.uuid4().hex[:10]}"
         session = secrets.token_urlsafe(32)

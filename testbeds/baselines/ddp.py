@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from executor.emulation import Slowdown
 from fusion.errors import ConfigError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
@@ -45,7 +46,9 @@ def run(argv: list[str] | None = None) -> int:
         raise ConfigError(f"DDP needs a sample per rank: batch_size {batch} < {n} ranks")
     init_gloo(args)
     try:
-        model = DistributedDataParallel(build_job_model(job))
+        local = build_job_model(job)
+        Slowdown(args.slowdown).attach(local)  # testbed emulation of a slower device (1: none)
+        model = DistributedDataParallel(local)
         dataset = build_job_dataset(job)
         loss_fn = get_loss(job.train.loss)
         optimizer = build_optimizer(job.train, model.parameters())

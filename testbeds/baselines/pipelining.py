@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
+from executor.emulation import Slowdown
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.training import (
@@ -85,6 +86,7 @@ def run(argv: list[str] | None = None) -> int:
                     sync.append((pg, sorted(group & stages[args.rank])))
         stage = pipe.build_stage(args.rank, torch.device("cpu"))
         module = stage.submod
+        Slowdown(args.slowdown).attach(module)  # testbed emulation of a slower device (1: none)
         received = [0]
         if args.rank > 0:
             module.register_forward_pre_hook(lambda _m, inputs: received.__setitem__(0, received[0] + _tensor_bytes(inputs)))

@@ -20,6 +20,7 @@ from typing import Any, Self
 import psutil
 import torch
 
+from executor.emulation import check_factor
 from fusion.config import JobSpec, load_job
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class RankArgs:
     metrics: Path | None
     """Rank 0 appends one JSON line per step here."""
     torch_threads: int
+    slowdown: float = 1.0
+    """Testbed emulation: this rank computes as a device this many times slower
+    (:class:`executor.emulation.Slowdown`)."""
 
 
 def parse_args(prog: str, description: str, argv: list[str] | None = None) -> RankArgs:
@@ -52,12 +56,13 @@ def parse_args(prog: str, description: str, argv: list[str] | None = None) -> Ra
     p.add_argument("--steps", type=int, default=None, help="steps to run (default: the job's)")
     p.add_argument("--metrics", default=None, help="rank 0 writes JSON lines here")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--slowdown", type=float, default=1.0, help="emulate a device this many times slower (default: %(default)s, none)")
     a = p.parse_args(argv)
     job = load_job(a.job)
     return RankArgs(
         job=job, rank=a.rank, world_size=a.world_size, master=a.master, address=a.address,
         steps=a.steps if a.steps is not None else job.train.steps, metrics=Path(a.metrics) if a.metrics else None,
-        torch_threads=a.torch_threads,
+        torch_threads=a.torch_threads, slowdown=check_factor(a.slowdown),
     )
 
 

@@ -1,7 +1,9 @@
 """The side-by-side benchmark on a real netns testbed: a very short run, JSON contract and losses.
 
 Needs root (network namespaces, ``tc``); skipped otherwise. Two hosts, two steps of GPT-2
-tiny, systems fusion, uniform and ddp: about a minute on 2 cores.
+tiny, systems fusion, uniform and ddp: about a minute on 2 cores. The far host is declared
+half as fast and the run emulates it (``--emulate-speeds``), so the emulation's path through
+fusion's workers, their reports to the planner and the DDP ranks is covered too.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ pytestmark = [
 TOPOLOGY = """
 [[hosts]]
 name = "near"
+flops = 2.0e12
 [[hosts]]
 name = "far"
+flops = 1.0e12
 [[links]]
 from = "near"
 to = "far"
@@ -56,7 +60,7 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     out = tmp_path / "result"
     rc = main([
         "--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--systems", "fusion,uniform,ddp",
-        "--steps", "2", "--warmup", "1", "--json", "--out", str(out), "--timeout", "240",
+        "--steps", "2", "--warmup", "1", "--json", "--out", str(out), "--timeout", "240", "--emulate-speeds",
     ])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
@@ -81,5 +85,10 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     # ... and so does what fusion's coordinator measured: both hosts run on this machine's CPU.
     measured = doc["measured"]["topology"]
     assert {w["name"] for w in measured["workers"]} == {"near", "far"} and len({w["machine"] for w in measured["workers"]}) == 1
+    # far emulated a device half as fast; the planner saw exactly that ratio, and the table says so.
+    assert doc["emulated_slowdown"] == {"far": 2.0}
+    speed = {w["name"]: w["flops"] for w in measured["workers"]}
+    assert speed["far"] == pytest.approx(speed["near"] / 2)
+    assert "Emulated device speeds" in Path(f"{out}.md").read_text()
     for suffix in (".md", ".json", ".png"):
         assert Path(f"{out}{suffix}").stat().st_size > 0

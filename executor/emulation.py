@@ -1,0 +1,118 @@
+"""Emulated slower devices, for testbeds that run every host on one machine.
+
+A WAN testbed on one Linux host runs every worker on the same CPU, so every host computes
+at one speed. A topology's hosts are not alike (a V100 site and a GTX 1060 site), and a
+system's answer to that — fusion's planner avoiding the slow devices, DDP waiting for the
+slowest rank — is part of what the benchmark measures. :class:`Slowdown` stands in for a
+device ``factor`` times slower: after each computation it sleeps ``factor - 1`` times the
+computation's wall time. Sleeping, not spinning, leaves the shared cores to the other hosts,
+as a separate device would.
+
+This is emulation and is labelled as such wherever it is used (``fusion-worker
+--emulate-slowdown``, the baselines' ``--slowdown``, ``testbeds.bench --emulate-speeds``);
+it has no place on a real deployment.
+
+Two ways in, one stretch:
+
+- :meth:`Slowdown.stretch` after a timed computation (fusion's executor times each
+  micro-batch's forward and backward itself).
+- :meth:`Slowdown.attach` for a plain ``torch.nn.Module`` (the DDP and GPipe baselines):
+  forward hooks stretch each forward; a hook on the forward's output starts the backward's
+  clock and the last parameter's gradient accumulation stops it. The backward's stretch
+  therefore comes after its gradients are ready, so an all-reduce that starts on them
+  (DDP's buckets) overlaps the emulated time: the emulation is, if anything, kind to DDP.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+
+from fusion.errors import ConfigError
+
+
+def check_factor(factor: float) -> float:
+    """``factor`` as a float, or ``ConfigError``: a slowdown is a finite number >= 1."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1.0:
+        raise ConfigError(f"slowdown must be a finite number >= 1 (1: none), got {factor!r}")
+    return float(factor)
+
+
+class Slowdown:
+    """Stretch computations to ``factor`` times their wall time (1: leave them alone)."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        self.factor = check_factor(factor)
+        self._lock = threading.Lock()
+        self._backward_t0: float | None = None
+        self._pending: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.factor > 1.0
+
+    def stretch(self, seconds: float) -> float:
+        """Sleep for the rest of a computation that took ``seconds`` on this machine; the
+        seconds slept."""
+        extra = (self.factor - 1.0) * max(0.0, seconds)
+        if extra > 0.0:
+            time.sleep(extra)
+        return extra
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Stretch every forward and backward of ``module`` (no-op for factor 1).
+
+        The backward's end is the moment the last of the module's trainable parameters has
+        its gradient for this backward; a module whose forward output needs no gradient
+        is stretched on its forward only.
+        """
+        if not self.active:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        state: dict[str, float] = {}
+
+        def before_forward(_m: torch.nn.Module, _inputs: Any) -> None:
+            state["t0"] = time.perf_counter()
+
+        def after_forward(_m: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            self.stretch(time.perf_counter() - state.pop("t0", time.perf_counter()))
+            first = next((t for t in _tensors(output) if t.requires_grad), None)
+            if first is not None and params:
+                first.register_hook(self._backward_started)
+
+        module.register_forward_pre_hook(before_forward)
+        module.register_forward_hook(after_forward)
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda _p, n=len(params): self._gradient_ready(n))
+
+    def _backward_started(self, grad: torch.Tensor) -> torch.Tensor:
+        # Each backward through the module starts here once, so a backward that left a
+        # parameter without a gradient (its stretch is lost) does not skew the next.
+        with self._lock:
+            self._backward_t0, self._pending = time.perf_counter(), 0
+        return grad
+
+    def _gradient_ready(self, num_params: int) -> None:
+        with self._lock:
+            if self._backward_t0 is None:
+                return
+            self._pending += 1
+            if self._pending < num_params:
+                return
+            t0, self._backward_t0 = self._backward_t0, None
+        self.stretch(time.perf_counter() - t0)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output (a tensor, or a tuple/list/dict of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []

@@ -1,0 +1,125 @@
+"""Emulated slower devices (:mod:`executor.emulation`): what is stretched, by how much, and
+how a slowed worker's report reaches the planner.
+
+Stretch lengths are checked through a recording ``stretch`` (what it was asked to add), not
+by timing the whole run; one test checks that the sleep itself happens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from google.protobuf.json_format import MessageToDict
+
+from executor.emulation import Slowdown, check_factor
+from fusion.coordinator.planning import Endpoint, machine_speeds
+from fusion.errors import ConfigError
+from fusion.profiling import DeviceProfile
+from fusion.worker import resources_message
+
+
+class RecordingSlowdown(Slowdown):
+    """A slowdown that records each stretch instead of sleeping."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__(factor)
+        self.stretched: list[float] = []
+
+    def stretch(self, seconds: float) -> float:
+        self.stretched.append(seconds)
+        return (self.factor - 1.0) * seconds
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.0, -2.0, float("nan"), float("inf"), True, "2"])
+def test_a_slowdown_is_a_finite_number_of_at_least_one(bad: object) -> None:
+    with pytest.raises(ConfigError, match="slowdown must be a finite number >= 1"):
+        check_factor(bad)  # type: ignore[arg-type]
+
+
+def test_stretch_sleeps_the_rest_of_a_slower_device() -> None:
+    t0 = time.perf_counter()
+    assert Slowdown(3.0).stretch(0.05) == pytest.approx(0.10)
+    assert time.perf_counter() - t0 >= 0.10
+    assert Slowdown(1.0).stretch(10.0) == 0.0  # no emulation: no sleep at all
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_attach_stretches_each_forward_and_each_backward() -> None:
+    model, slow = _mlp(), RecordingSlowdown(2.5)
+    slow.attach(model)
+    for _ in range(3):  # three micro-batches, one forward and one backward each
+        model(torch.randn(5, 8)).sum().backward()
+    assert len(slow.stretched) == 6 and all(s > 0 for s in slow.stretched)
+    with torch.no_grad():  # a forward without autograd is stretched too, and waits for no backward
+        model(torch.randn(5, 8))
+    assert len(slow.stretched) == 7
+
+
+def test_attach_changes_no_number() -> None:
+    x = torch.randn(5, 8)
+    plain, slowed = _mlp(), _mlp()
+    RecordingSlowdown(4.0).attach(slowed)
+    plain(x).pow(2).mean().backward()
+    slowed(x).pow(2).mean().backward()
+    for a, b in zip(plain.parameters(), slowed.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_factor_one_attaches_nothing() -> None:
+    model, slow = _mlp(), RecordingSlowdown(1.0)
+    slow.attach(model)
+    model(torch.randn(2, 8)).sum().backward()
+    assert slow.stretched == []
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_a_backward_that_skips_a_parameter_does_not_skew_the_next() -> None:
+    class TwoHeads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+            return self.a(x) + (self.b(x) if use_b else 0)
+
+    model, slow = TwoHeads(), RecordingSlowdown(2.0)
+    slow.attach(model)
+    model(torch.randn(3, 4), use_b=False).sum().backward()  # b gets no gradient: no backward stretch
+    assert len(slow.stretched) == 1
+    model(torch.randn(3, 4)).sum().backward()  # a full backward counts its own parameters only
+    assert len(slow.stretched) == 3
+
+
+def _profile(flops: float, machine: str) -> DeviceProfile:
+    return DeviceProfile(num_cores=2, memory_bytes=2**30, device="cpu", device_name="CPU", device_memory_bytes=2**30,
+                         matmul_flops=flops, machine=machine)
+
+
+def test_a_slowed_worker_reports_its_emulated_speed_and_the_factor() -> None:
+    message = resources_message(_profile(60e9, "box/cpu"), slowdown=3.0)
+    assert message.matmul_flops == pytest.approx(20e9) and message.emulated_slowdown == 3.0
+    plain = resources_message(_profile(60e9, "box/cpu"))
+    assert plain.matmul_flops == pytest.approx(60e9) and plain.emulated_slowdown == 0.0
+    endpoint = Endpoint.from_registration("b-1", "10.0.0.3:5000", MessageToDict(message, preserving_proto_field_name=True))
+    assert endpoint.slowdown == 3.0
+    assert Endpoint.from_registration("a-1", "10.0.0.1:5000", MessageToDict(plain, preserving_proto_field_name=True)).slowdown == 1.0
+
+
+def test_workers_on_one_machine_keep_their_emulated_ratios() -> None:
+    # Four processes on one CPU: each measured a share of it (noise), two emulate a device
+    # 3x slower. The machine's speed is its best unslowed report; each worker runs at that
+    # over its own slowdown.
+    workers = [
+        Endpoint("a-1", "x:1", matmul_flops=50e9, machine="box/cpu"),
+        Endpoint("a-2", "x:2", matmul_flops=60e9, machine="box/cpu"),
+        Endpoint("b-1", "x:3", matmul_flops=15e9, machine="box/cpu", slowdown=3.0),
+        Endpoint("b-2", "x:4", matmul_flops=22e9, machine="box/cpu", slowdown=3.0),  # 66e9 unslowed: the best
+        Endpoint("far", "y:1", matmul_flops=9e9, machine=None, slowdown=2.0),  # alone: its own report
+    ]
+    assert machine_speeds(workers) == pytest.approx([66e9, 66e9, 22e9, 22e9, 9e9])
