@@ -17,10 +17,11 @@ Two ways in, one stretch:
 - :meth:`Slowdown.stretch` after a timed computation (fusion's executor times each
   micro-batch's forward and backward itself).
 - :meth:`Slowdown.attach` for a plain ``torch.nn.Module`` (the DDP and GPipe baselines):
-  forward hooks stretch each forward; a hook on the forward's output starts the backward's
-  clock and the last parameter's gradient accumulation stops it. The backward's stretch
-  therefore comes after its gradients are ready, so an all-reduce that starts on them
-  (DDP's buckets) overlaps the emulated time: the emulation is, if anything, kind to DDP.
+  forward hooks stretch each forward; in the backward, each parameter's gradient
+  accumulation stretches the computation since the previous one (or since the backward
+  reached the module's output). The backward is stretched as it goes, so DDP's gradient
+  buckets become ready when they would on the slower device: an all-reduce cannot hide
+  behind emulated time that comes later.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class Slowdown:
     def __init__(self, factor: float = 1.0) -> None:
         self.factor = check_factor(factor)
         self._lock = threading.Lock()
-        self._backward_t0: float | None = None
-        self._pending: int = 0
+        #: When the backward's last stretched piece ended (``None``: no backward yet).
+        self._mark: float | None = None
 
     @property
     def active(self) -> bool:
@@ -66,9 +67,9 @@ class Slowdown:
     def attach(self, module: torch.nn.Module) -> None:
         """Stretch every forward and backward of ``module`` (no-op for factor 1).
 
-        The backward's end is the moment the last of the module's trainable parameters has
-        its gradient for this backward; a module whose forward output needs no gradient
-        is stretched on its forward only.
+        The backward is stretched piece by piece: each parameter's gradient accumulation
+        stretches the time since the previous one, or since the gradient reached the
+        module's output; a forward whose output needs no gradient is stretched alone.
         """
         if not self.active:
             return
@@ -87,24 +88,21 @@ class Slowdown:
         module.register_forward_pre_hook(before_forward)
         module.register_forward_hook(after_forward)
         for p in params:
-            p.register_post_accumulate_grad_hook(lambda _p, n=len(params): self._gradient_ready(n))
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def _backward_started(self, grad: torch.Tensor) -> torch.Tensor:
-        # Each backward through the module starts here once, so a backward that left a
-        # parameter without a gradient (its stretch is lost) does not skew the next.
         with self._lock:
-            self._backward_t0, self._pending = time.perf_counter(), 0
+            self._mark = time.perf_counter()
         return grad
 
-    def _gradient_ready(self, num_params: int) -> None:
+    def _gradient_ready(self, _param: torch.Tensor) -> None:
         with self._lock:
-            if self._backward_t0 is None:
+            if self._mark is None:
                 return
-            self._pending += 1
-            if self._pending < num_params:
-                return
-            t0, self._backward_t0 = self._backward_t0, None
-        self.stretch(time.perf_counter() - t0)
+            since = time.perf_counter() - self._mark
+        self.stretch(since)
+        with self._lock:
+            self._mark = time.perf_counter()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

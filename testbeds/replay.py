@@ -17,7 +17,9 @@ executor decide its step instead (each seen in a traced two-sites run):
   answered), then come the tied-gradient exchange and the optimizer call.
 
 Compute is list-scheduled: a stage's action starts when its inputs are in and its machine
-has a free core (``cores`` per machine; stages on one machine take turns beyond that).
+has a free core (``cores`` per machine; stages on one machine take turns beyond that). A
+worker with an emulated ``slowdown`` (:mod:`executor.emulation`) holds its core for
+``1 / slowdown`` of its compute and sleeps the rest, leaving the core to the others.
 Everything else is priced as :mod:`scheduler.estimator` prices it, from the same
 :class:`~scheduler.estimator.StageGraph`.
 """
@@ -92,6 +94,7 @@ def replay_step(
     arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, micro-batch) -> time
     queues = {(a, c): _SendQueue() for a in range(n) for c in range(n) if a != c}
     machine = [topology.machine_of[x] for x in w]
+    on_core = [1.0 / topology.workers[x].slowdown for x in w]  # the rest of an emulated device's compute is a sleep
     cores_free = {k: [0.0] * max(1, cores) for k in set(machine)}
     free = [r / 2 for r in rtt]
     nxt = [0] * n
@@ -115,8 +118,9 @@ def replay_step(
         act = actions[s][nxt[s]]
         pool = cores_free[machine[s]]
         start = max(t, heapq.heappop(pool))
-        end = start + (sg.fwd_s[s] if act.kind == "F" else sg.bwd_s[s])
-        heapq.heappush(pool, end)
+        compute = sg.fwd_s[s] if act.kind == "F" else sg.bwd_s[s]
+        end = start + compute
+        heapq.heappush(pool, start + compute * on_core[s])
         free[s] = end
         nxt[s] += 1
         mb = act.micro_batch_idx

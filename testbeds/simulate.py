@@ -36,6 +36,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ from scheduler.estimator import (
     workload_from_dag,
 )
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
-from scheduler.topology import GIB, Topology
+from scheduler.topology import GIB, Topology, WorkerSpec
 from testbeds.gloo_model import ddp_buckets, gpipe_step_s, ring_allreduce_s
 from testbeds.replay import replay_step
 from testbeds.sim_topologies import MBPS, load_topology, testbed_topology
@@ -312,11 +313,22 @@ def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topolo
     return act, grad, ratios
 
 
+def shared_cores_factor(workers: Sequence[WorkerSpec], cores: int | None) -> float:
+    """How many times longer each rank's compute takes when the ranks on ``workers`` share
+    ``cores`` (``None``: each has its own device). A rank emulating a slower device
+    (``slowdown`` k, :mod:`executor.emulation`) sleeps ``(k - 1) / k`` of its compute, so it
+    occupies ``1 / k`` of a core."""
+    if not cores:
+        return 1.0
+    return max(1.0, sum(1.0 / w.slowdown for w in workers) / cores)
+
+
 def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
     """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
 
     ``cores``: on a one-machine testbed all ``N`` ranks compute at once on that many cores
-    (one thread each), so compute takes ``max(1, N / cores)`` times longer.
+    (one thread each), so compute takes ``max(1, N / cores)`` times longer
+    (:func:`shared_cores_factor`, which counts a rank emulating a slower device by its share).
     """
     spec = job.spec
     n = len(topology)
@@ -336,7 +348,7 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
         return SystemResult(name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has")
     slowest = min(w.effective_flops for w in topology.workers)
     scale = job.reference_flops / slowest
-    compute_s = per_mb_s * (per_rank_samples / mb) * scale * (max(1.0, n / cores) if cores else 1.0)
+    compute_s = per_mb_s * (per_rank_samples / mb) * scale * shared_cores_factor(topology.workers, cores)
     buckets = ddp_buckets(param_bytes)
     # gloo runs DDP's buckets on its worker threads at once, so their latencies overlap and
     # their bytes share the links: one all-reduce of the whole gradient.
@@ -385,7 +397,7 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     wl = job.workload()
     speed = np.array([topology.workers[s].effective_flops for s in range(num_stages)])
     scale = job.reference_flops / speed
-    contention = max(1.0, num_stages / cores) if cores else 1.0
+    contention = shared_cores_factor(topology.workers[:num_stages], cores)
     f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale * contention
     b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale * contention
     act = np.zeros(num_stages - 1)

@@ -50,15 +50,16 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def test_attach_stretches_each_forward_and_each_backward() -> None:
+def test_attach_stretches_each_forward_and_the_backward_piece_by_piece() -> None:
     model, slow = _mlp(), RecordingSlowdown(2.5)
     slow.attach(model)
-    for _ in range(3):  # three micro-batches, one forward and one backward each
+    for _ in range(3):  # three micro-batches: one forward each, and a backward piece per parameter
         model(torch.randn(5, 8)).sum().backward()
-    assert len(slow.stretched) == 6 and all(s > 0 for s in slow.stretched)
+    assert len(slow.stretched) == 3 * (1 + 4) and all(s >= 0 for s in slow.stretched)
+    assert sum(slow.stretched[1:5]) > 0  # the first backward's pieces
     with torch.no_grad():  # a forward without autograd is stretched too, and waits for no backward
         model(torch.randn(5, 8))
-    assert len(slow.stretched) == 7
+    assert len(slow.stretched) == 16
 
 
 def test_attach_changes_no_number() -> None:
@@ -79,7 +80,7 @@ def test_factor_one_attaches_nothing() -> None:
     assert not model._forward_hooks and not model._forward_pre_hooks
 
 
-def test_a_backward_that_skips_a_parameter_does_not_skew_the_next() -> None:
+def test_only_parameters_that_get_a_gradient_end_a_piece() -> None:
     class TwoHeads(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -90,10 +91,10 @@ def test_a_backward_that_skips_a_parameter_does_not_skew_the_next() -> None:
 
     model, slow = TwoHeads(), RecordingSlowdown(2.0)
     slow.attach(model)
-    model(torch.randn(3, 4), use_b=False).sum().backward()  # b gets no gradient: no backward stretch
-    assert len(slow.stretched) == 1
-    model(torch.randn(3, 4)).sum().backward()  # a full backward counts its own parameters only
-    assert len(slow.stretched) == 3
+    model(torch.randn(3, 4), use_b=False).sum().backward()  # b gets no gradient: a's two pieces
+    assert len(slow.stretched) == 1 + 2
+    model(torch.randn(3, 4)).sum().backward()
+    assert len(slow.stretched) == 3 + 1 + 4
 
 
 def _profile(flops: float, machine: str) -> DeviceProfile:

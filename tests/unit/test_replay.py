@@ -81,3 +81,23 @@ def test_stages_on_one_machine_take_turns_beyond_its_cores() -> None:
     assert one_core.step_s == pytest.approx(4 * 0.11)
     assert two_cores.step_s == pytest.approx(apart.step_s)
     assert two_cores.step_s < one_core.step_s
+
+
+def test_an_emulated_slow_device_leaves_its_core_to_the_others() -> None:
+    """Two stages on one single-core machine, stage 1's worker half as fast (130 ms of
+    compute per micro-batch for stage 0's 30). A real slower device on that machine holds the
+    core all along: 4 x 190 ms one at a time. An emulated one (``slowdown`` 2: it sleeps half
+    its compute) holds it for 65 ms of each 130, so stage 0 computes in the gaps."""
+    import dataclasses
+
+    wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1000], grad_bytes=[1000])
+    base = make_topology(np.array([[np.inf, 1e15], [1e15, np.inf]]))
+
+    def on_one_machine(w1: dict[str, float]) -> object:
+        workers = (dataclasses.replace(base.workers[0], machine="m"), dataclasses.replace(base.workers[1], machine="m", **w1))
+        return dataclasses.replace(base, workers=workers)
+
+    real = replay_step(wl, [0, 1], [0, 1], on_one_machine({"flops": 0.5e12}), micro_batches=4, cores=1)
+    emulated = replay_step(wl, [0, 1], [0, 1], on_one_machine({"slowdown": 2.0}), micro_batches=4, cores=1)
+    assert real.step_s == pytest.approx(4 * (0.03 + 2 * 0.08))
+    assert 4 * 2 * 0.08 <= emulated.step_s < real.step_s
