@@ -8,9 +8,9 @@ seeded) and the job's data set, and takes its slice (``B / N`` samples, as even 
 step ``s``'s batch
 (:func:`fusion.training.job_batch`); DDP averages the gradients, so the update is that of
 the mean loss over the whole batch, like fusion's. Rank 0 records per step: the global mean
-loss (all-reduced after the step, outside its timing), the step's wall seconds, and the
-bytes each rank's namespace sent (its share of the ring all-reduce, counted on the link to
-its ring successor).
+loss and the bytes each rank's namespace sent (its share of the ring all-reduce, counted on
+the link to its ring successor), both all-reduced once after the last step, outside any
+step's timing, and the step's wall seconds.
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ def run(argv: list[str] | None = None) -> int:
         loss_fn = get_loss(job.train.loss)
         optimizer = build_optimizer(job.train, model.parameters())
         metrics = MetricsWriter(args.metrics if args.rank == 0 else None)
+        # Per step: this rank's weighted loss and bytes sent. They are summed over the ranks
+        # once, after the last step: a collective between steps would end a latency apart on
+        # different ranks, and that skew would leak into the next step's timing.
+        stats = torch.zeros(args.steps, 1 + n, dtype=torch.float64)
+        seconds: list[float] = []
+        tokens: list[int | None] = []
         for step in range(args.steps):
             x, y = job_batch(job, dataset, step)
             xr, yr = torch.tensor_split(x, n)[args.rank], torch.tensor_split(y, n)[args.rank]
@@ -66,20 +72,21 @@ def run(argv: list[str] | None = None) -> int:
                 loss = loss_fn(model(xr), yr)
                 (loss * weight).backward()  # DDP all-reduces (averages) the gradients here
                 optimizer.step()
-            sent = bytes_sent() - sent0
-            stats = torch.zeros(1 + n, dtype=torch.float64)
-            stats[0], stats[1 + args.rank] = float(loss.detach()) * weight, sent
-            dist.all_reduce(stats)  # global mean loss and every rank's bytes, outside the timed step
+            stats[step, 0], stats[step, 1 + args.rank] = float(loss.detach()) * weight, bytes_sent() - sent0
+            seconds.append(timer.seconds)
+            tokens.append(x.numel() if x.dim() == 2 and not x.is_floating_point() else None)
+        dist.all_reduce(stats)  # global mean loss and every rank's bytes, per step
+        for step, step_s in enumerate(seconds):
             record = {
                 "step": step,
-                "loss": float(stats[0]) / n,
-                "step_s": timer.seconds,
-                "samples_per_s": batch / timer.seconds,
+                "loss": float(stats[step, 0]) / n,
+                "step_s": step_s,
+                "samples_per_s": batch / step_s,
                 # the ring all-reduce sends rank r's share to rank r + 1
-                "bytes_per_link": {f"{r}->{(r + 1) % n}": int(stats[1 + r]) for r in range(n)},
+                "bytes_per_link": {f"{r}->{(r + 1) % n}": int(stats[step, 1 + r]) for r in range(n)},
             }
-            if x.dim() == 2 and not x.is_floating_point():
-                record["tokens_per_s"] = x.numel() / timer.seconds
+            if tokens[step] is not None:
+                record["tokens_per_s"] = tokens[step] / step_s
             metrics.write(record)
     finally:
         dist.destroy_process_group()

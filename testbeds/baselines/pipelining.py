@@ -12,9 +12,9 @@ embedding and head) has its gradients summed between those ranks before the opti
 step, as Megatron does; ``pipeline()`` alone would let the copies drift apart.
 
 Rank 0 (which finishes last: backward ends there) records each step's wall seconds; the
-last rank's loss is all-reduced to rank 0 after the step, outside the timing. Each rank
-counts the activation bytes it receives per step (its inbound cut, whose gradients go back
-the same size), and rank 0 records the largest of them per link.
+last rank's loss, and the activation bytes each rank receives per step (its inbound cut,
+whose gradients go back the same size), are all-reduced to rank 0 once after the last
+step, outside any step's timing.
 """
 
 from __future__ import annotations
@@ -96,6 +96,12 @@ def run(argv: list[str] | None = None) -> int:
         optimizer = build_optimizer(job.train, module.parameters())
         metrics = MetricsWriter(args.metrics if args.rank == 0 else None)
         last = num_stages - 1
+        # Per step: the last rank's mean loss and each rank's inbound bytes, summed over the
+        # ranks once after the last step (a collective between steps would end a latency
+        # apart on different ranks and leak that skew into the next step's timing).
+        stats = torch.zeros(args.steps, 2 + num_stages, dtype=torch.float64)
+        seconds: list[float] = []
+        tokens: list[int | None] = []
         for step in range(args.steps):
             x, y = job_batch(job, dataset, step)
             losses: list[torch.Tensor] = []
@@ -114,22 +120,23 @@ def run(argv: list[str] | None = None) -> int:
                         if grad is not None:
                             dist.all_reduce(grad, group=pg)
                 optimizer.step()
-            # After the timed step: the loss and each cut's bytes to rank 0.
-            stats = torch.zeros(2 + num_stages, dtype=torch.float64)
             if args.rank == last:
-                stats[0] = float(torch.stack([loss.detach() for loss in losses]).mean())
-            stats[2 + args.rank] = received[0]
-            dist.all_reduce(stats)
+                stats[step, 0] = float(torch.stack([loss.detach() for loss in losses]).mean())
+            stats[step, 2 + args.rank] = received[0]
+            seconds.append(timer.seconds)
+            tokens.append(x.numel() if x.dim() == 2 and not x.is_floating_point() else None)
+        dist.all_reduce(stats)
+        for step, step_s in enumerate(seconds):
             record = {
                 "step": step,
-                "loss": float(stats[0]),
-                "step_s": timer.seconds,
-                "samples_per_s": job.data.batch_size / timer.seconds,
+                "loss": float(stats[step, 0]),
+                "step_s": step_s,
+                "samples_per_s": job.data.batch_size / step_s,
                 # activations in, and their gradients back, over each cut (k-1 -> k)
-                "bytes_per_link": {f"{k - 1}->{k}": 2 * int(stats[2 + k]) for k in range(1, num_stages)},
+                "bytes_per_link": {f"{k - 1}->{k}": 2 * int(stats[step, 2 + k]) for k in range(1, num_stages)},
             }
-            if x.dim() == 2 and not x.is_floating_point():
-                record["tokens_per_s"] = x.numel() / timer.seconds
+            if tokens[step] is not None:
+                record["tokens_per_s"] = tokens[step] / step_s
             metrics.write(record)
     finally:
         dist.destroy_process_group()

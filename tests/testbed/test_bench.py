@@ -1,7 +1,7 @@
 """The side-by-side benchmark on a real netns testbed: a very short run, JSON contract and losses.
 
 Needs root (network namespaces, ``tc``); skipped otherwise. Two hosts, two steps of GPT-2
-tiny, systems fusion, uniform and ddp: about a minute on 2 cores. The far host is declared
+tiny, all four systems: about a minute on 2 cores. The far host is declared
 half as fast and the run emulates it (``--emulate-speeds``), so the emulation's path through
 fusion's workers, their reports to the planner and the DDP ranks is covered too.
 """
@@ -59,12 +59,12 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     (tmp_path / "job.toml").write_text(JOB)
     out = tmp_path / "result"
     rc = main([
-        "--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--systems", "fusion,uniform,ddp",
+        "--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--systems", "fusion,uniform,ddp,pipelining",
         "--steps", "2", "--warmup", "1", "--json", "--out", str(out), "--timeout", "240", "--emulate-speeds",
     ])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc["systems"]) == {"fusion", "uniform", "ddp"}
+    assert set(doc["systems"]) == {"fusion", "uniform", "ddp", "pipelining"}
     for name, row in doc["systems"].items():
         assert {"samples_per_s", "step_s", "slowest_link_bytes", "final_loss"} <= set(row), name
         assert row["step_s"] is not None and row["step_s"] > 0, (name, row.get("note"))
@@ -73,7 +73,7 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     # Same model, same data, two steps: every system's loss is the mean loss of one batch.
     losses = [row["final_loss"] for row in doc["systems"].values()]
     assert max(losses) - min(losses) < 0.05 * abs(losses[0])
-    assert set(doc["speedup"]) == {"uniform", "ddp"}
+    assert set(doc["speedup"]) == {"uniform", "ddp", "pipelining"}
     assert doc["speedup"]["ddp"] == pytest.approx(doc["systems"]["ddp"]["step_s"] / doc["systems"]["fusion"]["step_s"])
     assert doc["efficiency"] is None or doc["efficiency"] > 0
     # uniform splits the model over both hosts: its bytes cross the 50 Mbps link.
