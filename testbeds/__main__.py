@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the job (default: %(default)s)")
     run.add_argument("--emulate-speeds", action="store_true",
                      help="emulate the topology's device speeds: workers on hosts slower than its fastest (flops / slowdown) compute "
-                          "that many times slower (fusion-worker --emulate-slowdown)")
+                          "that many times slower (fusion-worker --emulate-slowdown); without it, only hosts with a slowdown are")
     add_log_arg(run)
     return p
 
@@ -106,7 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with open_testbed(args.topology, backend=args.backend) as tb:
         print(tb.describe(), flush=True)
         print(f"logs in {log_dir}", flush=True)
-        slowdowns = emulated_slowdowns(tb.topology) if args.emulate_speeds else {}
+        slowdowns = emulated_slowdowns(tb.topology, speeds=args.emulate_speeds)
         if slowdowns:
             print("emulating slower devices: " + ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items()), flush=True)
         status = run_job_on_testbed(

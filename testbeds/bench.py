@@ -26,10 +26,11 @@ coordinator measured: profiled nodes, probed links, calibrated executor overhead
 compression) divided by the measured step time. 1.0 means the run is as fast as the model
 of its own plan says it can be; below, the executor loses time the model does not see.
 
-With ``--emulate-speeds`` the hosts keep the topology's device speed ratios on this one
-machine: a host ``k`` times slower than the fastest (by ``flops / slowdown``) stretches each
-computation of every system to ``k`` times its length (:mod:`executor.emulation`; fusion's
-workers report the emulated speed, so its planner sees it). The table says so.
+A host with a ``slowdown`` ``k`` (the topology file's testbed emulation factor) stretches
+each computation of every system to ``k`` times its length (:mod:`executor.emulation`;
+fusion's workers report the emulated speed, so its planner sees it). With
+``--emulate-speeds`` the hosts keep the topology's device speed ratios instead: ``k`` is how
+many times slower than the fastest host each is by ``flops / slowdown``. The table says so.
 
 With ``--simulate`` the table also gets the simulator's prediction for each system
 (:mod:`testbeds.simulate` in testbed mode: this machine's speed on every host, its own
@@ -392,7 +393,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; medians."
         ),
         "",
-        *emulation_lines(doc.get("emulated_slowdown")),
+        *emulation_lines(doc),
         "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err | calibrated s | err | note |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -427,14 +428,16 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def emulation_lines(slowdowns: dict[str, float] | None) -> list[str]:
-    """The table's label for a run with emulated device speeds (none without)."""
+def emulation_lines(doc: dict[str, Any]) -> list[str]:
+    """The table's label for a run with emulated slower devices (none without)."""
+    slowdowns = doc.get("emulated_slowdown")
     if not slowdowns:
         return []
     hosts = ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items())
+    why = "the topology's device speed ratios, `--emulate-speeds`" if doc.get("emulate_speeds") else "the hosts' `slowdown`"
     return [
-        f"**Emulated device speeds** (`--emulate-speeds`): {hosts} slower than the topology's fastest host (its flops ratio); "
-        "every system's computations there are followed by a sleep of (factor - 1) times their length (`executor.emulation`).",
+        f"**Emulated slower devices** ({why}): {hosts}; every system's computations there are followed by a sleep of "
+        "(factor - 1) times their length (`executor.emulation`).",
         "",
     ]
 
@@ -490,7 +493,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     topology, label = resolve_topology(args.topology)
-    slowdowns = emulated_slowdowns(topology) if args.emulate_speeds else {}
+    slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
     if slowdowns:
         print("emulating slower devices: " + ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items()), file=sys.stderr, flush=True)
     runs: dict[str, list[Run]] = {s: [] for s in systems}
@@ -518,7 +521,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
     meta = {
         "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
-        "latency_mode": latency_mode, "emulated_slowdown": slowdowns, "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
+        "latency_mode": latency_mode, "emulated_slowdown": slowdowns, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
@@ -543,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default: %(default)s)")
     p.add_argument("--emulate-speeds", action="store_true",
                    help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
-                        "times slower, in every system (each computation is followed by a sleep; labelled in the output)")
+                        "times slower, in every system (each computation is followed by a sleep; labelled in the output). "
+                        "Without it, only hosts with a slowdown are emulated")
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")

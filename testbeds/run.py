@@ -9,9 +9,10 @@ followed with ``fusion logs --follow``; the final ``fusion status --json`` is th
 Workers reach the coordinator directly (control traffic); executor traffic — the
 coordinator's driver calls and every stage-to-stage transfer — crosses the emulated links.
 
-Every worker computes at this machine's speed unless ``slowdowns`` names its host
-(``python -m testbeds run --emulate-speeds``: :func:`testbeds.sim_topologies.emulated_slowdowns`),
-whose workers then run ``fusion-worker --emulate-slowdown`` — emulation of a slower device.
+Every worker computes at this machine's speed unless ``slowdowns`` names its host (a
+host's ``slowdown``, or with ``python -m testbeds run --emulate-speeds`` the topology's speed
+ratios: :func:`testbeds.sim_topologies.emulated_slowdowns`), whose workers then run
+``fusion-worker --emulate-slowdown`` — emulation of a slower device.
 """
 
 from __future__ import annotations

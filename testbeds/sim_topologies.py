@@ -81,11 +81,14 @@ TESTBED_MACHINE = "testbed-host/cpu"
 TCP_PAYLOAD_SHARE = 1448 / 1514
 
 
-def emulated_slowdowns(topology: Topology) -> dict[str, float]:
-    """Per host slower than the topology's fastest, how many times slower it is (its
-    ``flops / slowdown`` against the fastest's): what ``--emulate-speeds`` makes a one-host
-    testbed emulate (:class:`executor.emulation.Slowdown`), so that the hosts keep the
-    topology's speed ratios though they share one CPU."""
+def emulated_slowdowns(topology: Topology, *, speeds: bool = False) -> dict[str, float]:
+    """Per host a one-machine testbed runs slower, by how many times
+    (:class:`executor.emulation.Slowdown`): each host's ``slowdown`` (the topology file's
+    testbed emulation factor); with ``speeds`` (``--emulate-speeds``), how many times
+    slower than the topology's fastest host it is by ``flops / slowdown``, so that the
+    hosts keep the topology's device speed ratios though they share one CPU."""
+    if not speeds:
+        return {w.name: w.slowdown for w in topology.workers if w.slowdown > 1.0}
     fastest = max(w.effective_flops for w in topology.workers)
     return {w.name: round(fastest / w.effective_flops, 3) for w in topology.workers if w.effective_flops < fastest}
 

@@ -19,6 +19,12 @@ Volunteers come and go (DESIGN.md, Checkpoints and failures), so the runner also
 
 Every such event (``worker_lost``, ``replaced``, ``replanned``, ``restored_from``,
 ``resumed_at_step``, …) goes to the job's log (``fusion status``) and ``metrics.jsonl``.
+
+The module is longer than most because :class:`JobRunner` is one state machine: planning,
+training and recovery read and change the same state (the plan, the stage workers, the
+driver, the snapshot holdings), and the pieces that need none of it already live beside it
+(:mod:`~fusion.coordinator.planning`, :mod:`~fusion.coordinator.recovery`,
+:mod:`~fusion.coordinator.outputs`, :mod:`~fusion.coordinator.durable_writer`).
 """
 
 from __future__ import annotations

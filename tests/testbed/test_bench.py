@@ -89,6 +89,6 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     assert doc["emulated_slowdown"] == {"far": 2.0}
     speed = {w["name"]: w["flops"] for w in measured["workers"]}
     assert speed["far"] == pytest.approx(speed["near"] / 2)
-    assert "Emulated device speeds" in Path(f"{out}.md").read_text()
+    assert "Emulated slower devices" in Path(f"{out}.md").read_text()
     for suffix in (".md", ".json", ".png"):
         assert Path(f"{out}{suffix}").stat().st_size > 0

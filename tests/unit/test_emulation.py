@@ -124,3 +124,17 @@ def test_workers_on_one_machine_keep_their_emulated_ratios() -> None:
         Endpoint("far", "y:1", matmul_flops=9e9, machine=None, slowdown=2.0),  # alone: its own report
     ]
     assert machine_speeds(workers) == pytest.approx([66e9, 66e9, 22e9, 22e9, 9e9])
+
+
+def test_a_testbed_emulates_the_slowdowns_or_with_speeds_the_flops_ratios() -> None:
+    from scheduler.topology import Topology, WorkerSpec
+    from testbeds.sim_topologies import emulated_slowdowns
+
+    workers = [
+        WorkerSpec(name="fast", cluster="a", flops=1.4e13),
+        WorkerSpec(name="old", cluster="b", flops=4.4e12),
+        WorkerSpec(name="hot", cluster="b", flops=1.4e13, slowdown=1.5),  # throttled
+    ]
+    topology = Topology.from_measurements(workers, [[0.0] * 3] * 3, [[1e9] * 3] * 3)
+    assert emulated_slowdowns(topology) == {"hot": 1.5}
+    assert emulated_slowdowns(topology, speeds=True) == {"old": pytest.approx(3.182), "hot": 1.5}
