@@ -48,12 +48,7 @@ import numpy as np
 
 from fusion.errors import PlanError
 from scheduler.estimator import StepCosts, Workload
-from scheduler.partition import (
-    Objective,
-    Placement,
-    exhaustive_placement,
-    opfence_placement,
-)
+from scheduler.partition import Objective, Placement, exhaustive_placement, opfence_placement
 from scheduler.topology import GIB, Topology, WorkerSpec
 
 logger = logging.getLogger(__name__)

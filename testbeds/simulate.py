@@ -21,8 +21,9 @@ plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The 
   :mod:`testbeds.baselines.split` (:func:`testbeds.gloo_model.gpipe_step_s`), each
   transfer a round trip plus its bytes (gloo sends only to a posted receive).
 
-``--compute testbed`` prices every host at this machine's measured speed (the testbeds do
-not emulate ``slowdown``), as a testbed on one host runs them; ``--compute topology`` (default) uses
+``--compute testbed`` prices every host at this machine's measured speed, as a testbed on
+one host runs them without emulated speeds (``--validate`` prices each run's emulated hosts
+as it ran them); ``--compute topology`` (default) uses
 each host's ``flops`` from the file. ``paper-256`` and ``paper-1024`` name generated
 topologies (:func:`testbeds.sim_topologies.paper_topology`) shaped like ``topologies/paper-48.toml``.
 """
