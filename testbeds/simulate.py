@@ -388,7 +388,10 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     ``cores``: the ranks share that many cores (one-machine testbed). gloo's waits poll, so a
     rank waiting for its neighbour stays runnable (``top`` shows every rank at the same CPU
     share through a link-bound step): with ``S`` ranks on fewer cores, every stage computes
-    ``S / cores`` times slower, not only when several happen to compute at once.
+    ``S / cores`` times slower, not only when several happen to compute at once. A rank
+    emulating a slower device counts in full too: it sleeps only through its own stretched
+    compute and polls through its far longer waits (DDP's ranks, which do not poll, are
+    counted by :func:`shared_cores_factor`).
     """
     spec = job.spec
     num_stages = min(len(topology), len(job.blocks))
@@ -398,7 +401,7 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     wl = job.workload()
     speed = np.array([topology.workers[s].effective_flops for s in range(num_stages)])
     scale = job.reference_flops / speed
-    contention = shared_cores_factor(topology.workers[:num_stages], cores)
+    contention = max(1.0, num_stages / cores) if cores else 1.0
     f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale * contention
     b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale * contention
     act = np.zeros(num_stages - 1)
