@@ -100,7 +100,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from testbeds.run import run_job_on_testbed
-    from testbeds.sim_topologies import emulated_slowdowns
+    from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
 
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fusion-testbed-logs-"))
     with open_testbed(args.topology, backend=args.backend) as tb:
@@ -108,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"logs in {log_dir}", flush=True)
         slowdowns = emulated_slowdowns(tb.topology, speeds=args.emulate_speeds)
         if slowdowns:
-            print("emulating slower devices: " + ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items()), flush=True)
+            print(f"emulating slower devices: {slowdowns_label(slowdowns)}", flush=True)
         status = run_job_on_testbed(
             tb, args.job, log_dir, workers_per_host=args.workers_per_host, timeout_s=args.timeout, echo=lambda s: print(s, flush=True),
             slowdowns=slowdowns,

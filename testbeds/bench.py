@@ -63,7 +63,7 @@ from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
 from scheduler.topology import Topology
 from testbeds.run import slowdown_args
-from testbeds.sim_topologies import emulated_slowdowns
+from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
 
 logger = logging.getLogger(__name__)
 
@@ -433,7 +433,7 @@ def emulation_lines(doc: dict[str, Any]) -> list[str]:
     slowdowns = doc.get("emulated_slowdown")
     if not slowdowns:
         return []
-    hosts = ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items())
+    hosts = slowdowns_label(slowdowns)
     why = "the topology's device speed ratios, `--emulate-speeds`" if doc.get("emulate_speeds") else "the hosts' `slowdown`"
     return [
         f"**Emulated slower devices** ({why}): {hosts}; every system's computations there are followed by a sleep of "
@@ -495,7 +495,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     topology, label = resolve_topology(args.topology)
     slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
     if slowdowns:
-        print("emulating slower devices: " + ", ".join(f"{h} {f:g}x" for h, f in slowdowns.items()), file=sys.stderr, flush=True)
+        print(f"emulating slower devices: {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None

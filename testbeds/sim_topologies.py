@@ -93,6 +93,11 @@ def emulated_slowdowns(topology: Topology, *, speeds: bool = False) -> dict[str,
     return {w.name: round(fastest / w.effective_flops, 3) for w in topology.workers if w.effective_flops < fastest}
 
 
+def slowdowns_label(slowdowns: Mapping[str, float]) -> str:
+    """``"b-1 3.18x, b-2 3.18x"``: the emulated hosts as tables and logs name them."""
+    return ", ".join(f"{h} {f:.3g}x" for h, f in slowdowns.items())
+
+
 def testbed_topology(
     topology: Topology, reference_flops: float | None, *, latency: bool = True, payload_share: float = 1.0,
     emulated: Mapping[str, float] | None = None,

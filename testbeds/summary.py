@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.topology import Topology
+from testbeds.sim_topologies import slowdowns_label
 
 TOPOLOGY_DIR = Path(__file__).resolve().parent / "topologies"
 UNIFORM_TARGET = {"two-sites": 1.5}
@@ -41,9 +42,7 @@ def slowest_link_mbps(topology: str) -> float:
 
 def _emulated(slowdowns: dict[str, float] | None) -> str:
     """The hosts a run emulated as slower devices, and by how much (``-``: none)."""
-    if not slowdowns:
-        return "-"
-    return ", ".join(f"{h} {f:.3g}x" for h, f in slowdowns.items())
+    return slowdowns_label(slowdowns) if slowdowns else "-"
 
 
 def _ratio(x: float | None) -> str:
