@@ -6,7 +6,10 @@ system's answer to that — fusion's planner avoiding the slow devices, DDP wait
 slowest rank — is part of what the benchmark measures. :class:`Slowdown` stands in for a
 device ``factor`` times slower: after each computation it sleeps ``factor - 1`` times the
 computation's wall time. Sleeping, not spinning, leaves the shared cores to the other hosts,
-as a separate device would.
+as a separate device would. Wall time, not CPU time: the fast hosts compute on the same
+loaded CPU, so stretching the wall time keeps the topology's speed ratio between them; the
+price is that contention a slow host meets while computing is stretched ``factor`` times too
+(what the simulator's shared-core model does not follow; ``testbeds/results/bench-notes.md``).
 
 This is emulation and is labelled as such wherever it is used (``fusion-worker
 --emulate-slowdown``, the baselines' ``--slowdown``, ``testbeds.bench --emulate-speeds``);
