@@ -26,9 +26,12 @@ Everything else is priced as :mod:`scheduler.estimator` prices it, from the same
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from executor.schedule import stage_actions
 from scheduler.estimator import (
@@ -134,7 +137,9 @@ def replay_step(
     # A stage answers the driver's wait once its compute is done and its sends are answered.
     done = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) + rtt[s] / 2 for s in range(n))
     tied = tied_sync_s(workload, sg, w, topology)
-    apply = max(rtt, default=0.0) + optimizer_s(workload, sg)
+    # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
+    unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
+    apply = max(rtt, default=0.0) + optimizer_s(workload, unemulated)
     step = max(done, default=0.0) + tied + apply + workload.step.control_s
     return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply)
 

@@ -354,7 +354,8 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
     # gloo runs DDP's buckets on its worker threads at once, so their latencies overlap and
     # their bytes share the links: one all-reduce of the whole gradient.
     allreduce_s = ring_allreduce_s(topology, list(range(n)), param_bytes)
-    optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * scale
+    # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
+    optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
     step_s = compute_s + allreduce_s + optimizer_s
     ring_bytes = {(i, (i - 1) % n): 2 * (n - 1) / n * param_bytes for i in range(n)} if n > 1 else {}
     slow_bytes, slow_mbps = _slowest(topology, ring_bytes)
@@ -427,7 +428,8 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
         for pid, size in unit:
             stage_params[unit_stage[u]][pid] = size
     param_bytes = np.array([sum(p.values()) for p in stage_params], dtype=np.float64)
-    step_s += wl.step.optimizer_s_per_byte * float((param_bytes * scale).max())
+    raw = np.array([job.reference_flops / topology.workers[s].flops for s in range(num_stages)])  # optimizer: not emulated
+    step_s += wl.step.optimizer_s_per_byte * float((param_bytes * raw).max())
     holders: dict[int, list[int]] = {}
     for s, p in enumerate(stage_params):
         for pid in p:

@@ -101,3 +101,22 @@ def test_an_emulated_slow_device_leaves_its_core_to_the_others() -> None:
     emulated = replay_step(wl, [0, 1], [0, 1], on_one_machine({"slowdown": 2.0}), micro_batches=4, cores=1)
     assert real.step_s == pytest.approx(4 * (0.03 + 2 * 0.08))
     assert 4 * 2 * 0.08 <= emulated.step_s < real.step_s
+
+
+def test_an_emulated_device_runs_its_optimizer_at_the_machines_speed() -> None:
+    """executor.emulation stretches forward and backward only: the optimizer update of an
+    emulated slow device costs what it costs on the machine, a real slow device's more."""
+    import dataclasses
+
+    step = StepCosts(optimizer_s_per_byte=1e-8)
+    wl = chain_workload([0.01], bwd_s=[0.02], param_bytes=[MB], step=step)
+    base = make_topology(np.full((1, 1), np.inf))
+
+    def with_worker(**kw: float) -> object:
+        return dataclasses.replace(base, workers=(dataclasses.replace(base.workers[0], **kw),))
+
+    plain = replay_step(wl, [0], [0], base, micro_batches=2)
+    emulated = replay_step(wl, [0], [0], with_worker(slowdown=2.0), micro_batches=2)
+    real = replay_step(wl, [0], [0], with_worker(flops=0.5e12), micro_batches=2)
+    assert emulated.apply_s == pytest.approx(plain.apply_s) and real.apply_s == pytest.approx(2 * plain.apply_s)
+    assert emulated.step_s == pytest.approx(real.step_s - plain.apply_s)  # compute stretched alike
