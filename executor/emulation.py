@@ -15,6 +15,9 @@ This is emulation and is labelled as such wherever it is used (``fusion-worker
 --emulate-slowdown``, the baselines' ``--slowdown``, ``testbeds.bench --emulate-speeds``);
 it has no place on a real deployment.
 
+Forward and backward computations are stretched; the optimizer step is not (it is a small
+share of a step, and the simulator prices it so: ``testbeds/replay.py``).
+
 Two ways in, one stretch:
 
 - :meth:`Slowdown.stretch` after a timed computation (fusion's executor times each
