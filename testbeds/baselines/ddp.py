@@ -33,6 +33,7 @@ from testbeds.baselines.rank import (
     bytes_sent,
     init_gloo,
     parse_args,
+    token_count,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def run(argv: list[str] | None = None) -> int:
         # different ranks, and that skew would leak into the next step's timing.
         stats = torch.zeros(args.steps, 1 + n, dtype=torch.float64)
         seconds: list[float] = []
-        tokens: list[int | None] = []
+        tokens: int | None = None  # per step: every batch has the job's shape
         for step in range(args.steps):
             x, y = job_batch(job, dataset, step)
             xr, yr = torch.tensor_split(x, n)[args.rank], torch.tensor_split(y, n)[args.rank]
@@ -74,20 +75,14 @@ def run(argv: list[str] | None = None) -> int:
                 optimizer.step()
             stats[step, 0], stats[step, 1 + args.rank] = float(loss.detach()) * weight, bytes_sent() - sent0
             seconds.append(timer.seconds)
-            tokens.append(x.numel() if x.dim() == 2 and not x.is_floating_point() else None)
+            tokens = token_count(x)
         dist.all_reduce(stats)  # global mean loss and every rank's bytes, per step
         for step, step_s in enumerate(seconds):
-            record = {
-                "step": step,
-                "loss": float(stats[step, 0]) / n,
-                "step_s": step_s,
-                "samples_per_s": batch / step_s,
+            metrics.write_step(
+                step=step, loss=float(stats[step, 0]) / n, step_s=step_s, samples=batch, tokens=tokens,
                 # the ring all-reduce sends rank r's share to rank r + 1
-                "bytes_per_link": {f"{r}->{(r + 1) % n}": int(stats[step, 1 + r]) for r in range(n)},
-            }
-            if tokens[step] is not None:
-                record["tokens_per_s"] = tokens[step] / step_s
-            metrics.write(record)
+                bytes_per_link={f"{r}->{(r + 1) % n}": int(stats[step, 1 + r]) for r in range(n)},
+            )
     finally:
         dist.destroy_process_group()
     return 0

@@ -36,7 +36,13 @@ from fusion.training import (
     example_micro_batch,
     job_batch,
 )
-from testbeds.baselines.rank import MetricsWriter, StepTimer, init_gloo, parse_args
+from testbeds.baselines.rank import (
+    MetricsWriter,
+    StepTimer,
+    init_gloo,
+    parse_args,
+    token_count,
+)
 from testbeds.baselines.split import block_names, even_split_points
 
 logger = logging.getLogger(__name__)
@@ -101,7 +107,7 @@ def run(argv: list[str] | None = None) -> int:
         # apart on different ranks and leak that skew into the next step's timing).
         stats = torch.zeros(args.steps, 2 + num_stages, dtype=torch.float64)
         seconds: list[float] = []
-        tokens: list[int | None] = []
+        tokens: int | None = None  # per step: every batch has the job's shape
         for step in range(args.steps):
             x, y = job_batch(job, dataset, step)
             losses: list[torch.Tensor] = []
@@ -124,20 +130,14 @@ def run(argv: list[str] | None = None) -> int:
                 stats[step, 0] = float(torch.stack([loss.detach() for loss in losses]).mean())
             stats[step, 2 + args.rank] = received[0]
             seconds.append(timer.seconds)
-            tokens.append(x.numel() if x.dim() == 2 and not x.is_floating_point() else None)
+            tokens = token_count(x)
         dist.all_reduce(stats)
         for step, step_s in enumerate(seconds):
-            record = {
-                "step": step,
-                "loss": float(stats[step, 0]),
-                "step_s": step_s,
-                "samples_per_s": job.data.batch_size / step_s,
+            metrics.write_step(
+                step=step, loss=float(stats[step, 0]), step_s=step_s, samples=job.data.batch_size, tokens=tokens,
                 # activations in, and their gradients back, over each cut (k-1 -> k)
-                "bytes_per_link": {f"{k - 1}->{k}": 2 * int(stats[step, 2 + k]) for k in range(1, num_stages)},
-            }
-            if tokens[step] is not None:
-                record["tokens_per_s"] = tokens[step] / step_s
-            metrics.write(record)
+                bytes_per_link={f"{k - 1}->{k}": 2 * int(stats[step, 2 + k]) for k in range(1, num_stages)},
+            )
     finally:
         dist.destroy_process_group()
     return 0

@@ -110,6 +110,22 @@ class MetricsWriter:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
+    def write_step(
+        self, *, step: int, loss: float, step_s: float, samples: int, tokens: int | None, bytes_per_link: dict[str, int],
+    ) -> None:
+        """One step's record; ``tokens_per_s`` only for token batches (:func:`token_count`)."""
+        record: dict[str, Any] = {
+            "step": step, "loss": loss, "step_s": step_s, "samples_per_s": samples / step_s, "bytes_per_link": bytes_per_link,
+        }
+        if tokens is not None:
+            record["tokens_per_s"] = tokens / step_s
+        self.write(record)
+
+
+def token_count(x: torch.Tensor) -> int | None:
+    """Tokens in a batch of token ids (``[batch, seq]`` integers); ``None`` for other inputs."""
+    return x.numel() if x.dim() == 2 and not x.is_floating_point() else None
+
 
 class StepTimer:
     """Wall seconds of a step, on this rank."""
