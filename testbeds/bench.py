@@ -422,8 +422,8 @@ def markdown(doc: dict[str, Any]) -> str:
     if "compute_factor" in doc:
         lines.append(
             f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
-            f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; calibrated: the same with compute scaled by {doc['compute_factor']:.2f}, the ratio of the "
-            "compute fusion and uniform measured in this run to the profile's."
+            f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; calibrated: the same with each host of fusion's and uniform's plans computing "
+            f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
         )
     return "\n".join(lines) + "\n"
 

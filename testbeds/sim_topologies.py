@@ -100,7 +100,7 @@ def slowdowns_label(slowdowns: Mapping[str, float]) -> str:
 
 def testbed_topology(
     topology: Topology, reference_flops: float | None, *, latency: bool = True, payload_share: float = 1.0,
-    emulated: Mapping[str, float] | None = None,
+    emulated: Mapping[str, float] | None = None, compute_factors: Mapping[str, float] | None = None,
 ) -> Topology:
     """Every host at this machine's speed and on this machine (the workers share its CPU, as
     their coordinator sees from the boot id they report), as one-host testbeds run them;
@@ -108,12 +108,17 @@ def testbed_topology(
     many times slower. ``reference_flops=None`` keeps the hosts' speeds and machines,
     ``latency=False`` zeroes every latency, and every link carries ``payload_share`` of its
     rate (:data:`TCP_PAYLOAD_SHARE` on the netns backend, whose ``htb`` counts frames; 1 on
-    the proxy backend, which paces payload)."""
+    the proxy backend, which paces payload). ``compute_factors``: hosts that computed that
+    many times slower than ``reference_flops`` (a run's measured compute over the profile's)."""
     workers = topology.workers
     emulated = emulated or {}
+    factors = compute_factors or {}
     if reference_flops:
         workers = tuple(
-            dataclasses.replace(w, flops=reference_flops, slowdown=emulated.get(w.name, 1.0), machine=TESTBED_MACHINE) for w in workers
+            dataclasses.replace(
+                w, flops=reference_flops / factors.get(w.name, 1.0), slowdown=emulated.get(w.name, 1.0), machine=TESTBED_MACHINE
+            )
+            for w in workers
         )
     lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
     bw = tuple(tuple(b * payload_share for b in row) for row in topology.bandwidth_bytes_per_s)

@@ -283,3 +283,5 @@ def test_testbed_topology_prices_the_testbed_as_it_runs() -> None:
     assert tb.latency_s[0][1] == 0.02 and {w.flops for w in tb.workers} == {5e10}
     assert len({w.machine for w in tb.workers}) == 1
     assert sim_topologies.testbed_topology(topo, 5e10, latency=False).latency_s[0][1] == 0.0
+    slow = sim_topologies.testbed_topology(topo, 5e10, compute_factors={"h1": 2.0}, emulated={"h1": 3.0})
+    assert [w.flops for w in slow.workers] == [5e10, 2.5e10] and slow.workers[1].slowdown == 3.0

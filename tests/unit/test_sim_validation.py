@@ -1,0 +1,65 @@
+"""The simulator against a committed testbed run: the rows it compares and its calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fusion.config import JobSpec
+from scheduler.estimator import StepCosts
+from testbeds import sim_topologies
+from testbeds.sim_validation import _stage_factors, validate_doc
+from testbeds.simulate import job_costs, simulate_plan
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "testbeds" / "results" / "bench-two-sites-resnet.json"
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict:
+    return json.loads(RUN.read_text())
+
+
+def test_every_system_of_the_run_is_compared(doc: dict) -> None:
+    rows = validate_doc(doc, "two-sites")
+    assert [r["system"] for r in rows] == list(doc["systems"])
+    for r in rows:
+        assert r["measured_step_s"] == doc["systems"][r["system"]]["step_s"]
+        assert r["simulated_step_s"] > 0 and r["calibrated_step_s"] > 0
+        assert math.isclose(r["error"], r["simulated_step_s"] / r["measured_step_s"] - 1)
+        assert r["compute_factor"] > 0
+
+
+def test_calibration_gives_each_host_the_compute_it_measured(doc: dict) -> None:
+    """Replayed with the per-host factors, each uniform stage computes what the run's
+    ``compute_s`` says its host did (the emulated b-1/b-2 included)."""
+    spec = JobSpec.from_dict(doc["job"])
+    job = job_costs(spec, step=StepCosts(**doc["step_costs"]), profile=doc["profile"])
+    base = sim_topologies.load_topology(doc["topology"])
+    m = spec.train.micro_batches
+    plan = doc["systems"]["uniform"]["plan"]
+
+    def replay(factors: dict[str, float] | None) -> dict:
+        topo = sim_topologies.testbed_topology(
+            base, job.reference_flops, payload_share=sim_topologies.TCP_PAYLOAD_SHARE,
+            emulated=doc["emulated_slowdown"], compute_factors=factors,
+        )
+        return simulate_plan(job, topo, strategy="uniform", compression="none", driver=0, given=plan, cores=2).to_dict()
+
+    raw = replay(None)
+    factors = _stage_factors(doc, "uniform", raw, m)
+    assert set(factors) == {s["worker"] for s in plan}
+    assert all(f > 1 for f in factors.values())  # these stages computed slower than profiled
+    calibrated = replay(factors)
+    measured = doc["systems"]["uniform"]["compute_s"]
+    for host, stage_s in zip(calibrated["detail"]["stages"], calibrated["detail"]["stage_compute_s"]):
+        assert m * stage_s == pytest.approx(measured[host], rel=1e-6)
+    assert calibrated["step_s"] > raw["step_s"]
+
+
+def test_no_factors_without_recorded_compute(doc: dict) -> None:
+    assert _stage_factors({"systems": {"ddp": {"step_s": 1.0}}}, "ddp", None, 4) == {}
+    assert _stage_factors(doc, "uniform", {"detail": {}}, 4) == {}
