@@ -152,3 +152,21 @@ def metrics_record(
     if predicted_step_s is not None:
         record["predicted_step_s"] = round(predicted_step_s, 6)
     return record
+
+
+def read_history(path: Path, before: int) -> list[tuple[int, float]]:
+    """(step, loss) of the steps before ``before`` from an earlier run's ``metrics.jsonl``
+    (a resumed job's loss curve starts where that run's did); unreadable lines are skipped."""
+    out: dict[int, float] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "loss" in rec and "step" in rec and "event" not in rec and int(rec["step"]) < before:
+            out[int(rec["step"])] = float(rec["loss"])
+    return sorted(out.items())

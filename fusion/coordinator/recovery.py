@@ -16,6 +16,11 @@ placement must hold the state of one and the same step ``R`` before training res
 
 ``R`` is the newest step for which one of these covers every stage; the data of steps
 ``R``, ``R+1``, … is then replayed, so the result equals an uninterrupted run.
+
+The rest of what the runner needs to survive failures, none of it tied to its state, is
+here too: which worker holds each stage's replica (:func:`choose_buddies`), what to
+snapshot after a step (:func:`snapshot_request`), and which workers still answer
+(:func:`answering`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
-from executor.driver import PipelineDriver
+from executor.driver import PipelineDriver, SnapshotRequest
 from fusion.checkpoint import (
     CheckpointDir,
     CheckpointFile,
@@ -35,7 +40,8 @@ from fusion.checkpoint import (
     merge_states,
     stage_subset,
 )
-from fusion.errors import FusionError
+from fusion.config import JobSpec
+from fusion.errors import FusionError, RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -173,3 +179,67 @@ def restore_stages(driver: PipelineDriver, point: RestorePoint, held: Holdings, 
     run_parallel([lambda i=i: one(i) for i in range(len(driver.stages))], name="restore")
     return sources
 
+
+
+def choose_buddies(
+    stage_addresses: Sequence[str], addresses: Sequence[str], link: Callable[[str, str], tuple[float, float] | None]
+) -> dict[int, str]:
+    """Each stage's replica holder: the other worker (of ``addresses``, the job's held
+    workers) on the fastest link from the stage's worker, by ``link(a, b)`` (a fit of
+    ``(latency, bandwidth)``, ``None`` when unknown).
+
+    Links within a factor of two count as equal; ties go round the ring of stages (and
+    spares), so replicas spread out instead of piling on one worker.
+    """
+    ring = list(dict.fromkeys([*stage_addresses, *addresses]))
+    if len(ring) < 2:
+        return {}
+    out: dict[int, str] = {}
+    for i, address in enumerate(stage_addresses):
+        start = ring.index(address)
+        order = [ring[(start + k) % len(ring)] for k in range(1, len(ring))]
+
+        def bandwidth(b: str, a: str = address) -> float:
+            fit = link(a, b)
+            return fit[1] if fit is not None else 0.0
+
+        best = max(bandwidth(b) for b in order)
+        out[i] = next(b for b in order if bandwidth(b) * 2 >= best)
+    return out
+
+
+def snapshot_request(
+    spec: JobSpec, step: int, buddies: Mapping[int, str], stage_addresses: Sequence[str],
+    link: Callable[[str, str], tuple[float, float] | None],
+) -> SnapshotRequest | None:
+    """What to snapshot after ``step``: nothing between checkpoints; replicas to ``buddies``
+    every ``replicate_every`` steps, paced at ``replicate_share`` of the slowest known
+    buddy link (so replication does not starve training traffic)."""
+    done = step + 1
+    ck = spec.checkpoint
+    if done >= spec.train.steps or (done % ck.replicate_every and done % ck.durable_every):
+        return None
+    fits = [link(stage_addresses[i], b) for i, b in buddies.items()]
+    known = [f[1] for f in fits if f is not None]
+    rate = ck.replicate_share * min(known) if known else 0.0
+    return SnapshotRequest(buddies=dict(buddies) if done % ck.replicate_every == 0 else {}, rate_bytes_per_s=rate)
+
+
+def answering(addresses: Sequence[str], pool: ChannelPool, timeouts_s: Sequence[float]) -> list[bool]:
+    """Which workers answer a ping (tried once per timeout, in parallel). A refused
+    connection is a dead process and ends the tries at once; a slow answer on a loaded
+    machine is not, so it gets the next, longer timeout."""
+
+    def answers(address: str) -> bool:
+        for timeout_s in timeouts_s:
+            try:
+                ExecutorClient(address, pool).ping(timeout_s=timeout_s, attempts=1)
+                return True
+            except RemoteError as e:
+                if e.code == "UNAVAILABLE":
+                    return False
+            except FusionError:
+                return False
+        return False
+
+    return run_parallel([lambda a=a: answers(a) for a in addresses], name="ping")

@@ -22,15 +22,15 @@ Every such event (``worker_lost``, ``replaced``, ``replanned``, ``restored_from`
 
 The module is longer than most because :class:`JobRunner` is one state machine: planning,
 training and recovery read and change the same state (the plan, the stage workers, the
-driver, the snapshot holdings), and the pieces that need none of it already live beside it
-(:mod:`~fusion.coordinator.planning`, :mod:`~fusion.coordinator.recovery`,
-:mod:`~fusion.coordinator.outputs`, :mod:`~fusion.coordinator.durable_writer`).
+driver, the snapshot holdings); the pieces that need none of it live beside it
+(:mod:`~fusion.coordinator.planning`; :mod:`~fusion.coordinator.recovery`: restore points,
+buddies, snapshot requests, liveness; :mod:`~fusion.coordinator.outputs`;
+:mod:`~fusion.coordinator.durable_writer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -42,12 +42,17 @@ from typing import Any
 from compress import AdaTopK
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import RatioController, cut_settings
-from executor.driver import PipelineDriver, SnapshotRequest, StepStats
+from executor.driver import PipelineDriver, StepStats
 from fusion import errors
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
 from fusion.coordinator.durable_writer import DurableWriter
-from fusion.coordinator.outputs import METRICS_FILE, JobOutputs, metrics_record
+from fusion.coordinator.outputs import (
+    METRICS_FILE,
+    JobOutputs,
+    metrics_record,
+    read_history,
+)
 from fusion.coordinator.planning import (
     Endpoint,
     LinkTable,
@@ -60,9 +65,12 @@ from fusion.coordinator.recovery import (
     Holdings,
     RestorePoint,
     WholeState,
+    answering,
+    choose_buddies,
     choose_restore_point,
     restore_stages,
     snapshot_holdings,
+    snapshot_request,
 )
 from fusion.coordinator.store import Store, WorkerRow
 from fusion.errors import CheckpointError, FusionError, StateError
@@ -195,7 +203,7 @@ class JobRunner(threading.Thread):
                 step = self._between_steps(step)
                 x, y = job_batch(self.spec, self.dataset, step)
                 try:
-                    stats = self.driver.train_step(step, (x,), y, snapshot=self._snapshot_request(step))
+                    stats = self.driver.train_step(step, (x,), y, snapshot=snapshot_request(self.spec, step, self.buddies, [w.address for w in self.stage_workers], self.links.get))
                 except FusionError as e:
                     if self._stopping() is not None:
                         raise
@@ -336,7 +344,7 @@ class JobRunner(threading.Thread):
         in_plan = {w.worker_id for w in stage_workers}
         spares = [w.address for w in self.workers if w.worker_id not in in_plan]
         run_parallel([lambda a=a: _quiet(lambda: driver.admit([a])) for a in spares], name="admit")
-        self.buddies = self._choose_buddies()
+        self.buddies = choose_buddies([w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get)
         predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
         where = ", ".join(w.name for w in stage_workers)
         buddies = ", ".join(f"{stage_workers[i].name}→{self._name_of(a)}" for i, a in sorted(self.buddies.items()))
@@ -361,40 +369,6 @@ class JobRunner(threading.Thread):
     def _name_of(self, address: str) -> str:
         return next((w.name for w in self.workers if w.address == address), address)
 
-    def _choose_buddies(self) -> dict[int, str]:
-        """Each stage's replica holder: the other held worker on the fastest link from it.
-
-        Links within a factor of two count as equal; ties go round the ring of stages (and
-        spares), so replicas spread out instead of piling on one worker.
-        """
-        ring = list(dict.fromkeys([w.address for w in self.stage_workers] + [w.address for w in self.workers]))
-        if len(ring) < 2:
-            return {}
-        out: dict[int, str] = {}
-        for i, w in enumerate(self.stage_workers):
-            start = ring.index(w.address)
-            order = [ring[(start + k) % len(ring)] for k in range(1, len(ring))]
-
-            def bandwidth(b: str, a: str = w.address) -> float:
-                fit = self.links.get(a, b)
-                return fit[1] if fit is not None else 0.0
-
-            best = max(bandwidth(b) for b in order)
-            out[i] = next(b for b in order if bandwidth(b) * 2 >= best)
-        return out
-
-    def _snapshot_request(self, step: int) -> SnapshotRequest | None:
-        done = step + 1
-        ck = self.spec.checkpoint
-        if done >= self.spec.train.steps or (done % ck.replicate_every and done % ck.durable_every):
-            return None
-        rate = 0.0
-        fits = [self.links.get(self.stage_workers[i].address, b) for i, b in self.buddies.items()]
-        known = [f[1] for f in fits if f is not None]
-        if known:
-            rate = ck.replicate_share * min(known)
-        return SnapshotRequest(buddies=dict(self.buddies) if done % ck.replicate_every == 0 else {}, rate_bytes_per_s=rate)
-
     # ------------------------------------------------------------- failures
     def _find_lost(self, error: FusionError) -> dict[str, tuple[str, str]]:
         """Workers to drop after a failed step: worker id -> (reason, new state)."""
@@ -413,28 +387,10 @@ class JobRunner(threading.Thread):
 
         # A refused connection is a dead process; a slow answer on a loaded machine is not,
         # so it gets a second, longer chance before the worker is dropped.
-        for w, ok in zip(self.workers, self._answering((2.0, 8.0))):
+        for w, ok in zip(self.workers, answering([w.address for w in self.workers], self.pool, (2.0, 8.0))):
             if not ok:
                 lost.setdefault(w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {_reason(error)}", "gone"))
         return lost
-
-    def _answering(self, timeouts_s: Sequence[float]) -> list[bool]:
-        """Which of the job's workers answer a ping (tried once per timeout, in parallel);
-        a refused connection ends the tries at once."""
-
-        def answers(w: WorkerRow) -> bool:
-            for timeout_s in timeouts_s:
-                try:
-                    ExecutorClient(w.address, self.pool).ping(timeout_s=timeout_s, attempts=1)
-                    return True
-                except errors.RemoteError as e:
-                    if e.code == "UNAVAILABLE":
-                        return False
-                except FusionError:
-                    return False
-            return False
-
-        return run_parallel([lambda w=w: answers(w) for w in self.workers], name="ping")
 
     def _recover(self, error: FusionError, failed_step: int) -> int:
         """Recover from a failed step; returns the step to resume at (or re-raises)."""
@@ -525,7 +481,7 @@ class JobRunner(threading.Thread):
         if not self.checkpoints.list():
             return 0
         point = self._restore(self.driver.stage_keys, {})
-        self._history = _read_history(Path(self.output_dir) / METRICS_FILE, point.step)
+        self._history = read_history(Path(self.output_dir) / METRICS_FILE, point.step)
         self._event("resumed_at_step", f"resumed at step {point.step} from {point.describe()}", step=point.step)
         return point.step
 
@@ -551,7 +507,7 @@ class JobRunner(threading.Thread):
                 self._event("worker_lost", reason, worker=w.name, failed_step=step)
                 self.workers.remove(w)
                 self.release(self, w, "gone")
-                self.buddies = self._choose_buddies()
+                self.buddies = choose_buddies([w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get)
         if leaving:
             self._handoff(step, leaving)
             return step
@@ -611,7 +567,7 @@ class JobRunner(threading.Thread):
         if not isinstance(e, FusionError):
             return reason
 
-        alive = self._answering((1.0,))
+        alive = answering([w.address for w in self.workers], self.pool, (1.0,))
         gone = [f"{w.name} ({w.address})" for w, ok in zip(self.workers, alive) if not ok]
         if gone:
             return f"worker {', '.join(gone)} stopped answering: {reason}"
@@ -656,23 +612,6 @@ class JobRunner(threading.Thread):
             "recoveries": self._recoveries,
             "spec": self.spec.to_dict(),
         }
-
-
-def _read_history(path: Path, before: int) -> list[tuple[int, float]]:
-    """(step, loss) of the steps before ``before`` from an earlier run's metrics.jsonl."""
-    out: dict[int, float] = {}
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "loss" in rec and "step" in rec and "event" not in rec and int(rec["step"]) < before:
-            out[int(rec["step"])] = float(rec["loss"])
-    return sorted(out.items())
 
 
 def _quiet(call: Callable[[], Any]) -> None:

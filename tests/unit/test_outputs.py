@@ -22,6 +22,7 @@ from fusion.coordinator.outputs import (
     JobOutputs,
     atomic_write,
     metrics_record,
+    read_history,
     write_json,
 )
 from fusion.models import build_model
@@ -248,3 +249,19 @@ def test_metrics_record_names_links_by_worker() -> None:
     assert "predicted_step_s" not in plain
     json.dumps(record)  # a JSON line
 
+
+
+def test_read_history_takes_the_steps_before_the_resume_point(tmp_path: Path) -> None:
+    path = tmp_path / METRICS_FILE
+    path.write_text(
+        "\n".join([
+            json.dumps({"step": 0, "loss": 3.0}),
+            json.dumps({"step": 1, "loss": 2.5}),
+            json.dumps({"event": "worker_lost", "step": 1, "loss": 9.0}),  # an event, not a step
+            "{not json",
+            json.dumps({"step": 1, "loss": 2.4}),  # a replayed step: the later record wins
+            json.dumps({"step": 2, "loss": 2.0}),
+        ]) + "\n"
+    )
+    assert read_history(path, 2) == [(0, 3.0), (1, 2.4)]
+    assert read_history(tmp_path / "missing.jsonl", 5) == []

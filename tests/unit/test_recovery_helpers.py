@@ -1,0 +1,68 @@
+"""The runner's failure helpers that need none of its state: buddies, snapshot requests, liveness."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.client import ChannelPool
+from executor.driver import SnapshotRequest
+from executor.local import LocalCluster
+from fusion.config import JobSpec
+from fusion.coordinator.recovery import answering, choose_buddies, snapshot_request
+
+MBPS = 1e6 / 8
+
+
+def links(table: dict[tuple[str, str], float]):
+    """``link(a, b)`` as the coordinator's LinkTable answers it: (latency, bandwidth) or None."""
+    return lambda a, b: (0.01, table[(a, b)]) if (a, b) in table else None
+
+
+def test_buddy_is_the_fastest_other_worker() -> None:
+    table = {("a", "b"): 10 * MBPS, ("a", "c"): 1000 * MBPS, ("b", "a"): 10 * MBPS, ("b", "c"): 10 * MBPS}
+    assert choose_buddies(["a", "b"], ["a", "b", "c"], links(table)) == {0: "c", 1: "c"}
+
+
+def test_equal_links_spread_the_replicas_round_the_ring() -> None:
+    every = {(a, b): 100 * MBPS for a in "abc" for b in "abc" if a != b}
+    assert choose_buddies(["a", "b", "c"], ["a", "b", "c"], links(every)) == {0: "b", 1: "c", 2: "a"}
+    # Within a factor of two counts as equal: the ring order decides, not the faster link.
+    every[("a", "c")] = 150 * MBPS
+    assert choose_buddies(["a", "b", "c"], ["a", "b", "c"], links(every))[0] == "b"
+
+
+def test_no_buddy_without_a_second_worker() -> None:
+    assert choose_buddies(["a"], ["a"], links({})) == {}
+
+
+def spec(replicate_every: int, durable_every: int, steps: int = 100) -> JobSpec:
+    return JobSpec.from_dict({
+        "model": {"name": "gpt2", "preset": "tiny"}, "train": {"steps": steps},
+        "checkpoint": {"replicate_every": replicate_every, "durable_every": durable_every, "replicate_share": 0.25},
+    })
+
+
+def test_snapshot_request_on_checkpoint_steps_only() -> None:
+    s = spec(replicate_every=5, durable_every=20)
+    buddies = {0: "b", 1: "a"}
+    link = links({("a", "b"): 100 * MBPS, ("b", "a"): 8 * MBPS})
+    assert snapshot_request(s, 0, buddies, ["a", "b"], link) is None  # step 1 is no checkpoint
+    replicate = snapshot_request(s, 4, buddies, ["a", "b"], link)  # after step 5
+    assert replicate == SnapshotRequest(buddies=buddies, rate_bytes_per_s=pytest.approx(0.25 * 8 * MBPS))
+    s = spec(replicate_every=3, durable_every=4)
+    durable_only = snapshot_request(s, 3, buddies, ["a", "b"], link)  # step 4: durable, not a replication step
+    assert durable_only is not None and durable_only.buddies == {}
+    assert snapshot_request(spec(1, 1, steps=10), 9, buddies, ["a", "b"], link) is None  # the last step: outputs are written anyway
+
+
+def test_snapshot_request_unpaced_when_no_buddy_link_is_known() -> None:
+    got = snapshot_request(spec(1, 50), 0, {0: "b"}, ["a"], links({}))
+    assert got == SnapshotRequest(buddies={0: "b"}, rate_bytes_per_s=0.0)
+
+
+def test_answering_tells_a_live_executor_from_a_closed_port(cluster: LocalCluster, port: int) -> None:
+    pool = ChannelPool()
+    try:
+        assert answering([cluster.addresses[0], f"127.0.0.1:{port}"], pool, (2.0, 4.0)) == [True, False]
+    finally:
+        pool.close()
