@@ -22,7 +22,13 @@ from fusion.config import JobSpec
 from fusion.errors import RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
-from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch, train_reference
+from fusion.training import (
+    build_job_dataset,
+    build_job_model,
+    example_micro_batch,
+    job_batch,
+    train_reference,
+)
 from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb
 from scheduler.baselines import uniform_assignment

@@ -19,7 +19,12 @@ from fusion.config import JobSpec
 from fusion.graph.export import capture
 from fusion.graph.split import build_stage_module, split_stages
 from fusion.losses import get_loss
-from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+from fusion.training import (
+    build_job_dataset,
+    build_job_model,
+    example_micro_batch,
+    job_batch,
+)
 from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb
 from scheduler.baselines import uniform_assignment

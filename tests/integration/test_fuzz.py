@@ -21,13 +21,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from google.protobuf import message_factory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executor.client import ChannelPool, ExecutorClient
 from executor.local import LocalCluster
-from executor.transport import encode_transfer_wire
 from fusion.auth import AUTH_METADATA, SCHEME_CONTROL, SCHEME_JOB, process_keyring, sign
 from fusion.errors import RemoteError
 from fusion.launch import Fleet

@@ -24,7 +24,12 @@ from fusion.config import JobSpec
 from fusion.errors import RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
-from fusion.training import build_job_dataset, build_job_model, example_micro_batch, job_batch
+from fusion.training import (
+    build_job_dataset,
+    build_job_model,
+    example_micro_batch,
+    job_batch,
+)
 from fusion.wire import executor_pb2 as epb
 from scheduler.baselines import uniform_assignment
 

@@ -14,7 +14,13 @@ from fusion.graph.export import capture, describe_value, export, tied_parameter_
 from fusion.graph.ir import OpDag, ValueMeta
 from fusion.graph.split import split_stages
 from fusion.models import build_model
-from tests.support.graph_models import Captured, GatedNet, TupleOutputNet, captured_gpt2_tiny, captured_resnet_tiny
+from tests.support.graph_models import (
+    Captured,
+    GatedNet,
+    TupleOutputNet,
+    captured_gpt2_tiny,
+    captured_resnet_tiny,
+)
 from tests.support.models import ControlFlowNet
 
 

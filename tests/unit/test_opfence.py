@@ -24,8 +24,20 @@ from fusion.graph.export import capture
 from fusion.graph.ir import OpDag
 from fusion.models import build_model
 from scheduler.estimator import StepCosts, Workload, estimate, workload_from_dag
-from scheduler.fence import cluster_links, cluster_workers, maximum_spanning_tree, order_clusters, symmetric_bandwidth
-from scheduler.partition import Objective, Placement, compute_placement, exhaustive_placement, opfence_placement
+from scheduler.fence import (
+    cluster_links,
+    cluster_workers,
+    maximum_spanning_tree,
+    order_clusters,
+    symmetric_bandwidth,
+)
+from scheduler.partition import (
+    Objective,
+    Placement,
+    compute_placement,
+    exhaustive_placement,
+    opfence_placement,
+)
 from scheduler.plan import Plan, validate_plan
 from scheduler.planner import PlanRequest, make_plan
 from scheduler.topology import Topology, WorkerSpec

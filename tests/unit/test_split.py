@@ -10,8 +10,18 @@ import torch
 from fusion.errors import SplitError
 from fusion.graph.export import capture
 from fusion.graph.ir import OpDag
-from fusion.graph.split import DRIVER, StageSpec, build_stage_module, normalize_assignment, split_stages
-from tests.support.graph_models import Captured, captured_gpt2_tiny, captured_resnet_tiny
+from fusion.graph.split import (
+    DRIVER,
+    StageSpec,
+    build_stage_module,
+    normalize_assignment,
+    split_stages,
+)
+from tests.support.graph_models import (
+    Captured,
+    captured_gpt2_tiny,
+    captured_resnet_tiny,
+)
 from tests.support.models import ControlFlowNet
 
 
