@@ -424,6 +424,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
             f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; calibrated: the same with each host of fusion's and uniform's plans computing "
             f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
+            + (f" Pipelining's transfers take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/link_times.py`)."
+               if doc.get("sim_links") == "measured" else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -470,17 +472,19 @@ def write_chart(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def add_simulation(doc: dict[str, Any]) -> None:
+def add_simulation(doc: dict[str, Any], directory: Path) -> None:
     """The simulator's step time for each system on this testbed, and its error vs measured
     (:func:`testbeds.sim_validation.validate_doc`: the plans fusion and uniform ran, this
-    machine's profile, and the same profile with compute calibrated on the run)."""
-    from testbeds.sim_validation import validate_doc
+    machine's profile, and the same profile with compute calibrated on the run; the
+    testbed's measured link times where ``directory`` holds them)."""
+    from testbeds.sim_validation import link_times_beside, validate_doc
 
-    for v in validate_doc(doc, doc["topology"]):
+    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory)):
         row = doc["systems"][v["system"]]
         row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
         row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
         doc["compute_factor"] = v["compute_factor"]
+        doc["sim_links"] = v["links"]
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -530,7 +534,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     doc = report(rows, meta)
     if args.simulate:
-        add_simulation(doc)
+        add_simulation(doc, Path(args.out).parent if args.out else Path("."))
     return doc
 
 
@@ -561,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.render:
             doc = json.loads(Path(args.render).read_text())
             if args.simulate:
-                add_simulation(doc)
+                add_simulation(doc, Path(args.render).parent)
         else:
             doc = bench(args)
     except FusionError as e:

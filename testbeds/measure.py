@@ -6,13 +6,17 @@ Run on testbed hosts (``Testbed.spawn``), so that the bytes take the same path a
     python -m testbeds.measure send --to IP:PORT --seconds 3   # blasts bytes for that long (or --bytes N)
     python -m testbeds.measure echo --listen IP:PORT           # echoes until killed
     python -m testbeds.measure rtt --to IP:PORT --count 20     # prints one JSON line
+    python -m testbeds.measure answer --listen IP:PORT         # answers each message until killed
+    python -m testbeds.measure transfers --to IP:PORT --sizes 1024,131072   # one JSON line
 
 Throughput is what the receiver saw after the first half second (``--warm``) to the last
 byte: the link's steady rate, without connection set-up and TCP's slow start, which over a
 50 ms round trip takes a few hundred milliseconds to open the window to the link's
 bandwidth-delay product on any link, shaped or real (``ramp_bytes_per_s`` reports the
 whole transfer from its first chunk). RTT is the median of one-byte ping-pongs on an open
-connection (the connect itself is reported separately).
+connection (the connect itself is reported separately). ``transfers`` times single
+messages as a pipeline sends them, each after a pause and each until the receiver's
+one-byte answer (:mod:`testbeds.link_times`).
 """
 
 from __future__ import annotations
@@ -112,6 +116,57 @@ def rtt(address: str, count: int) -> dict[str, float]:
     return {"rtt_s": statistics.median(times), "min_rtt_s": min(times), "connect_s": connect_s}
 
 
+def _drain(conn: socket.socket, n: int, buf: bytearray) -> bool:
+    """Read and drop ``n`` bytes (through ``buf``); False when the peer closed first."""
+    view = memoryview(buf)
+    while n:
+        k = conn.recv_into(view, min(n, len(buf)))
+        if not k:
+            return False
+        n -= k
+    return True
+
+
+def answer(address: str) -> None:
+    """Answer every length-prefixed message with one byte once all of it arrived (one
+    connection at a time, until killed)."""
+    buf = bytearray(RECV_BYTES)
+    with _listen(address) as s:
+        while True:
+            conn, _ = s.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while len(header := conn.recv(8, socket.MSG_WAITALL)) == 8:
+                    if not _drain(conn, int.from_bytes(header, "little"), buf):
+                        break
+                    conn.sendall(b"k")
+
+
+def transfers(address: str, sizes: list[int], *, repeats: int, idle_s: float, warm: int = 3) -> dict[str, list[float]]:
+    """Median seconds from sending a message of each size to the receiver's answer, each
+    message after ``idle_s`` of quiet (as a pipeline stage sends after computing).
+
+    Each size gets its own connection, warmed by ``warm`` messages of that size first: TCP's
+    pacing and window after a pause depend on what the connection carried before (over a
+    80 ms round trip, 128 KB messages after only small ones took 123 ms, after a 2 MB one
+    90 ms), and a pipeline's connection carries one size again and again.
+    """
+    medians = []
+    for n in sizes:
+        with socket.create_connection(_split(address), timeout=60) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            times = []
+            for _ in range(warm + repeats):
+                time.sleep(idle_s)
+                t = time.perf_counter()
+                c.sendall(n.to_bytes(8, "little") + bytes(n))
+                if c.recv(1) != b"k":
+                    raise OSError("answer server closed the connection")
+                times.append(time.perf_counter() - t)
+            medians.append(statistics.median(times[warm:]))
+    return {"sizes": list(sizes), "seconds": medians}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.measure", description="Bulk throughput and RTT over a testbed link.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -126,8 +181,19 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("rtt", help="ping-pong round-trip time")
     r.add_argument("--to", required=True)
     r.add_argument("--count", type=int, default=20)
+    sub.add_parser("answer", help="answer each length-prefixed message (for transfers)").add_argument("--listen", required=True)
+    t = sub.add_parser("transfers", help="time single messages of several sizes, each until its answer")
+    t.add_argument("--to", required=True)
+    t.add_argument("--sizes", required=True, help="bytes, comma-separated")
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--idle", type=float, default=0.1, help="seconds of quiet before each message (default: %(default)s)")
     args = p.parse_args(argv)
-    if args.cmd == "sink":
+    if args.cmd == "answer":
+        answer(args.listen)
+    elif args.cmd == "transfers":
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+        print(json.dumps(transfers(args.to, sizes, repeats=args.repeats, idle_s=args.idle)), flush=True)
+    elif args.cmd == "sink":
         print(json.dumps(sink(args.listen, warm_s=args.warm)), flush=True)
     elif args.cmd == "send":
         print(json.dumps(send(args.to, args.seconds, args.bytes)), flush=True)

@@ -13,6 +13,7 @@ import numpy as np
 
 from fusion.config import JobSpec
 from scheduler.estimator import StepCosts
+from testbeds.link_times import with_link_times
 from testbeds.sim_topologies import TCP_PAYLOAD_SHARE, load_topology, testbed_topology
 from testbeds.simulate import job_costs, simulate, simulate_plan
 
@@ -41,12 +42,29 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     """
     rows = []
     for path in bench_results:
-        rows.extend(validate_doc(json.loads(path.read_text()), path.stem, cores=cores))
+        doc = json.loads(path.read_text())
+        rows.extend(validate_doc(doc, path.stem, cores=cores, links=link_times_beside(doc, path.parent)))
     return rows
 
 
-def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -> list[dict[str, Any]]:
-    """:func:`validate` for one benchmark result document."""
+def link_times_beside(doc: dict[str, Any], directory: Path) -> dict[str, Any] | None:
+    """The testbed's measured link times (:mod:`testbeds.link_times`) when
+    ``links-<topology>.json`` sits in ``directory`` and was measured on the run's backend
+    and latency mode; else ``None`` (links priced as configured)."""
+    path = directory / f"links-{doc['topology']}.json"
+    if not path.exists():
+        return None
+    links = json.loads(path.read_text())
+    if (links.get("backend"), links.get("latency_mode")) != (doc["backend"], doc["latency_mode"]):
+        return None
+    return links
+
+
+def validate_doc(
+    doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """:func:`validate` for one benchmark result document; ``links``: the testbed's measured
+    link times, which then price every transfer between the clusters they cover."""
     rows = []
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
@@ -68,7 +86,12 @@ def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -
                 topology, speed, latency=with_latency, payload_share=share, emulated=emulated, compute_factors=host_factors.get(name)
             )
 
-        sims = simulate(job, topo(mode in ("netem", "tun")), tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
+        # The measured message times are gloo's pattern (a receiver silent until the whole
+        # message is in); fusion's gRPC transfers are priced at the configured links (see
+        # testbeds.link_times for why they differ).
+        gloo = topo(mode in ("netem", "tun"))
+        gloo = with_link_times(gloo, links) if links and mode in ("netem", "tun") else gloo
+        sims = simulate(job, gloo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
         for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
             if name in measured:
                 given = doc["systems"][name].get("plan")
@@ -91,6 +114,7 @@ def validate_doc(doc: dict[str, Any], label: str, *, cores: int | None = None) -
             "error": (sim - step_s) / step_s if sim and step_s else None,
             "compute_factor": factor, "calibrated_step_s": cal,
             "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
+            "links": "measured" if links else "configured",
         })
     return rows
 
@@ -131,6 +155,11 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
     for key, label in (("error", "profiled here"), ("calibrated_error", "compute calibrated on the run")):
         s_ = summary[key]
         lines.append(f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; median |error| {f(s_['median_abs'], '.0%')}")
+    measured = sorted({r["bench"] for r in rows if r.get("links") == "measured"})
+    lines.append(
+        "\npipelining's transfers priced from the links' measured message times (`testbeds/link_times.py`) in: "
+        f"{', '.join(measured) or 'none'}; fusion's and uniform's gRPC transfers and DDP's all-reduce at the configured links"
+    )
     text = "\n".join(lines) + "\n"
     if out:
         Path(out + ".json").write_text(json.dumps(summary, indent=2) + "\n")

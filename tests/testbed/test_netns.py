@@ -113,3 +113,21 @@ def test_sub_millisecond_links_skip_the_delay_proxy(tmp_path: Path) -> None:
         routes = t.expose("a", port)
         assert routes["b"] == f"{t.address('a')}:{port}"  # direct: htb shapes it, no proxy
         assert routes["c"] != f"{t.address('a')}:{port}"  # through the 20 ms delay proxy
+
+
+def test_link_times_time_each_link_class(tb: Testbed) -> None:
+    """``testbeds.link_times`` on the hosts themselves: a small message takes the round trip
+    (as the RTT check allows), a larger one at least half its bytes' time longer, for every
+    ordered pair of clusters."""
+    from testbeds.link_times import link_classes, measure_testbed
+
+    doc = measure_testbed(tb, sizes=(1024, 65536), echo=print)
+    assert (doc["backend"], doc["latency_mode"]) == ("netns", tb.latency_mode)
+    assert set(doc["links"]) == {f"{a}->{b}" for a, b in link_classes(tb.topology)}
+    for key, v in doc["links"].items():
+        src, dst = v["hosts"]
+        rtt = tb.link(src, dst)[1] + tb.link(dst, src)[1]
+        small, large = v["seconds"]
+        assert rtt <= small <= rtt * 1.1 + 0.005, (key, small, rtt)
+        bandwidth = tb.link(src, dst)[0]
+        assert large >= small + 0.5 * (65536 - 1024) / bandwidth - 0.002, (key, v["seconds"])  # the bytes take time too

@@ -63,3 +63,26 @@ def test_calibration_gives_each_host_the_compute_it_measured(doc: dict) -> None:
 def test_no_factors_without_recorded_compute(doc: dict) -> None:
     assert _stage_factors({"systems": {"ddp": {"step_s": 1.0}}}, "ddp", None, 4) == {}
     assert _stage_factors(doc, "uniform", {"detail": {}}, 4) == {}
+
+
+def test_rerendering_a_run_simulates_it_with_the_links_beside_it(tmp_path: Path) -> None:
+    """``testbeds.bench --render RUN --simulate``: the links measured beside the result price
+    pipelining's transfers, and the table says so."""
+    import shutil
+
+    from testbeds import bench
+
+    shutil.copy(RUN, tmp_path / RUN.name)
+    shutil.copy(RUN.parent / "links-two-sites.json", tmp_path / "links-two-sites.json")
+    assert bench.main(["--render", str(tmp_path / RUN.name), "--simulate", "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["sim_links"] == "measured"
+    assert all(again["systems"][s]["simulated_step_s"] > 0 for s in again["systems"])
+    assert "links-two-sites.json" in (tmp_path / "again.md").read_text()
+    (tmp_path / "links-two-sites.json").unlink()
+    assert bench.main(["--render", str(tmp_path / RUN.name), "--simulate", "--out", str(tmp_path / "plain")]) == 0
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert plain["sim_links"] == "configured"
+    # The measured stall only slows gloo's pipeline; fusion's gRPC transfers are priced alike.
+    assert again["systems"]["pipelining"]["simulated_step_s"] > plain["systems"]["pipelining"]["simulated_step_s"]
+    assert again["systems"]["uniform"]["simulated_step_s"] == pytest.approx(plain["systems"]["uniform"]["simulated_step_s"])
