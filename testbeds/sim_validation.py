@@ -27,7 +27,9 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     path in ``userspace`` mode, everywhere with ``netem`` or ``tun``, nowhere with ``none``;
     netns links at the TCP payload share of their rate (``htb`` counts frames). fusion and
     uniform are priced on the plans they ran (recorded in the result), so this checks the
-    step-time model, not the planner's choice on noisy device measurements.
+    step-time model, not the planner's choice on noisy device measurements. Where the
+    links' message times were measured on the testbed (``links-<topology>.json`` beside
+    the result, :mod:`testbeds.link_times`), pipelining's transfers take those.
 
     The machine is shared, so its speed during a run differs from its speed while profiling
     here (by 3x under load). A second prediction, ``calibrated``, replaces the profiled
@@ -64,7 +66,8 @@ def validate_doc(
     doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """:func:`validate` for one benchmark result document; ``links``: the testbed's measured
-    link times, which then price every transfer between the clusters they cover."""
+    link times (:func:`link_times_beside`), which then price the gloo baselines' transfers
+    between the clusters they cover (each row's ``links`` says whether they did)."""
     rows = []
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
