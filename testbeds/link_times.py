@@ -9,7 +9,7 @@ message of 32-512 KB took 120-124 ms to the receiver's answer where the model gi
 (a stall of about half a round trip, the receiver's delayed acknowledgement as the likely
 cause: the sender waits on it for its last segments). fusion's gRPC transfers do not pay
 it (HTTP/2 window updates acknowledge as the data is read): uniform on three-continents,
-link-bound, was priced within 1 % by the configured links, and within 22 % too slow by the
+link-bound, was priced within 1 % by the configured links, and 22 % too slow by the
 measured ones. So :mod:`testbeds.sim_validation` prices the gloo baselines' transfers from
 these curves and fusion's from the configured links. One run per topology:
 
@@ -27,7 +27,6 @@ curve (linear between sizes; beyond the largest, at the link's rate).
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fusion.errors import ConfigError, FusionError
 from scheduler.topology import Topology
@@ -63,13 +64,9 @@ class LinkCurve:
 
     def answered_s(self, size_bytes: float, bandwidth_bytes_per_s: float) -> float:
         """Interpolated time to the answer; past the largest size, the rest at ``bandwidth``."""
-        if size_bytes <= self.sizes[0]:
-            return self.seconds[0]
         if size_bytes >= self.sizes[-1]:
             return self.seconds[-1] + (size_bytes - self.sizes[-1]) / bandwidth_bytes_per_s
-        k = bisect.bisect_right(self.sizes, size_bytes)
-        s0, s1, t0, t1 = self.sizes[k - 1], self.sizes[k], self.seconds[k - 1], self.seconds[k]
-        return t0 + (t1 - t0) * (size_bytes - s0) / (s1 - s0)
+        return float(np.interp(size_bytes, self.sizes, self.seconds))  # below the smallest size: its time
 
 
 @dataclass(frozen=True, kw_only=True)
