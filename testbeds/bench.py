@@ -426,6 +426,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
             + (f" Pipelining's transfers take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/link_times.py`)."
                if doc.get("sim_links") == "measured" else "")
+            + (" fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
+               "`testbeds/pause_cost.py`) in the simulated column." if doc.get("sim_pause_cost") else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -476,10 +478,13 @@ def add_simulation(doc: dict[str, Any], directory: Path) -> None:
     """The simulator's step time for each system on this testbed, and its error vs measured
     (:func:`testbeds.sim_validation.validate_doc`: the plans fusion and uniform ran, this
     machine's profile, and the same profile with compute calibrated on the run; the
-    testbed's measured link times where ``directory`` holds them)."""
+    testbed's measured link times and the machine's pause cost where ``directory`` holds them)."""
+    from testbeds.pause_cost import pause_cost_beside
     from testbeds.sim_validation import link_times_beside, validate_doc
 
-    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory)):
+    pause = pause_cost_beside(directory)
+    doc["sim_pause_cost"] = pause is not None
+    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause):
         row = doc["systems"][v["system"]]
         row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
         row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,11 +79,15 @@ def replay_step(
     micro_batches: int,
     schedule: str = "1f1b",
     cores: int = 1,
+    pause_cost: Callable[[float, bool], float] | None = None,
 ) -> Replay:
     """Replay one step of a placement (the arguments are :func:`scheduler.estimator.estimate`'s).
 
     ``cores``: stages whose workers share a machine compute at once on up to this many
-    cores (1: one at a time, as the estimator assumes).
+    cores (1: one at a time, as the estimator assumes). ``pause_cost(pause_s, others_busy)``:
+    seconds a computation takes beyond its profiled time when its worker has been off the
+    core that long, with another core of its machine computing or not
+    (:class:`testbeds.pause_cost.PauseCost`); an emulated device stretches that too.
     """
     sg = stage_graph(workload, unit_stage, stage_workers, topology)
     n, m = sg.num_stages, micro_batches
@@ -100,6 +104,7 @@ def replay_step(
     on_core = [1.0 / topology.workers[x].slowdown for x in w]  # the rest of an emulated device's compute is a sleep
     cores_free = {k: [0.0] * max(1, cores) for k in set(machine)}
     free = [r / 2 for r in rtt]
+    last_on_core = [0.0] * n  # when each stage's process last stopped computing
     nxt = [0] * n
 
     def inputs_at(s: int) -> float | None:
@@ -122,8 +127,12 @@ def replay_step(
         pool = cores_free[machine[s]]
         start = max(t, heapq.heappop(pool))
         compute = sg.fwd_s[s] if act.kind == "F" else sg.bwd_s[s]
+        if pause_cost is not None:
+            others_busy = any(busy_until > start for busy_until in pool)
+            compute += pause_cost(start - last_on_core[s], others_busy) / on_core[s]
         end = start + compute
-        heapq.heappush(pool, start + compute * on_core[s])
+        last_on_core[s] = start + compute * on_core[s]
+        heapq.heappush(pool, last_on_core[s])
         free[s] = end
         nxt[s] += 1
         mb = act.micro_batch_idx

@@ -14,6 +14,7 @@ import numpy as np
 from fusion.config import JobSpec
 from scheduler.estimator import StepCosts
 from testbeds.link_times import with_link_times
+from testbeds.pause_cost import PauseCost, pause_cost_beside
 from testbeds.sim_topologies import TCP_PAYLOAD_SHARE, load_topology, testbed_topology
 from testbeds.simulate import job_costs, simulate, simulate_plan
 
@@ -29,7 +30,9 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     uniform are priced on the plans they ran (recorded in the result), so this checks the
     step-time model, not the planner's choice on noisy device measurements. Where the
     links' message times were measured on the testbed (``links-<topology>.json`` beside
-    the result, :mod:`testbeds.link_times`), pipelining's transfers take those.
+    the result, :mod:`testbeds.link_times`), pipelining's transfers take those; where the
+    machine's pause cost was measured (``pause-cost.json`` beside it,
+    :mod:`testbeds.pause_cost`), fusion's and uniform's stages pay it after each wait.
 
     The machine is shared, so its speed during a run differs from its speed while profiling
     here (by 3x under load). A second prediction, ``calibrated``, replaces the profiled
@@ -45,7 +48,9 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     rows = []
     for path in bench_results:
         doc = json.loads(path.read_text())
-        rows.extend(validate_doc(doc, path.stem, cores=cores, links=link_times_beside(doc, path.parent)))
+        rows.extend(
+            validate_doc(doc, path.stem, cores=cores, links=link_times_beside(doc, path.parent), pause=pause_cost_beside(path.parent))
+        )
     return rows
 
 
@@ -63,11 +68,14 @@ def link_times_beside(doc: dict[str, Any], directory: Path) -> dict[str, Any] | 
 
 
 def validate_doc(
-    doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None
+    doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None, pause: PauseCost | None = None
 ) -> list[dict[str, Any]]:
     """:func:`validate` for one benchmark result document; ``links``: the testbed's measured
     link times (:func:`link_times_beside`), which then price the gloo baselines' transfers
-    between the clusters they cover (each row's ``links`` says whether they did)."""
+    between the clusters they cover (each row's ``links`` says whether they did);
+    ``pause``: the machine's pause cost, which fusion's and uniform's stages then pay in the
+    profiled prediction (not in the calibrated one: the compute a run measured includes it;
+    the gloo baselines' ranks poll through their waits instead of sleeping)."""
     rows = []
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
@@ -77,7 +85,9 @@ def validate_doc(
     mode = doc["latency_mode"]
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
 
-    def run_all(speed: float, host_factors: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, Any]]:
+    def run_all(
+        speed: float, host_factors: dict[str, dict[str, float]] | None = None, pause: PauseCost | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Every measured system; ``host_factors``: per system, hosts whose compute the run
         measured that many times the profile's (fusion and uniform, stage by stage)."""
         share = TCP_PAYLOAD_SHARE if doc["backend"] == "netns" else 1.0
@@ -99,11 +109,12 @@ def validate_doc(
             if name in measured:
                 given = doc["systems"][name].get("plan")
                 sims[name] = simulate_plan(
-                    job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores
+                    job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
+                    pause_cost=pause,
                 ).to_dict()
         return sims
 
-    raw = run_all(job.reference_flops)
+    raw = run_all(job.reference_flops, pause=pause)
     host_factors = {name: f for name in ("fusion", "uniform") if (f := _stage_factors(doc, name, raw.get(name), spec.train.micro_batches))}
     mean = [float(np.mean(list(f.values()))) for f in host_factors.values()]
     factor = float(np.mean(mean)) if mean else 1.0
@@ -118,6 +129,7 @@ def validate_doc(
             "compute_factor": factor, "calibrated_step_s": cal,
             "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
             "links": "measured" if links else "configured",
+            "pause_cost": pause is not None and name in ("fusion", "uniform"),
         })
     return rows
 
@@ -162,6 +174,11 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
     lines.append(
         "\npipelining's transfers priced from the links' measured message times (`testbeds/link_times.py`) in: "
         f"{', '.join(measured) or 'none'}; fusion's and uniform's gRPC transfers and DDP's all-reduce at the configured links"
+    )
+    paused = sorted({r["bench"] for r in rows if r.get("pause_cost")})
+    lines.append(
+        "\nfusion's and uniform's stages pay the machine's measured cost of computing after a pause "
+        f"(`testbeds/pause_cost.py`, profiled column only) in: {', '.join(paused) or 'none'}"
     )
     text = "\n".join(lines) + "\n"
     if out:

@@ -37,7 +37,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,6 +204,7 @@ def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tu
 def simulate_plan(
     job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None,
     driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
+    pause_cost: Callable[[float, bool], float] | None = None,
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
     estimator with the driver (the coordinator) on host ``driver``: its control round trips
@@ -213,7 +214,8 @@ def simulate_plan(
     instead of planning. The step is the event replay of the executor running the plan
     (:mod:`testbeds.replay`); the estimator's closed form, which planned it, is kept in
     ``detail``. Hosts that share a machine (:func:`testbed_topology`) share its ``cores``
-    (``None``: one at a time, as the estimator assumes).
+    (``None``: one at a time, as the estimator assumes); ``pause_cost``: what a stage's
+    computation costs after a pause on such a machine (:mod:`testbeds.pause_cost`).
     """
     from fusion.graph.split import split_stages
 
@@ -260,7 +262,9 @@ def simulate_plan(
         per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
-    step_s = replay_step(wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1).step_s
+    step_s = replay_step(
+        wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost
+    ).step_s
     return _finish(
         SystemResult(
             name=name,

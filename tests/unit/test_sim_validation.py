@@ -67,18 +67,21 @@ def test_no_factors_without_recorded_compute(doc: dict) -> None:
 
 def test_rerendering_a_run_simulates_it_with_the_links_beside_it(tmp_path: Path) -> None:
     """``testbeds.bench --render RUN --simulate``: the links measured beside the result price
-    pipelining's transfers, and the table says so."""
+    pipelining's transfers, the machine's pause cost beside it fusion's and uniform's
+    computations, and the table says so."""
     import shutil
 
     from testbeds import bench
 
     shutil.copy(RUN, tmp_path / RUN.name)
     shutil.copy(RUN.parent / "links-two-sites.json", tmp_path / "links-two-sites.json")
+    shutil.copy(RUN.parent / "pause-cost.json", tmp_path / "pause-cost.json")
     assert bench.main(["--render", str(tmp_path / RUN.name), "--simulate", "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["sim_links"] == "measured"
     assert all(again["systems"][s]["simulated_step_s"] > 0 for s in again["systems"])
     assert "links-two-sites.json" in (tmp_path / "again.md").read_text()
+    assert again["sim_pause_cost"] and "pause-cost.json" in (tmp_path / "again.md").read_text()
     (tmp_path / "links-two-sites.json").unlink()
     assert bench.main(["--render", str(tmp_path / RUN.name), "--simulate", "--out", str(tmp_path / "plain")]) == 0
     plain = json.loads((tmp_path / "plain.json").read_text())
@@ -86,3 +89,20 @@ def test_rerendering_a_run_simulates_it_with_the_links_beside_it(tmp_path: Path)
     # The measured stall only slows gloo's pipeline; fusion's gRPC transfers are priced alike.
     assert again["systems"]["pipelining"]["simulated_step_s"] > plain["systems"]["pipelining"]["simulated_step_s"]
     assert again["systems"]["uniform"]["simulated_step_s"] == pytest.approx(plain["systems"]["uniform"]["simulated_step_s"])
+
+
+def test_the_pause_cost_slows_only_the_executors_profiled_stages(doc: dict) -> None:
+    """fusion's and uniform's stages sleep between computations and pay the machine's pause
+    cost in the profiled prediction; the calibrated one (the run's own compute, which
+    includes it) and the gloo baselines (whose ranks poll) are unchanged."""
+    from testbeds.pause_cost import PauseCost
+
+    cost = PauseCost((0.001, 0.01, 0.1), (0.0005, 0.002, 0.003), (0.0005, 0.002, 0.003))
+    plain = {r["system"]: r for r in validate_doc(doc, "two-sites")}
+    paying = {r["system"]: r for r in validate_doc(doc, "two-sites", pause=cost)}
+    assert paying["uniform"]["simulated_step_s"] > plain["uniform"]["simulated_step_s"]
+    assert paying["uniform"]["pause_cost"] and not plain["uniform"]["pause_cost"] and not paying["ddp"]["pause_cost"]
+    for name in ("ddp", "pipelining"):
+        assert paying[name]["simulated_step_s"] == pytest.approx(plain[name]["simulated_step_s"])
+    for name in plain:
+        assert paying[name]["calibrated_step_s"] == pytest.approx(plain[name]["calibrated_step_s"])

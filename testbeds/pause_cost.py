@@ -1,0 +1,175 @@
+"""What a computation costs beyond its profiled time when its core has been idle.
+
+The profile and the executor's calibration time computations back to back. A pipeline
+stage computes in bursts: it waits (asleep on its mailbox) for an input, computes one
+micro-batch's forward or backward, and waits again. On this testbed's VM a single-thread
+computation that starts after its process slept takes longer than the same computation
+run back to back, by an amount that grows with the pause and hardly with the computation
+(interleaved trials, so the machine's drift cancels; a GPT-2 mini block's forward and
+backward, 10 ms: +0.4 ms after 3 ms asleep, +1.2 ms after 10 ms, +1.6-2.0 ms after
+30-300 ms; a 2 ms matmul and a 6 ms ResNet layer alike). Spinning through the pause instead
+of sleeping removes most of it, and with the other core computing it is about half
+(+0.6-1.0 ms): what one expects of a core that slows down while idle and speeds up again
+over a millisecond or two, not of caches (the penalty does not grow with the computation).
+The testbed's emulated slow hosts make it matter: an emulated device stretches every
+computation, penalty included, ``slowdown`` times, and sleeps before each next one.
+
+:class:`PauseCost` holds the two measured curves (another core idle / computing);
+:func:`testbeds.replay.replay_step` adds the matching one to each action of a stage by how
+long its process has been off the core and whether another core of its machine is busy
+when it starts. One run per machine (2-3 minutes):
+
+    python -m testbeds.pause_cost        # -> testbeds/results/pause-cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fusion.errors import ConfigError
+
+#: Pauses measured (seconds): stages here wait 1-300 ms between computations.
+PAUSES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
+TRIALS = 80
+RESULTS = Path(__file__).resolve().parent / "results"
+#: A busy core for the ``loaded`` curve: one thread of matmuls until killed.
+_HOG = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True:\n    a = torch.tanh(a @ a)\n"
+
+
+@dataclass(frozen=True)
+class PauseCost:
+    """Extra seconds of a computation after a pause, with the machine's other cores idle
+    (``idle_s``) or computing (``loaded_s``); zero for no pause, interpolated in the log
+    of the pause between measured ones, flat beyond the longest."""
+
+    pauses_s: tuple[float, ...]
+    idle_s: tuple[float, ...]
+    loaded_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.pauses_s)
+        if n < 1 or len(self.idle_s) != n or len(self.loaded_s) != n or list(self.pauses_s) != sorted(set(self.pauses_s)):
+            raise ConfigError(f"a pause cost needs increasing pauses with one idle and one loaded cost each, got {self}")
+        if self.pauses_s[0] <= 0 or any(not 0 <= c < 1 for c in (*self.idle_s, *self.loaded_s)):
+            raise ConfigError(f"pause costs need positive pauses and costs of 0-1 s, got {self}")
+
+    def __call__(self, pause_s: float, others_busy: bool) -> float:
+        """Extra seconds for a computation after ``pause_s`` off the core."""
+        costs = self.loaded_s if others_busy else self.idle_s
+        if pause_s <= 0:
+            return 0.0
+        # From no pause (no cost) to the shortest measured one linearly; beyond, in log(pause).
+        if pause_s < self.pauses_s[0]:
+            return costs[0] * pause_s / self.pauses_s[0]
+        return float(np.interp(np.log(pause_s), np.log(self.pauses_s), costs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pauses_s": list(self.pauses_s), "idle_s": list(self.idle_s), "loaded_s": list(self.loaded_s)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PauseCost:
+        try:
+            return cls(tuple(map(float, d["pauses_s"])), tuple(map(float, d["idle_s"])), tuple(map(float, d["loaded_s"])))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a pause cost document ({e!r}): needs pauses_s, idle_s and loaded_s lists") from e
+
+
+def probe_computation() -> Callable[[], None]:
+    """A stage-sized single-thread computation: a transformer MLP block's forward and
+    backward (4 x 64 tokens, 128 wide; ~5-10 ms on these cores)."""
+    import torch
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(128), torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    x = torch.randn(4, 64, 128, generator=gen, requires_grad=True)
+
+    def run() -> None:
+        block(x).sum().backward()
+
+    return run
+
+
+def time_after_pauses(
+    run: Callable[[], None], pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, seed: int = 0
+) -> dict[float, float]:
+    """Median extra seconds of ``run`` after sleeping each pause, over back-to-back runs.
+
+    Trials of every pause (and of none) are shuffled together, each preceded by one
+    untimed run, so the machine's drift over the measurement falls on all alike.
+    """
+    for _ in range(10):
+        run()
+    times: dict[float, list[float]] = {p: [] for p in (0.0, *pauses)}
+    order = list(times) * trials
+    random.Random(seed).shuffle(order)
+    for pause in order:
+        run()
+        if pause:
+            time.sleep(pause)
+        t0 = time.perf_counter()
+        run()
+        times[pause].append(time.perf_counter() - t0)
+    base = statistics.median(times[0.0])
+    return {p: max(statistics.median(times[p]) - base, 0.0) for p in pauses}
+
+
+def measure(pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, echo: Callable[[str], None] = print) -> PauseCost:
+    """Both curves on this machine: other cores idle, then one other core computing (a
+    child process, stopped by its pid whatever happens)."""
+    run = probe_computation()
+    echo(f"timing a computation after {len(pauses)} pause lengths, {trials} trials each, other cores idle")
+    idle = time_after_pauses(run, pauses, trials=trials)
+    echo("  " + ", ".join(f"{p * 1e3:g} ms: +{c * 1e3:.2f} ms" for p, c in idle.items()))
+    echo("again with another core computing")
+    hog = subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        loaded = time_after_pauses(run, pauses, trials=trials, seed=1)
+    finally:
+        hog.kill()
+        hog.wait(timeout=10)
+    echo("  " + ", ".join(f"{p * 1e3:g} ms: +{c * 1e3:.2f} ms" for p, c in loaded.items()))
+    return PauseCost(tuple(pauses), tuple(idle[p] for p in pauses), tuple(loaded[p] for p in pauses))
+
+
+def pause_cost_beside(directory: Path) -> PauseCost | None:
+    """The machine's pause cost when ``pause-cost.json`` sits in ``directory``, else ``None``."""
+    path = directory / "pause-cost.json"
+    if not path.exists():
+        return None
+    return PauseCost.from_dict(json.loads(path.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m testbeds.pause_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=TRIALS, help=f"timed runs per pause and load (default {TRIALS})")
+    p.add_argument("--out", default=str(RESULTS / "pause-cost.json"), help="JSON path (default: testbeds/results/pause-cost.json)")
+    args = p.parse_args(argv)
+    if args.trials < 3:
+        print("error: --trials must be at least 3", file=sys.stderr)
+        return 2
+    cost = measure(trials=args.trials)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**cost.to_dict(), "trials": args.trials, "computation": "a transformer MLP block, forward and backward, 4 x 64 x 128, one thread"}, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""The machine's cost of computing after a pause (testbeds.pause_cost): the curve, the probe
+as a real measurement, and what the replay makes of it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fusion.errors import ConfigError
+from testbeds.pause_cost import PauseCost, main, pause_cost_beside, time_after_pauses
+from testbeds.replay import replay_step
+from tests.unit.test_opfence import chain_workload, make_topology
+
+CURVE = PauseCost((0.001, 0.01, 0.1), (0.0002, 0.001, 0.002), (0.0001, 0.0005, 0.001))
+
+
+def test_the_curve_is_zero_without_a_pause_and_flat_beyond_the_longest() -> None:
+    assert CURVE(0.0, False) == 0.0 and CURVE(-1.0, True) == 0.0
+    assert CURVE(0.0005, False) == pytest.approx(0.0001)  # linear up to the shortest pause
+    assert CURVE(0.01, False) == pytest.approx(0.001) and CURVE(0.01, True) == pytest.approx(0.0005)
+    assert CURVE(np.sqrt(0.01 * 0.1), False) == pytest.approx(0.0015)  # halfway in log(pause)
+    assert CURVE(10.0, False) == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [((), (), ()), ((0.01, 0.001), (0.0, 0.0), (0.0, 0.0)), ((0.0, 0.01), (0.0, 0.0), (0.0, 0.0)), ((0.01,), (2.0,), (0.0,)), ((0.01,), (0.0,), ())],
+)
+def test_a_malformed_curve_is_refused(args: tuple) -> None:
+    with pytest.raises(ConfigError):
+        PauseCost(*args)
+
+
+def test_documents_round_trip_and_a_wrong_one_is_named(tmp_path: Path) -> None:
+    assert PauseCost.from_dict(json.loads(json.dumps(CURVE.to_dict()))) == CURVE
+    with pytest.raises(ConfigError, match="pauses_s"):
+        PauseCost.from_dict({"pauses": [0.01]})
+    assert pause_cost_beside(tmp_path) is None
+    (tmp_path / "pause-cost.json").write_text(json.dumps({**CURVE.to_dict(), "trials": 5}))
+    assert pause_cost_beside(tmp_path) == CURVE
+
+
+def test_timing_a_computation_after_pauses() -> None:
+    """A real measurement: a computation that sleeps its pause away inside the timed part
+    costs that much more; the shuffled trials land on every pause."""
+    import time
+
+    calls = []
+
+    def run() -> None:
+        calls.append(None)
+        if len(calls) % 2 == 0:  # every timed run (each follows one untimed run)
+            time.sleep(0.002)
+
+    extra = time_after_pauses(run, (0.001, 0.003), trials=3)
+    assert set(extra) == {0.001, 0.003}
+    assert all(0 <= v < 0.05 for v in extra.values())
+    assert len(calls) == 10 + 2 * 3 * 3
+
+
+def test_measure_writes_both_curves_and_stops_its_busy_process(tmp_path: Path) -> None:
+    before = _children()
+    out = tmp_path / "pause-cost.json"
+    assert main(["--trials", "3", "--out", str(out)]) == 0
+    cost = PauseCost.from_dict(json.loads(out.read_text()))
+    assert len(cost.pauses_s) == len(cost.idle_s) == len(cost.loaded_s) >= 3
+    assert _children() == before  # the busy process is reaped
+    assert not list(tmp_path.glob("*.tmp"))
+    assert main(["--trials", "1"]) == 2
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    kids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            kids.add(int(stat.parent.name))
+    return kids
+
+
+def test_a_waiting_stage_pays_the_pause_and_a_busy_one_does_not() -> None:
+    """The two-stage timeline of test_replay (f0=10 b0=20, f1=30 b1=50 ms; 1F1B, two
+    micro-batches), each computation after a pause costing 5 ms more.
+
+    s0 F0 0-10, F1 10-20 (back to back), act0 arrives 30 (link free 50), act1 sent 50
+    (arrives 70). s1 F0 waited since 0: 30-65; B0 65-115, F1 115-145, B1 145-195 back to
+    back; grad0 sent 115 (arrives 155, free 165), grad1 sent 195 (arrives 235, free 245).
+    s0 B0 waited since 20: 155-180; B1 waited since 180: 235-260.
+    """
+    wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[1_000_000])
+    topology = make_topology(np.array([[np.inf, 1e8], [5e7, np.inf]]), latency_s=np.array([[0.0, 0.01], [0.02, 0.0]]))
+    replay = replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
+    assert replay.stages_done_s == pytest.approx((0.26, 0.245))
+
+
+def test_the_pause_cost_knows_whether_another_core_is_computing() -> None:
+    """Two stages on one two-core machine: stage 1's first forward starts as stage 0's
+    second does (40 ms), so it pays the loaded cost; later ones start with stage 0 idle."""
+    import dataclasses
+
+    wl = chain_workload([0.04, 0.01], bwd_s=[0.01, 0.01], edge_bytes=[1], grad_bytes=[1])
+    base = make_topology(np.array([[np.inf, 1e15], [1e15, np.inf]]))
+    topology = dataclasses.replace(base, workers=tuple(dataclasses.replace(w, machine="m") for w in base.workers))
+    calls: list[tuple[float, bool]] = []
+
+    def cost(pause: float, busy: bool) -> float:
+        calls.append((round(pause, 6), busy))
+        return 0.0
+
+    replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, cores=2, pause_cost=cost)
+    assert (0.04, True) in calls
+    assert any(not busy for _, busy in calls)
+
+
+def test_an_emulated_device_stretches_its_pause_cost_too() -> None:
+    """One stage emulating a device twice as slow sleeps after each computation, so every
+    computation after the first comes after a pause, and its cost is stretched as well."""
+    import dataclasses
+
+    wl = chain_workload([0.01], bwd_s=[0.02])
+    base = make_topology(np.full((1, 1), np.inf))
+    slow = dataclasses.replace(base, workers=(dataclasses.replace(base.workers[0], slowdown=2.0),))
+    plain = replay_step(wl, [0], [0], slow, micro_batches=2)
+    paying = replay_step(wl, [0], [0], slow, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
+    assert paying.step_s - plain.step_s == pytest.approx(3 * 2 * 0.005)
+    fast = replay_step(wl, [0], [0], base, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
+    assert fast.step_s == pytest.approx(replay_step(wl, [0], [0], base, micro_batches=2).step_s)  # back to back: no pause
