@@ -55,6 +55,9 @@ class Replay:
     """When the driver heard each stage had finished (its compute and its sends)."""
     tied_s: float
     apply_s: float
+    compute_s: tuple[float, ...] = ()
+    """Each stage's forward and backward seconds over the step (emulated stretch and pause
+    costs included): what its executor would report as ``compute_s``."""
 
 
 class _SendQueue:
@@ -105,6 +108,7 @@ def replay_step(
     cores_free = {k: [0.0] * max(1, cores) for k in set(machine)}
     free = [r / 2 for r in rtt]
     last_on_core = [0.0] * n  # when each stage's process last stopped computing
+    computed = [0.0] * n
     nxt = [0] * n
 
     def inputs_at(s: int) -> float | None:
@@ -131,6 +135,7 @@ def replay_step(
             others_busy = any(busy_until > start for busy_until in pool)
             compute += pause_cost(start - last_on_core[s], others_busy) / on_core[s]
         end = start + compute
+        computed[s] += compute
         last_on_core[s] = start + compute * on_core[s]
         heapq.heappush(pool, last_on_core[s])
         free[s] = end
@@ -150,7 +155,7 @@ def replay_step(
     unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
     apply = max(rtt, default=0.0) + optimizer_s(workload, unemulated)
     step = max(done, default=0.0) + tied + apply + workload.step.control_s
-    return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply)
+    return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply, compute_s=tuple(computed))
 
 
 def _send(queue: _SendQueue, ready: float, topology: Topology, src: int, dst: int, size: float) -> float:

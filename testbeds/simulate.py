@@ -262,13 +262,13 @@ def simulate_plan(
         per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
-    step_s = replay_step(
+    replay = replay_step(
         wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost
-    ).step_s
+    )
     return _finish(
         SystemResult(
             name=name,
-            step_s=step_s,
+            step_s=replay.step_s,
             slowest_link_bytes=slow_bytes,
             slowest_link_mbps=slow_mbps,
             hosts_used=len(set(stage_workers)),
@@ -279,6 +279,7 @@ def simulate_plan(
                 "bottleneck_s": est.bottleneck_s,
                 "estimator_step_s": est.step_s,
                 "stage_compute_s": list(est.stage_compute_s),
+                "replay_compute_s": list(replay.compute_s),
                 "driver_s": control_path_s,
             },
         ),

@@ -99,6 +99,7 @@ def test_a_waiting_stage_pays_the_pause_and_a_busy_one_does_not() -> None:
     topology = make_topology(np.array([[np.inf, 1e8], [5e7, np.inf]]), latency_s=np.array([[0.0, 0.01], [0.02, 0.0]]))
     replay = replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
     assert replay.stages_done_s == pytest.approx((0.26, 0.245))
+    assert replay.compute_s == pytest.approx((0.07, 0.165))  # two paused actions on stage 0, one on stage 1
 
 
 def test_the_pause_cost_knows_whether_another_core_is_computing() -> None:
@@ -131,5 +132,6 @@ def test_an_emulated_device_stretches_its_pause_cost_too() -> None:
     plain = replay_step(wl, [0], [0], slow, micro_batches=2)
     paying = replay_step(wl, [0], [0], slow, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
     assert paying.step_s - plain.step_s == pytest.approx(3 * 2 * 0.005)
+    assert paying.compute_s[0] - plain.compute_s[0] == pytest.approx(3 * 2 * 0.005)
     fast = replay_step(wl, [0], [0], base, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
     assert fast.step_s == pytest.approx(replay_step(wl, [0], [0], base, micro_batches=2).step_s)  # back to back: no pause
