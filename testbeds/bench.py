@@ -428,6 +428,8 @@ def markdown(doc: dict[str, Any]) -> str:
                if doc.get("sim_links") == "measured" else "")
             + (" fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
                "`testbeds/pause_cost.py`) in the simulated column." if doc.get("sim_pause_cost") else "")
+            + (" Their transfers between stages pay the executors' measured transfer path (the same file) in both."
+               if doc.get("sim_transfer_path") else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -479,12 +481,12 @@ def add_simulation(doc: dict[str, Any], directory: Path) -> None:
     (:func:`testbeds.sim_validation.validate_doc`: the plans fusion and uniform ran, this
     machine's profile, and the same profile with compute calibrated on the run; the
     testbed's measured link times and the machine's pause cost where ``directory`` holds them)."""
-    from testbeds.pause_cost import pause_cost_beside
+    from testbeds.pause_cost import pause_cost_beside, transfer_path_beside
     from testbeds.sim_validation import link_times_beside, validate_doc
 
-    pause = pause_cost_beside(directory)
-    doc["sim_pause_cost"] = pause is not None
-    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause):
+    pause, path = pause_cost_beside(directory), transfer_path_beside(directory)
+    doc["sim_pause_cost"], doc["sim_transfer_path"] = pause is not None, path is not None
+    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause, transfer_path=path):
         row = doc["systems"][v["system"]]
         row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
         row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]

@@ -17,7 +17,14 @@ computation, penalty included, ``slowdown`` times, and sleeps before each next o
 :class:`PauseCost` holds the two measured curves (another core idle / computing);
 :func:`testbeds.replay.replay_step` adds the matching one to each action of a stage by how
 long its process has been off the core and whether another core of its machine is busy
-when it starts. One run per machine (2-3 minutes):
+when it starts.
+
+The same holds for the executors' own work on a transfer (encoding, the chunked gRPC
+stream, checks, reassembly, the answer), which the replay had priced at nothing beyond the
+wire: timed on loopback to a real executor process, 1.9 ms for 16 KB and 3.4 ms for 1 MB
+back to back, 3.2-4.5 ms after 30 ms or more of quiet on the pair.
+:class:`TransferPathCost` holds that grid, and the replay adds it to each transfer between
+stages by how long its pair was quiet. One run per machine (about 3 minutes):
 
     python -m testbeds.pause_cost        # -> testbeds/results/pause-cost.json
 """
@@ -43,6 +50,9 @@ from fusion.errors import ConfigError
 #: Pauses measured (seconds): stages here wait 1-300 ms between computations.
 PAUSES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 TRIALS = 80
+#: Transfers timed (bytes): the benchmark jobs' activations and gradients are 64 KB - 1 MB.
+TRANSFER_SIZES = (16 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
+TRANSFER_PAUSES = (0.003, 0.03, 0.1)
 RESULTS = Path(__file__).resolve().parent / "results"
 #: A busy core for the ``loaded`` curve: one thread of matmuls until killed.
 _HOG = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True:\n    a = torch.tanh(a @ a)\n"
@@ -86,6 +96,54 @@ class PauseCost:
             raise ConfigError(f"not a pause cost document ({e!r}): needs pauses_s, idle_s and loaded_s lists") from e
 
 
+@dataclass(frozen=True)
+class TransferPathCost:
+    """Seconds a transfer spends in the executors (encoding, the gRPC stream, checks,
+    reassembly, the answer) beyond the wire, by size and by how long the pair was quiet
+    before it: ``seconds[i][j]`` for ``pauses_s[i]`` (the first 0: back to back) and
+    ``sizes[j]``. Linear in size (beyond the largest, at the last step's rate per byte),
+    in the log of the pause between measured ones, flat beyond the longest."""
+
+    sizes: tuple[int, ...]
+    pauses_s: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2 or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] <= 0:
+            raise ConfigError(f"a transfer path cost needs two or more increasing positive sizes, got {self.sizes}")
+        if len(self.pauses_s) < 2 or self.pauses_s[0] != 0 or list(self.pauses_s) != sorted(set(self.pauses_s)):
+            raise ConfigError(f"a transfer path cost needs pauses from 0 up, increasing, got {self.pauses_s}")
+        if len(self.seconds) != len(self.pauses_s) or any(len(row) != len(self.sizes) for row in self.seconds):
+            raise ConfigError(f"a transfer path cost needs one time per size for each pause, got {self.seconds}")
+        if any(not 0 <= t < 60 for row in self.seconds for t in row):
+            raise ConfigError(f"transfer path times must be 0-60 s, got {self.seconds}")
+
+    def __call__(self, size_bytes: float, pause_s: float) -> float:
+        """Seconds for a transfer of ``size_bytes`` after ``pause_s`` of quiet on its pair."""
+        at_size = [self._by_size(row, size_bytes) for row in self.seconds]
+        if pause_s <= 0:
+            return at_size[0]
+        if pause_s < self.pauses_s[1]:  # linearly from back to back up to the shortest pause
+            return at_size[0] + (at_size[1] - at_size[0]) * pause_s / self.pauses_s[1]
+        return float(np.interp(np.log(pause_s), np.log(self.pauses_s[1:]), at_size[1:]))
+
+    def _by_size(self, row: Sequence[float], size_bytes: float) -> float:
+        if size_bytes > self.sizes[-1]:
+            per_byte = max(row[-1] - row[-2], 0.0) / (self.sizes[-1] - self.sizes[-2])
+            return row[-1] + (size_bytes - self.sizes[-1]) * per_byte
+        return float(np.interp(size_bytes, self.sizes, row))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sizes": list(self.sizes), "pauses_s": list(self.pauses_s), "seconds": [list(r) for r in self.seconds]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransferPathCost:
+        try:
+            return cls(tuple(map(int, d["sizes"])), tuple(map(float, d["pauses_s"])), tuple(tuple(map(float, r)) for r in d["seconds"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a transfer path cost ({e!r}): needs sizes, pauses_s and seconds") from e
+
+
 def probe_computation() -> Callable[[], None]:
     """A stage-sized single-thread computation: a transformer MLP block's forward and
     backward (4 x 64 tokens, 128 wide; ~5-10 ms on these cores)."""
@@ -103,9 +161,17 @@ def probe_computation() -> Callable[[], None]:
 
 
 def time_after_pauses(
-    run: Callable[[], None], pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, seed: int = 0
+    run: Callable[[], object], pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, seed: int = 0
 ) -> dict[float, float]:
-    """Median extra seconds of ``run`` after sleeping each pause, over back-to-back runs.
+    """Median extra seconds of ``run`` after sleeping each pause, over back-to-back runs."""
+    times = median_after_pauses(run, pauses, trials=trials, seed=seed)
+    return {p: max(times[p] - times[0.0], 0.0) for p in pauses}
+
+
+def median_after_pauses(
+    run: Callable[[], object], pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, seed: int = 0
+) -> dict[float, float]:
+    """Median seconds of ``run`` back to back (key ``0.0``) and after sleeping each pause.
 
     Trials of every pause (and of none) are shuffled together, each preceded by one
     untimed run, so the machine's drift over the measurement falls on all alike.
@@ -122,8 +188,7 @@ def time_after_pauses(
         t0 = time.perf_counter()
         run()
         times[pause].append(time.perf_counter() - t0)
-    base = statistics.median(times[0.0])
-    return {p: max(statistics.median(times[p]) - base, 0.0) for p in pauses}
+    return {p: statistics.median(v) for p, v in times.items()}
 
 
 def measure(pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, echo: Callable[[str], None] = print) -> PauseCost:
@@ -145,12 +210,50 @@ def measure(pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, echo: Cal
     return PauseCost(tuple(pauses), tuple(idle[p] for p in pauses), tuple(loaded[p] for p in pauses))
 
 
+def measure_transfer_path(
+    sizes: Sequence[int] = TRANSFER_SIZES, pauses: Sequence[float] = TRANSFER_PAUSES, *, trials: int = TRIALS,
+    echo: Callable[[str], None] = print,
+) -> TransferPathCost:
+    """Time the executors' tensor path (``Probe``: the chunked stream, header checks and
+    reassembly every transfer takes, to the answer) on loopback, where the wire costs
+    next to nothing, from this process to one executor process (stopped by its pid)."""
+    from executor.client import ChannelPool, ExecutorClient
+    from executor.local import LocalCluster
+    from testbeds.bench_core import EXECUTOR_WARM_UP_S
+
+    echo(f"timing the executors' transfer path for {len(sizes)} sizes after {len(pauses)} pause lengths, {trials} trials each")
+    rows: dict[float, list[float]] = {p: [] for p in (0.0, *pauses)}
+    with LocalCluster(1, torch_threads=1) as cluster:
+        pool = ChannelPool()
+        try:
+            client = ExecutorClient(cluster.addresses[0], pool)
+            client.probe(1 << 20)
+            time.sleep(EXECUTOR_WARM_UP_S)  # the executor imports in the background for its first seconds
+            for k, size in enumerate(sizes):
+                times = median_after_pauses(lambda size=size: client.probe(size), pauses, trials=trials, seed=k)
+                for p, t in times.items():
+                    rows[p].append(t)
+                echo(f"  {size >> 10} KB: " + ", ".join(f"{p * 1e3:g} ms quiet {t * 1e3:.2f} ms" for p, t in times.items()))
+        finally:
+            pool.close()
+    return TransferPathCost(tuple(sizes), (0.0, *pauses), tuple(tuple(rows[p]) for p in (0.0, *pauses)))
+
+
 def pause_cost_beside(directory: Path) -> PauseCost | None:
     """The machine's pause cost when ``pause-cost.json`` sits in ``directory``, else ``None``."""
     path = directory / "pause-cost.json"
     if not path.exists():
         return None
     return PauseCost.from_dict(json.loads(path.read_text()))
+
+
+def transfer_path_beside(directory: Path) -> TransferPathCost | None:
+    """The machine's transfer path cost when ``pause-cost.json`` in ``directory`` has one."""
+    path = directory / "pause-cost.json"
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    return TransferPathCost.from_dict(doc["transfer_path"]) if "transfer_path" in doc else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +265,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --trials must be at least 3", file=sys.stderr)
         return 2
     cost = measure(trials=args.trials)
+    path = measure_transfer_path(trials=args.trials)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**cost.to_dict(), "trials": args.trials, "computation": "a transformer MLP block, forward and backward, 4 x 64 x 128, one thread"}, indent=2) + "\n")
+    doc = {
+        **cost.to_dict(), "trials": args.trials, "computation": "a transformer MLP block, forward and backward, 4 x 64 x 128, one thread",
+        "transfer_path": path.to_dict(),
+    }
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(out)
     print(f"wrote {out}")
     return 0

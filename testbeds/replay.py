@@ -83,6 +83,7 @@ def replay_step(
     schedule: str = "1f1b",
     cores: int = 1,
     pause_cost: Callable[[float, bool], float] | None = None,
+    transfer_cost: Callable[[float, float], float] | None = None,
 ) -> Replay:
     """Replay one step of a placement (the arguments are :func:`scheduler.estimator.estimate`'s).
 
@@ -91,6 +92,8 @@ def replay_step(
     seconds a computation takes beyond its profiled time when its worker has been off the
     core that long, with another core of its machine computing or not
     (:class:`testbeds.pause_cost.PauseCost`); an emulated device stretches that too.
+    ``transfer_cost(bytes, pause_s)``: seconds the sending and receiving executors spend on
+    a transfer beyond the wire, by how long the pair has been quiet before it.
     """
     sg = stage_graph(workload, unit_stage, stage_workers, topology)
     n, m = sg.num_stages, micro_batches
@@ -143,11 +146,11 @@ def replay_step(
         mb = act.micro_batch_idx
         if act.kind == "F":
             for c in consumers[s]:
-                arrived[("act", s, c, mb)] = _send(queues[(s, c)], end, topology, w[s], w[c], sg.act[(s, c)])
+                arrived[("act", s, c, mb)] = _send(queues[(s, c)], end, topology, w[s], w[c], sg.act[(s, c)], transfer_cost)
         else:
             for a in producers[s]:
                 if sg.grad[(a, s)]:
-                    arrived[("grad", s, a, mb)] = _send(queues[(s, a)], end, topology, w[s], w[a], sg.grad[(a, s)])
+                    arrived[("grad", s, a, mb)] = _send(queues[(s, a)], end, topology, w[s], w[a], sg.grad[(a, s)], transfer_cost)
     # A stage answers the driver's wait once its compute is done and its sends are answered.
     done = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) + rtt[s] / 2 for s in range(n))
     tied = tied_sync_s(workload, sg, w, topology)
@@ -158,10 +161,16 @@ def replay_step(
     return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply, compute_s=tuple(computed))
 
 
-def _send(queue: _SendQueue, ready: float, topology: Topology, src: int, dst: int, size: float) -> float:
+def _send(
+    queue: _SendQueue, ready: float, topology: Topology, src: int, dst: int, size: float,
+    path_cost: Callable[[float, float], float] | None,
+) -> float:
+    """One transfer through ``queue``; ``path_cost(size, pause)``: the executors' own work
+    on it, by how long the pair has been quiet (:class:`testbeds.pause_cost.TransferPathCost`)."""
     if src == dst:
         return ready
-    return queue.send(ready, topology.transfer_s(src, dst, size), answer_s(topology, dst, src))
+    path_s = path_cost(size, max(ready - queue.free_at, 0.0)) if path_cost is not None else 0.0
+    return queue.send(ready, path_s + topology.transfer_s(src, dst, size), answer_s(topology, dst, src))
 
 
 def _feed(sg: StageGraph, workers: list[int], topology: Topology, target_bytes: int, m: int, *, start: float) -> list[list[float]]:

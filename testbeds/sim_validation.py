@@ -14,7 +14,7 @@ import numpy as np
 from fusion.config import JobSpec
 from scheduler.estimator import StepCosts
 from testbeds.link_times import with_link_times
-from testbeds.pause_cost import PauseCost, pause_cost_beside
+from testbeds.pause_cost import PauseCost, TransferPathCost, pause_cost_beside, transfer_path_beside
 from testbeds.sim_topologies import TCP_PAYLOAD_SHARE, load_topology, testbed_topology
 from testbeds.simulate import job_costs, simulate, simulate_plan
 
@@ -49,7 +49,10 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     for path in bench_results:
         doc = json.loads(path.read_text())
         rows.extend(
-            validate_doc(doc, path.stem, cores=cores, links=link_times_beside(doc, path.parent), pause=pause_cost_beside(path.parent))
+            validate_doc(
+                doc, path.stem, cores=cores, links=link_times_beside(doc, path.parent), pause=pause_cost_beside(path.parent),
+                transfer_path=transfer_path_beside(path.parent),
+            )
         )
     return rows
 
@@ -68,14 +71,17 @@ def link_times_beside(doc: dict[str, Any], directory: Path) -> dict[str, Any] | 
 
 
 def validate_doc(
-    doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None, pause: PauseCost | None = None
+    doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None, pause: PauseCost | None = None,
+    transfer_path: TransferPathCost | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`validate` for one benchmark result document; ``links``: the testbed's measured
     link times (:func:`link_times_beside`), which then price the gloo baselines' transfers
     between the clusters they cover (each row's ``links`` says whether they did);
     ``pause``: the machine's pause cost, which fusion's and uniform's stages then pay in the
     profiled prediction (not in the calibrated one: the compute a run measured includes it;
-    the gloo baselines' ranks poll through their waits instead of sleeping)."""
+    the gloo baselines' ranks poll through their waits instead of sleeping);
+    ``transfer_path``: the executors' own work per transfer on this machine, which fusion's
+    and uniform's transfers between stages then pay in both predictions."""
     rows = []
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
@@ -110,7 +116,7 @@ def validate_doc(
                 given = doc["systems"][name].get("plan")
                 sims[name] = simulate_plan(
                     job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
-                    pause_cost=pause,
+                    pause_cost=pause, transfer_cost=transfer_path,
                 ).to_dict()
         return sims
 
@@ -130,6 +136,7 @@ def validate_doc(
             "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
             "links": "measured" if links else "configured",
             "pause_cost": pause is not None and name in ("fusion", "uniform"),
+            "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
         })
     return rows
 
@@ -176,9 +183,11 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
         f"{', '.join(measured) or 'none'}; fusion's and uniform's gRPC transfers and DDP's all-reduce at the configured links"
     )
     paused = sorted({r["bench"] for r in rows if r.get("pause_cost")})
+    pathed = sorted({r["bench"] for r in rows if r.get("transfer_path")})
     lines.append(
         "\nfusion's and uniform's stages pay the machine's measured cost of computing after a pause "
-        f"(`testbeds/pause_cost.py`, profiled column only) in: {', '.join(paused) or 'none'}"
+        f"(`testbeds/pause_cost.py`, profiled column only) in: {', '.join(paused) or 'none'}; "
+        f"and their transfers the executors' measured transfer path (both columns) in: {', '.join(pathed) or 'none'}"
     )
     text = "\n".join(lines) + "\n"
     if out:

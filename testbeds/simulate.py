@@ -205,6 +205,7 @@ def simulate_plan(
     job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None,
     driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
     pause_cost: Callable[[float, bool], float] | None = None,
+    transfer_cost: Callable[[float, float], float] | None = None,
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
     estimator with the driver (the coordinator) on host ``driver``: its control round trips
@@ -214,8 +215,9 @@ def simulate_plan(
     instead of planning. The step is the event replay of the executor running the plan
     (:mod:`testbeds.replay`); the estimator's closed form, which planned it, is kept in
     ``detail``. Hosts that share a machine (:func:`testbed_topology`) share its ``cores``
-    (``None``: one at a time, as the estimator assumes); ``pause_cost``: what a stage's
-    computation costs after a pause on such a machine (:mod:`testbeds.pause_cost`).
+    (``None``: one at a time, as the estimator assumes); ``pause_cost`` and
+    ``transfer_cost``: what a stage's computation and a transfer's path through the
+    executors cost after a pause on such a machine (:mod:`testbeds.pause_cost`).
     """
     from fusion.graph.split import split_stages
 
@@ -263,7 +265,8 @@ def simulate_plan(
     slow_bytes, slow_mbps = _slowest(topology, per_pair)
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
     replay = replay_step(
-        wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost
+        wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost,
+        transfer_cost=transfer_cost,
     )
     return _finish(
         SystemResult(

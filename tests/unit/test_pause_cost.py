@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from fusion.errors import ConfigError
-from testbeds.pause_cost import PauseCost, main, pause_cost_beside, time_after_pauses
+from testbeds.pause_cost import (
+    PauseCost,
+    TransferPathCost,
+    main,
+    pause_cost_beside,
+    time_after_pauses,
+    transfer_path_beside,
+)
 from testbeds.replay import replay_step
 from tests.unit.test_opfence import chain_workload, make_topology
 
@@ -44,6 +51,43 @@ def test_documents_round_trip_and_a_wrong_one_is_named(tmp_path: Path) -> None:
     assert pause_cost_beside(tmp_path) == CURVE
 
 
+PATH = TransferPathCost((1000, 2000), (0.0, 0.01, 0.1), ((0.001, 0.002), (0.003, 0.004), (0.005, 0.006)))
+
+
+def test_the_transfer_path_by_size_and_quiet() -> None:
+    assert PATH(1000, 0.0) == pytest.approx(0.001) and PATH(1500, 0.0) == pytest.approx(0.0015)
+    assert PATH(500, 0.0) == pytest.approx(0.001)  # below the smallest size: its time
+    assert PATH(3000, 0.0) == pytest.approx(0.003)  # beyond the largest: the last step's rate per byte
+    assert PATH(1000, 0.005) == pytest.approx(0.002)  # linearly up to the shortest pause
+    assert PATH(1000, np.sqrt(0.01 * 0.1)) == pytest.approx(0.004)  # in log(pause) beyond
+    assert PATH(2000, 5.0) == pytest.approx(0.006)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ((1000,), (0.0, 0.01), ((0.001,), (0.002,))),  # one size
+        ((2000, 1000), (0.0, 0.01), ((0.001, 0.002), (0.001, 0.002))),  # sizes not increasing
+        ((1000, 2000), (0.01, 0.1), ((0.001, 0.002), (0.001, 0.002))),  # no back-to-back row
+        ((1000, 2000), (0.0, 0.01), ((0.001, 0.002),)),  # a row missing
+        ((1000, 2000), (0.0, 0.01), ((0.001, 0.002), (0.001, -1.0))),  # a negative time
+    ],
+)
+def test_a_malformed_transfer_path_is_refused(args: tuple) -> None:
+    with pytest.raises(ConfigError):
+        TransferPathCost(*args)
+
+
+def test_the_transfer_path_is_read_from_the_same_file(tmp_path: Path) -> None:
+    assert transfer_path_beside(tmp_path) is None
+    (tmp_path / "pause-cost.json").write_text(json.dumps(CURVE.to_dict()))
+    assert transfer_path_beside(tmp_path) is None  # an older file without it
+    (tmp_path / "pause-cost.json").write_text(json.dumps({**CURVE.to_dict(), "transfer_path": PATH.to_dict()}))
+    assert transfer_path_beside(tmp_path) == PATH and pause_cost_beside(tmp_path) == CURVE
+    with pytest.raises(ConfigError, match="sizes"):
+        TransferPathCost.from_dict({"sizes": [1]})
+
+
 def test_timing_a_computation_after_pauses() -> None:
     """A real measurement: a computation that sleeps its pause away inside the timed part
     costs that much more; the shuffled trials land on every pause."""
@@ -63,12 +107,16 @@ def test_timing_a_computation_after_pauses() -> None:
 
 
 def test_measure_writes_both_curves_and_stops_its_busy_process(tmp_path: Path) -> None:
+    """The whole probe, for real: the computation idle and loaded, then transfers to an
+    executor process on loopback; every process it started is gone afterwards."""
     before = _children()
     out = tmp_path / "pause-cost.json"
     assert main(["--trials", "3", "--out", str(out)]) == 0
     cost = PauseCost.from_dict(json.loads(out.read_text()))
     assert len(cost.pauses_s) == len(cost.idle_s) == len(cost.loaded_s) >= 3
-    assert _children() == before  # the busy process is reaped
+    path = transfer_path_beside(tmp_path)
+    assert path is not None and all(0 < t < 1 for row in path.seconds for t in row)
+    assert _children() == before  # the busy process and the executor are reaped
     assert not list(tmp_path.glob("*.tmp"))
     assert main(["--trials", "1"]) == 2
 
@@ -119,6 +167,22 @@ def test_the_pause_cost_knows_whether_another_core_is_computing() -> None:
     replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, cores=2, pause_cost=cost)
     assert (0.04, True) in calls
     assert any(not busy for _, busy in calls)
+
+
+def test_each_transfer_pays_the_executors_path_by_how_long_its_pair_was_quiet() -> None:
+    """The two-stage timeline above without pause costs, each transfer taking 2 ms of
+    executor work back to back and 10 ms after any quiet on its pair.
+
+    act0 sent at 10 after 10 ms quiet: arrives 10 + 10 + 20 = 40, pair busy until 60 (the
+    answer takes 20); act1 ready at 20, sent at 60 back to back: arrives 60 + 2 + 20 = 82.
+    s1 F0 40-70, B0 70-120; grad0 sent at 120 (quiet since 0): arrives 120 + 10 + 40 = 170,
+    busy until 180; F1 120-150, B1 150-200, grad1 sent 200 after 20 ms quiet: arrives 250,
+    free 260. s0 B0 170-190, B1 250-270.
+    """
+    wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[1_000_000])
+    topology = make_topology(np.array([[np.inf, 1e8], [5e7, np.inf]]), latency_s=np.array([[0.0, 0.01], [0.02, 0.0]]))
+    replay = replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, transfer_cost=lambda size, quiet: 0.01 if quiet > 0 else 0.002)
+    assert replay.stages_done_s == pytest.approx((0.27, 0.26))
 
 
 def test_an_emulated_device_stretches_its_pause_cost_too() -> None:

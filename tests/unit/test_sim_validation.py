@@ -81,7 +81,7 @@ def test_rerendering_a_run_simulates_it_with_the_links_beside_it(tmp_path: Path)
     assert again["sim_links"] == "measured"
     assert all(again["systems"][s]["simulated_step_s"] > 0 for s in again["systems"])
     assert "links-two-sites.json" in (tmp_path / "again.md").read_text()
-    assert again["sim_pause_cost"] and "pause-cost.json" in (tmp_path / "again.md").read_text()
+    assert again["sim_pause_cost"] and again["sim_transfer_path"] and "pause-cost.json" in (tmp_path / "again.md").read_text()
     (tmp_path / "links-two-sites.json").unlink()
     assert bench.main(["--render", str(tmp_path / RUN.name), "--simulate", "--out", str(tmp_path / "plain")]) == 0
     plain = json.loads((tmp_path / "plain.json").read_text())
@@ -106,3 +106,19 @@ def test_the_pause_cost_slows_only_the_executors_profiled_stages(doc: dict) -> N
         assert paying[name]["simulated_step_s"] == pytest.approx(plain[name]["simulated_step_s"])
     for name in plain:
         assert paying[name]["calibrated_step_s"] == pytest.approx(plain[name]["calibrated_step_s"])
+
+
+def test_the_transfer_path_slows_the_executors_transfers_in_both_predictions(doc: dict) -> None:
+    """The executors' own work per transfer is not in the compute a run measured, so both
+    of uniform's predictions pay it; fusion's one-stage plan makes no transfers between
+    stages, and the gloo baselines are priced as before."""
+    from testbeds.pause_cost import TransferPathCost
+
+    path = TransferPathCost((1 << 10, 1 << 20), (0.0, 0.03), ((0.002, 0.004), (0.004, 0.006)))
+    plain = {r["system"]: r for r in validate_doc(doc, "two-sites")}
+    paying = {r["system"]: r for r in validate_doc(doc, "two-sites", transfer_path=path)}
+    for key in ("simulated_step_s", "calibrated_step_s"):
+        assert paying["uniform"][key] > plain["uniform"][key]
+        for name in ("fusion", "ddp", "pipelining"):
+            assert paying[name][key] == pytest.approx(plain[name][key])
+    assert paying["uniform"]["transfer_path"] and not paying["ddp"]["transfer_path"]
