@@ -21,8 +21,9 @@ when it starts.
 
 The same holds for the executors' own work on a transfer (encoding, the chunked gRPC
 stream, checks, reassembly, the answer), which the replay had priced at nothing beyond the
-wire: timed on loopback to a real executor process, 1.9 ms for 16 KB and 3.4 ms for 1 MB
-back to back, 3.2-4.5 ms after 30 ms or more of quiet on the pair.
+wire: timed on loopback to a real executor process, 1.8 ms for 16 KB and 4.0 ms for 1 MB
+back to back, 3.2-4.7 ms after 30 ms or more of quiet on the pair (medians of four rounds;
+in some minutes the same transfers take up to twice as long).
 :class:`TransferPathCost` holds that grid, and the replay adds it to each transfer between
 stages by how long its pair was quiet. One run per machine (about 3 minutes):
 
@@ -53,6 +54,7 @@ TRIALS = 80
 #: Transfers timed (bytes): the benchmark jobs' activations and gradients are 64 KB - 1 MB.
 TRANSFER_SIZES = (16 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
 TRANSFER_PAUSES = (0.003, 0.03, 0.1)
+TRANSFER_ROUNDS = 4
 RESULTS = Path(__file__).resolve().parent / "results"
 #: A busy core for the ``loaded`` curve: one thread of matmuls until killed.
 _HOG = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True:\n    a = torch.tanh(a @ a)\n"
@@ -212,31 +214,45 @@ def measure(pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, echo: Cal
 
 def measure_transfer_path(
     sizes: Sequence[int] = TRANSFER_SIZES, pauses: Sequence[float] = TRANSFER_PAUSES, *, trials: int = TRIALS,
-    echo: Callable[[str], None] = print,
-) -> TransferPathCost:
+    rounds: int = TRANSFER_ROUNDS, echo: Callable[[str], None] = print,
+) -> tuple[TransferPathCost, TransferPathCost, TransferPathCost]:
     """Time the executors' tensor path (``Probe``: the chunked stream, header checks and
     reassembly every transfer takes, to the answer) on loopback, where the wire costs
-    next to nothing, from this process to one executor process (stopped by its pid)."""
+    next to nothing, from this process to one executor process (stopped by its pid).
+
+    The figure moves by up to 2x from one minute to the next on this VM (128 KB after 30 ms
+    of quiet: 3.4 to 6.8 ms in five measurements), more than between pauses within one
+    round, so ``rounds`` rounds over every size, ``trials / rounds`` trials per pause each;
+    returns the median over rounds and the lowest and highest round.
+    """
     from executor.client import ChannelPool, ExecutorClient
     from executor.local import LocalCluster
     from testbeds.bench_core import EXECUTOR_WARM_UP_S
 
-    echo(f"timing the executors' transfer path for {len(sizes)} sizes after {len(pauses)} pause lengths, {trials} trials each")
-    rows: dict[float, list[float]] = {p: [] for p in (0.0, *pauses)}
+    per_round = max(3, trials // rounds)
+    echo(f"timing the executors' transfer path for {len(sizes)} sizes after {len(pauses)} pause lengths, {rounds} rounds of {per_round} trials")
+    keys = (0.0, *pauses)
+    rows: dict[tuple[float, int], list[float]] = {(p, size): [] for p in keys for size in sizes}
     with LocalCluster(1, torch_threads=1) as cluster:
         pool = ChannelPool()
         try:
             client = ExecutorClient(cluster.addresses[0], pool)
             client.probe(1 << 20)
             time.sleep(EXECUTOR_WARM_UP_S)  # the executor imports in the background for its first seconds
-            for k, size in enumerate(sizes):
-                times = median_after_pauses(lambda size=size: client.probe(size), pauses, trials=trials, seed=k)
-                for p, t in times.items():
-                    rows[p].append(t)
-                echo(f"  {size >> 10} KB: " + ", ".join(f"{p * 1e3:g} ms quiet {t * 1e3:.2f} ms" for p, t in times.items()))
+            for r in range(rounds):
+                for k, size in enumerate(sizes):
+                    times = median_after_pauses(lambda size=size: client.probe(size), pauses, trials=per_round, seed=r * len(sizes) + k)
+                    for p, t in times.items():
+                        rows[(p, size)].append(t)
+            for size in sizes:
+                echo(f"  {size >> 10} KB: " + ", ".join(f"{p * 1e3:g} ms quiet {statistics.median(rows[(p, size)]) * 1e3:.2f} ms" for p in keys))
         finally:
             pool.close()
-    return TransferPathCost(tuple(sizes), (0.0, *pauses), tuple(tuple(rows[p]) for p in (0.0, *pauses)))
+
+    def grid(pick: Callable[[list[float]], float]) -> TransferPathCost:
+        return TransferPathCost(tuple(sizes), keys, tuple(tuple(pick(rows[(p, size)]) for size in sizes) for p in keys))
+
+    return grid(statistics.median), grid(min), grid(max)
 
 
 def pause_cost_beside(directory: Path) -> PauseCost | None:
@@ -265,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --trials must be at least 3", file=sys.stderr)
         return 2
     cost = measure(trials=args.trials)
-    path = measure_transfer_path(trials=args.trials)
+    path, lowest, highest = measure_transfer_path(trials=args.trials)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     doc = {
         **cost.to_dict(), "trials": args.trials, "computation": "a transformer MLP block, forward and backward, 4 x 64 x 128, one thread",
         "transfer_path": path.to_dict(),
+        "transfer_path_round_range": {"lowest": lowest.to_dict()["seconds"], "highest": highest.to_dict()["seconds"]},
     }
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(out)
