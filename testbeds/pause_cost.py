@@ -8,9 +8,10 @@ run back to back, by an amount that grows with the pause and hardly with the com
 (interleaved trials, so the machine's drift cancels; a GPT-2 mini block's forward and
 backward, 10 ms: +0.4 ms after 3 ms asleep, +1.2 ms after 10 ms, +1.6-2.0 ms after
 30-300 ms; a 2 ms matmul and a 6 ms ResNet layer alike). Spinning through the pause instead
-of sleeping removes most of it, and with the other core computing it is about half
-(+0.6-1.0 ms): what one expects of a core that slows down while idle and speeds up again
-over a millisecond or two, not of caches (the penalty does not grow with the computation).
+of sleeping removed most of it (one measurement, +0.0-0.5 ms); with the other core
+computing it was +0.6-1.0 ms in one measurement and about as much as with both idle in
+others: what one expects of a core that slows down while idle and speeds up again over a
+millisecond or two, not of caches (the penalty does not grow with the computation).
 The testbed's emulated slow hosts make it matter: an emulated device stretches every
 computation, penalty included, ``slowdown`` times, and sleeps before each next one.
 
@@ -257,19 +258,27 @@ def measure_transfer_path(
 
 def pause_cost_beside(directory: Path) -> PauseCost | None:
     """The machine's pause cost when ``pause-cost.json`` sits in ``directory``, else ``None``."""
-    path = directory / "pause-cost.json"
-    if not path.exists():
-        return None
-    return PauseCost.from_dict(json.loads(path.read_text()))
+    doc = _document_in(directory)
+    return PauseCost.from_dict(doc) if doc is not None else None
 
 
 def transfer_path_beside(directory: Path) -> TransferPathCost | None:
     """The machine's transfer path cost when ``pause-cost.json`` in ``directory`` has one."""
+    doc = _document_in(directory)
+    return TransferPathCost.from_dict(doc["transfer_path"]) if doc is not None and "transfer_path" in doc else None
+
+
+def _document_in(directory: Path) -> dict[str, Any] | None:
     path = directory / "pause-cost.json"
     if not path.exists():
         return None
-    doc = json.loads(path.read_text())
-    return TransferPathCost.from_dict(doc["transfer_path"]) if "transfer_path" in doc else None
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not JSON ({e}); re-run python -m testbeds.pause_cost") from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path} is not a pause cost document (a JSON object)")
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,12 @@ import numpy as np
 from fusion.config import JobSpec
 from scheduler.estimator import StepCosts
 from testbeds.link_times import with_link_times
-from testbeds.pause_cost import PauseCost, TransferPathCost, pause_cost_beside, transfer_path_beside
+from testbeds.pause_cost import (
+    PauseCost,
+    TransferPathCost,
+    pause_cost_beside,
+    transfer_path_beside,
+)
 from testbeds.sim_topologies import TCP_PAYLOAD_SHARE, load_topology, testbed_topology
 from testbeds.simulate import job_costs, simulate, simulate_plan
 

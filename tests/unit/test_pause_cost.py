@@ -86,6 +86,12 @@ def test_the_transfer_path_is_read_from_the_same_file(tmp_path: Path) -> None:
     assert transfer_path_beside(tmp_path) == PATH and pause_cost_beside(tmp_path) == CURVE
     with pytest.raises(ConfigError, match="sizes"):
         TransferPathCost.from_dict({"sizes": [1]})
+    (tmp_path / "pause-cost.json").write_text('{"pauses_s": [0.01')
+    with pytest.raises(ConfigError, match="not JSON"):
+        pause_cost_beside(tmp_path)
+    (tmp_path / "pause-cost.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        transfer_path_beside(tmp_path)
 
 
 def test_timing_a_computation_after_pauses() -> None:
