@@ -5,9 +5,9 @@ stage computes in bursts: it waits (asleep on its mailbox) for an input, compute
 micro-batch's forward or backward, and waits again. On this testbed's VM a single-thread
 computation that starts after its process slept takes longer than the same computation
 run back to back, by an amount that grows with the pause and hardly with the computation
-(interleaved trials, so the machine's drift cancels; a GPT-2 mini block's forward and
-backward, 10 ms: +0.4 ms after 3 ms asleep, +1.2 ms after 10 ms, +1.6-2.0 ms after
-30-300 ms; a 2 ms matmul and a 6 ms ResNet layer alike). Spinning through the pause instead
+(interleaved trials, so the machine's drift cancels; the probe's transformer MLP block:
++0.4 ms after 3 ms asleep, +1.1 ms after 10 ms, +1.7-1.9 ms after 30-300 ms; in separate
+runs a 10 ms GPT-2 mini block, a 2 ms matmul and a 6 ms ResNet layer alike). Spinning through the pause instead
 of sleeping removed most of it (one measurement, +0.0-0.5 ms); with the other core
 computing it was +0.6-1.0 ms in one measurement and about as much as with both idle in
 others: what one expects of a core that slows down while idle and speeds up again over a
@@ -23,7 +23,7 @@ when it starts.
 The same holds for the executors' own work on a transfer (encoding, the chunked gRPC
 stream, checks, reassembly, the answer), which the replay had priced at nothing beyond the
 wire: timed on loopback to a real executor process, 1.8 ms for 16 KB and 4.0 ms for 1 MB
-back to back, 3.2-4.7 ms after 30 ms or more of quiet on the pair (medians of four rounds;
+back to back, 3.2-5.0 ms after 30 ms or more of quiet on the pair (medians of four rounds;
 in some minutes the same transfers take up to twice as long).
 :class:`TransferPathCost` holds that grid, and the replay adds it to each transfer between
 stages by how long its pair was quiet. One run per machine (about 3 minutes):
@@ -47,18 +47,21 @@ from typing import Any
 
 import numpy as np
 
-from fusion.errors import ConfigError
+from fusion.errors import ConfigError, FusionError
 
 #: Pauses measured (seconds): stages here wait 1-300 ms between computations.
-PAUSES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
+PAUSES_S = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 TRIALS = 80
 #: Transfers timed (bytes): the benchmark jobs' activations and gradients are 64 KB - 1 MB.
-TRANSFER_SIZES = (16 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
-TRANSFER_PAUSES = (0.003, 0.03, 0.1)
+TRANSFER_SIZES_BYTES = (16 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
+TRANSFER_PAUSES_S = (0.003, 0.03, 0.1)
 TRANSFER_ROUNDS = 4
 RESULTS = Path(__file__).resolve().parent / "results"
 #: A busy core for the ``loaded`` curve: one thread of matmuls until killed.
-_HOG = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True:\n    a = torch.tanh(a @ a)\n"
+_HOG = (
+    "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\na = torch.tanh(a @ a)\nprint('ready', flush=True)\n"
+    "while True:\n    a = torch.tanh(a @ a)\n"
+)
 
 
 @dataclass(frozen=True)
@@ -104,19 +107,19 @@ class TransferPathCost:
     """Seconds a transfer spends in the executors (encoding, the gRPC stream, checks,
     reassembly, the answer) beyond the wire, by size and by how long the pair was quiet
     before it: ``seconds[i][j]`` for ``pauses_s[i]`` (the first 0: back to back) and
-    ``sizes[j]``. Linear in size (beyond the largest, at the last step's rate per byte),
+    ``sizes_bytes[j]``. Linear in size (beyond the largest, at the last step's rate per byte),
     in the log of the pause between measured ones, flat beyond the longest."""
 
-    sizes: tuple[int, ...]
+    sizes_bytes: tuple[int, ...]
     pauses_s: tuple[float, ...]
     seconds: tuple[tuple[float, ...], ...]
 
     def __post_init__(self) -> None:
-        if len(self.sizes) < 2 or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] <= 0:
-            raise ConfigError(f"a transfer path cost needs two or more increasing positive sizes, got {self.sizes}")
+        if len(self.sizes_bytes) < 2 or list(self.sizes_bytes) != sorted(set(self.sizes_bytes)) or self.sizes_bytes[0] <= 0:
+            raise ConfigError(f"a transfer path cost needs two or more increasing positive sizes, got {self.sizes_bytes}")
         if len(self.pauses_s) < 2 or self.pauses_s[0] != 0 or list(self.pauses_s) != sorted(set(self.pauses_s)):
             raise ConfigError(f"a transfer path cost needs pauses from 0 up, increasing, got {self.pauses_s}")
-        if len(self.seconds) != len(self.pauses_s) or any(len(row) != len(self.sizes) for row in self.seconds):
+        if len(self.seconds) != len(self.pauses_s) or any(len(row) != len(self.sizes_bytes) for row in self.seconds):
             raise ConfigError(f"a transfer path cost needs one time per size for each pause, got {self.seconds}")
         if any(not 0 <= t < 60 for row in self.seconds for t in row):
             raise ConfigError(f"transfer path times must be 0-60 s, got {self.seconds}")
@@ -131,20 +134,20 @@ class TransferPathCost:
         return float(np.interp(np.log(pause_s), np.log(self.pauses_s[1:]), at_size[1:]))
 
     def _by_size(self, row: Sequence[float], size_bytes: float) -> float:
-        if size_bytes > self.sizes[-1]:
-            per_byte = max(row[-1] - row[-2], 0.0) / (self.sizes[-1] - self.sizes[-2])
-            return row[-1] + (size_bytes - self.sizes[-1]) * per_byte
-        return float(np.interp(size_bytes, self.sizes, row))
+        if size_bytes > self.sizes_bytes[-1]:
+            s_per_byte = max(row[-1] - row[-2], 0.0) / (self.sizes_bytes[-1] - self.sizes_bytes[-2])
+            return row[-1] + (size_bytes - self.sizes_bytes[-1]) * s_per_byte
+        return float(np.interp(size_bytes, self.sizes_bytes, row))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sizes": list(self.sizes), "pauses_s": list(self.pauses_s), "seconds": [list(r) for r in self.seconds]}
+        return {"sizes_bytes": list(self.sizes_bytes), "pauses_s": list(self.pauses_s), "seconds": [list(r) for r in self.seconds]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransferPathCost:
         try:
-            return cls(tuple(map(int, d["sizes"])), tuple(map(float, d["pauses_s"])), tuple(tuple(map(float, r)) for r in d["seconds"]))
+            return cls(tuple(map(int, d["sizes_bytes"])), tuple(map(float, d["pauses_s"])), tuple(tuple(map(float, r)) for r in d["seconds"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"not a transfer path cost ({e!r}): needs sizes, pauses_s and seconds") from e
+            raise ConfigError(f"not a transfer path cost ({e!r}): needs sizes_bytes, pauses_s and seconds") from e
 
 
 def probe_computation() -> Callable[[], None]:
@@ -164,7 +167,7 @@ def probe_computation() -> Callable[[], None]:
 
 
 def time_after_pauses(
-    run: Callable[[], object], pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, seed: int = 0
+    run: Callable[[], object], pauses: Sequence[float] = PAUSES_S, *, trials: int = TRIALS, seed: int = 0
 ) -> dict[float, float]:
     """Median extra seconds of ``run`` after sleeping each pause, over back-to-back runs."""
     times = median_after_pauses(run, pauses, trials=trials, seed=seed)
@@ -172,7 +175,7 @@ def time_after_pauses(
 
 
 def median_after_pauses(
-    run: Callable[[], object], pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, seed: int = 0
+    run: Callable[[], object], pauses: Sequence[float] = PAUSES_S, *, trials: int = TRIALS, seed: int = 0
 ) -> dict[float, float]:
     """Median seconds of ``run`` back to back (key ``0.0``) and after sleeping each pause.
 
@@ -194,7 +197,7 @@ def median_after_pauses(
     return {p: statistics.median(v) for p, v in times.items()}
 
 
-def measure(pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, echo: Callable[[str], None] = print) -> PauseCost:
+def measure(pauses: Sequence[float] = PAUSES_S, *, trials: int = TRIALS, echo: Callable[[str], None] = print) -> PauseCost:
     """Both curves on this machine: other cores idle, then one other core computing (a
     child process, stopped by its pid whatever happens)."""
     run = probe_computation()
@@ -202,9 +205,11 @@ def measure(pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, echo: Cal
     idle = time_after_pauses(run, pauses, trials=trials)
     echo("  " + ", ".join(f"{p * 1e3:g} ms: +{c * 1e3:.2f} ms" for p, c in idle.items()))
     echo("again with another core computing")
-    hog = subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    hog = subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)
+        assert hog.stdout is not None
+        if hog.stdout.readline().strip() != "ready":  # torch imported and computing: time from here
+            raise FusionError(f"the busy process for the loaded curve did not start (exit {hog.poll()})")
         loaded = time_after_pauses(run, pauses, trials=trials, seed=1)
     finally:
         hog.kill()
@@ -214,7 +219,7 @@ def measure(pauses: Sequence[float] = PAUSES, *, trials: int = TRIALS, echo: Cal
 
 
 def measure_transfer_path(
-    sizes: Sequence[int] = TRANSFER_SIZES, pauses: Sequence[float] = TRANSFER_PAUSES, *, trials: int = TRIALS,
+    sizes: Sequence[int] = TRANSFER_SIZES_BYTES, pauses: Sequence[float] = TRANSFER_PAUSES_S, *, trials: int = TRIALS,
     rounds: int = TRANSFER_ROUNDS, echo: Callable[[str], None] = print,
 ) -> tuple[TransferPathCost, TransferPathCost, TransferPathCost]:
     """Time the executors' tensor path (``Probe``: the chunked stream, header checks and

@@ -94,6 +94,13 @@ def replay_step(
     (:class:`testbeds.pause_cost.PauseCost`); an emulated device stretches that too.
     ``transfer_cost(bytes, pause_s)``: seconds the sending and receiving executors spend on
     a transfer beyond the wire, by how long the pair has been quiet before it.
+
+    Pauses are counted per stage (since its process last computed, a wait for a busy core
+    included) and per sending pair (since its last answer); the probe cannot tell whether it
+    is the idle core or the process's cold data that costs, and this is the reading that
+    matches it (one process sleeping, then timed). A step starts just after every stage ran
+    the previous step's optimizer update, so the pause before a stage's first action, and
+    the quiet before a pair's first transfer, is the time since the step began.
     """
     sg = stage_graph(workload, unit_stage, stage_workers, topology)
     n, m = sg.num_stages, micro_batches

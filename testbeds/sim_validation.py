@@ -97,7 +97,7 @@ def validate_doc(
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
 
     def run_all(
-        speed: float, host_factors: dict[str, dict[str, float]] | None = None, pause: PauseCost | None = None
+        speed: float, host_factors: dict[str, dict[str, float]] | None = None, charge_pause: bool = False
     ) -> dict[str, dict[str, Any]]:
         """Every measured system; ``host_factors``: per system, hosts whose compute the run
         measured that many times the profile's (fusion and uniform, stage by stage)."""
@@ -121,16 +121,19 @@ def validate_doc(
                 given = doc["systems"][name].get("plan")
                 sims[name] = simulate_plan(
                     job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
-                    pause_cost=pause, transfer_cost=transfer_path,
+                    pause_cost=pause if charge_pause else None, transfer_cost=transfer_path,
                 ).to_dict()
         return sims
 
-    raw = run_all(job.reference_flops, pause=pause)
+    raw = run_all(job.reference_flops, charge_pause=True)
     host_factors = {name: f for name in ("fusion", "uniform") if (f := _stage_factors(doc, name, raw.get(name), spec.train.micro_batches))}
     mean = [float(np.mean(list(f.values()))) for f in host_factors.values()]
     factor = float(np.mean(mean)) if mean else 1.0
     # ddp and pipelining record no compute time: they take the mean factor of fusion's and uniform's.
-    calibrated = run_all(job.reference_flops / factor, {n: {h: v / factor for h, v in f.items()} for n, f in host_factors.items()}) if mean else raw
+    if mean:
+        calibrated = run_all(job.reference_flops / factor, {n: {h: v / factor for h, v in f.items()} for n, f in host_factors.items()})
+    else:  # nothing measured to calibrate on: the profile's compute, still without the pause cost
+        calibrated = run_all(job.reference_flops) if pause is not None else raw
     for name, step_s in measured.items():
         sim = raw.get(name, {}).get("step_s")
         cal = calibrated.get(name, {}).get("step_s")

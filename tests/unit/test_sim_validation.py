@@ -122,3 +122,18 @@ def test_the_transfer_path_slows_the_executors_transfers_in_both_predictions(doc
         for name in ("fusion", "ddp", "pipelining"):
             assert paying[name][key] == pytest.approx(plain[name][key])
     assert paying["uniform"]["transfer_path"] and not paying["ddp"]["transfer_path"]
+
+
+def test_without_recorded_compute_the_calibrated_column_still_leaves_the_pause_out(doc: dict) -> None:
+    import copy
+
+    from testbeds.pause_cost import PauseCost
+
+    bare = copy.deepcopy(doc)
+    for row in bare["systems"].values():
+        row.pop("compute_s", None)
+    cost = PauseCost((0.001, 0.01, 0.1), (0.0005, 0.002, 0.003), (0.0005, 0.002, 0.003))
+    plain = {r["system"]: r for r in validate_doc(bare, "two-sites")}
+    paying = {r["system"]: r for r in validate_doc(bare, "two-sites", pause=cost)}
+    assert paying["uniform"]["simulated_step_s"] > paying["uniform"]["calibrated_step_s"]
+    assert paying["uniform"]["calibrated_step_s"] == pytest.approx(plain["uniform"]["calibrated_step_s"])
