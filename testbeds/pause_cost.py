@@ -22,8 +22,8 @@ when it starts.
 
 The same holds for the executors' own work on a transfer (encoding, the chunked gRPC
 stream, checks, reassembly, the answer), which the replay had priced at nothing beyond the
-wire: timed on loopback to a real executor process, 1.8 ms for 16 KB and 4.0 ms for 1 MB
-back to back, 3.2-5.0 ms after 30 ms or more of quiet on the pair (medians of four rounds;
+wire: timed on loopback to a real executor process, 1.8 ms for 16 KB and 3.7-4.0 ms for
+1 MB back to back, 3.2-5.0 ms after 30 ms or more of quiet on the pair (medians of four rounds;
 in some minutes the same transfers take up to twice as long).
 :class:`TransferPathCost` holds that grid, and the replay adds it to each transfer between
 stages by how long its pair was quiet. One run per machine (about 3 minutes):
