@@ -476,24 +476,6 @@ def write_chart(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def add_simulation(doc: dict[str, Any], directory: Path) -> None:
-    """The simulator's step time for each system on this testbed, and its error vs measured
-    (:func:`testbeds.sim_validation.validate_doc`: the plans fusion and uniform ran, this
-    machine's profile, and the same profile with compute calibrated on the run; the
-    testbed's measured link times and the machine's pause cost where ``directory`` holds them)."""
-    from testbeds.pause_cost import pause_cost_beside, transfer_path_beside
-    from testbeds.sim_validation import link_times_beside, validate_doc
-
-    pause, path = pause_cost_beside(directory), transfer_path_beside(directory)
-    doc["sim_pause_cost"], doc["sim_transfer_path"] = pause is not None, path is not None
-    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause, transfer_path=path):
-        row = doc["systems"][v["system"]]
-        row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
-        row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
-        doc["compute_factor"] = v["compute_factor"]
-        doc["sim_links"] = v["links"]
-
-
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from testbeds.net import open_testbed, resolve_topology
 
@@ -541,6 +523,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     doc = report(rows, meta)
     if args.simulate:
+        from testbeds.sim_validation import add_simulation
+
         add_simulation(doc, Path(args.out).parent if args.out else Path("."))
     return doc
 
@@ -572,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.render:
             doc = json.loads(Path(args.render).read_text())
             if args.simulate:
+                from testbeds.sim_validation import add_simulation
+
                 add_simulation(doc, Path(args.render).parent)
         else:
             doc = bench(args)

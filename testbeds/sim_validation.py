@@ -160,6 +160,21 @@ def _stage_factors(doc: dict[str, Any], name: str, sim: dict[str, Any] | None, m
     return {h: got[h] / p for h, p in predicted.items() if got.get(h) and p > 0}
 
 
+def add_simulation(doc: dict[str, Any], directory: Path) -> None:
+    """Write into a ``testbeds.bench`` result the simulator's step time for each system and
+    its error against the measured one (:func:`validate_doc`: the plans fusion and uniform
+    ran, the run's profile, and the same with compute calibrated on the run; the testbed's
+    measured link times and the machine's pause costs where ``directory`` holds them)."""
+    pause, path = pause_cost_beside(directory), transfer_path_beside(directory)
+    doc["sim_pause_cost"], doc["sim_transfer_path"] = pause is not None, path is not None
+    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause, transfer_path=path):
+        row = doc["systems"][v["system"]]
+        row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
+        row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
+        doc["compute_factor"] = v["compute_factor"]
+        doc["sim_links"] = v["links"]
+
+
 def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_json: bool = False) -> int:
     """Print (and with ``out``, write ``out.md`` and ``out.json``) the comparison and its summary."""
     summary: dict[str, Any] = {"rows": rows}
