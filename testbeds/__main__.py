@@ -62,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt_the_build() -> None:
+    """Let SIGINT stop ``up`` and ``run`` while they build, too: a process started as a
+    background job of a non-interactive shell inherits SIGINT ignored, so an interrupt that
+    came before ``up`` waited for it was lost and the testbed stayed up. As
+    ``KeyboardInterrupt`` it unwinds the build, which removes what it made (SIGTERM does
+    the same through :func:`testbeds.net.open_testbed`)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _wait_for_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -71,6 +80,7 @@ def _wait_for_signal() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    _interrupt_the_build()
     with open_testbed(args.topology, backend=args.backend) as tb:
         print(tb.describe(), flush=True)
         for spec in args.expose:
@@ -103,6 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
 
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fusion-testbed-logs-"))
+    _interrupt_the_build()
     with open_testbed(args.topology, backend=args.backend) as tb:
         print(tb.describe(), flush=True)
         print(f"logs in {log_dir}", flush=True)

@@ -201,8 +201,10 @@ class NetnsTestbed(Testbed):
             raise
 
     def _build(self) -> None:
-        _ip("netns", "add", self.switch)
+        # Each namespace is recorded before it is made: an interrupt that lands while ``ip``
+        # makes it must still leave it to close() (deleting one never made is a no-op).
         self._created.append(self.switch)
+        _ip("netns", "add", self.switch)
         has_latency = any(v > 0 for row in self.topology.latency_s for v in row)
         netem = netem_available(self.switch)
         if netem or not has_latency:
@@ -219,8 +221,8 @@ class NetnsTestbed(Testbed):
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for k, ns in enumerate(self.namespaces):
-            _ip("netns", "add", ns)
             self._created.append(ns)
+            _ip("netns", "add", ns)
             _ip("-n", self.switch, "link", "add", f"h{k}", "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("-n", self.switch, "link", "set", f"h{k}", "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{host_address(k)}/16", "dev", "eth0")

@@ -153,6 +153,42 @@ def check_sigint_leaves_nothing(backend: str) -> None:
         assert root_veths() <= before
 
 
+def check_sigint_during_build_leaves_nothing(backend: str) -> None:
+    """``up`` started with SIGINT ignored (as a non-interactive shell starts a background
+    job) and interrupted as soon as its first namespace or directory exists, mid-build."""
+    before = root_veths() if os.geteuid() == 0 else set()
+    argv = [sys.executable, "-m", "testbeds", "up", str(LINKS), "--backend", backend]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    stale = leftovers_of(proc.pid)  # an earlier process with this pid may have left some (not ours to judge)
+
+    def made() -> dict[str, list[str]]:
+        now = leftovers_of(proc.pid)
+        return {k: sorted(set(v) - set(stale.get(k, []))) for k, v in now.items() if set(v) - set(stale.get(k, []))}
+
+    try:
+        deadline = time.monotonic() + 60
+        while not made() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, "up exited before it built anything"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"up did not stop on SIGINT; its output:\n{out}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode in (0, 130), out  # interrupted mid-build, or just after it was ready
+    assert made() == {}, out
+    if os.geteuid() == 0:
+        assert root_veths() <= before
+
+
 def check_sigkill_then_down(backend: str, *, script: bool) -> None:
     before = root_veths() if os.geteuid() == 0 else set()
     proc = start_holder(backend, script=script)

@@ -40,6 +40,10 @@ def test_up_sigint_leaves_nothing() -> None:
     checks.check_sigint_leaves_nothing("proxy")
 
 
+def test_up_sigint_during_the_build_leaves_nothing() -> None:
+    checks.check_sigint_during_build_leaves_nothing("proxy")
+
+
 def test_sigkilled_owner_then_down_cleans_up() -> None:
     checks.check_sigkill_then_down("proxy", script=True)
 
