@@ -430,6 +430,8 @@ def markdown(doc: dict[str, Any]) -> str:
                "`testbeds/pause_cost.py`) in the simulated column." if doc.get("sim_pause_cost") else "")
             + (" Their transfers between stages pay the executors' measured transfer path (the same file) in both."
                if doc.get("sim_transfer_path") else "")
+            + (" Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
+               "`testbeds/interference.py`) in the simulated column." if doc.get("sim_interference") else "")
         )
     return "\n".join(lines) + "\n"
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from fusion.errors import ConfigError, FusionError
+from testbeds.interference import ROUNDS, SECONDS_PER_CASE, measure_interference
 
 #: Pauses measured (seconds): stages here wait 1-300 ms between computations.
 PAUSES_S = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
@@ -263,17 +264,19 @@ def measure_transfer_path(
 
 def pause_cost_beside(directory: Path) -> PauseCost | None:
     """The machine's pause cost when ``pause-cost.json`` sits in ``directory``, else ``None``."""
-    doc = _document_in(directory)
+    doc = document_in(directory)
     return PauseCost.from_dict(doc) if doc is not None else None
 
 
 def transfer_path_beside(directory: Path) -> TransferPathCost | None:
     """The machine's transfer path cost when ``pause-cost.json`` in ``directory`` has one."""
-    doc = _document_in(directory)
+    doc = document_in(directory)
     return TransferPathCost.from_dict(doc["transfer_path"]) if doc is not None and "transfer_path" in doc else None
 
 
-def _document_in(directory: Path) -> dict[str, Any] | None:
+def document_in(directory: Path) -> dict[str, Any] | None:
+    """``pause-cost.json`` in ``directory`` as a dict (``None`` when absent); ``ConfigError``
+    when it is not a JSON object."""
     path = directory / "pause-cost.json"
     if not path.exists():
         return None
@@ -289,13 +292,20 @@ def _document_in(directory: Path) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.pause_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=TRIALS, help=f"timed runs per pause and load (default {TRIALS})")
+    p.add_argument("--interference-seconds", type=float, default=SECONDS_PER_CASE,
+                   help=f"seconds of timing per transfer size and side for the transfer interference (default {SECONDS_PER_CASE:g})")
+    p.add_argument("--interference-rounds", type=int, default=ROUNDS, help=f"rounds of the transfer interference (default {ROUNDS})")
     p.add_argument("--out", default=str(RESULTS / "pause-cost.json"), help="JSON path (default: testbeds/results/pause-cost.json)")
     args = p.parse_args(argv)
     if args.trials < 3:
         print("error: --trials must be at least 3", file=sys.stderr)
         return 2
+    if args.interference_seconds <= 0 or args.interference_rounds < 1:
+        print("error: --interference-seconds must be positive and --interference-rounds at least 1", file=sys.stderr)
+        return 2
     cost = measure(trials=args.trials)
     path, lowest, highest = measure_transfer_path(trials=args.trials)
+    interference, least, most = measure_interference(seconds=args.interference_seconds, rounds=args.interference_rounds)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -303,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         **cost.to_dict(), "trials": args.trials, "computation": "a transformer MLP block, forward and backward, 4 x 64 x 128, one thread",
         "transfer_path": path.to_dict(),
         "transfer_path_round_range": {"lowest": lowest.to_dict()["seconds"], "highest": highest.to_dict()["seconds"]},
+        "interference": interference.to_dict(), "interference_round_range": {"lowest": least.to_dict(), "highest": most.to_dict()},
     }
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(out)

@@ -43,6 +43,7 @@ from scheduler.estimator import (
     tied_sync_s,
 )
 from scheduler.topology import Topology
+from testbeds.interference import TransferInterference, overlap_share
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ def replay_step(
     cores: int = 1,
     pause_cost: Callable[[float, bool], float] | None = None,
     transfer_cost: Callable[[float, float], float] | None = None,
+    interference: TransferInterference | None = None,
 ) -> Replay:
     """Replay one step of a placement (the arguments are :func:`scheduler.estimator.estimate`'s).
 
@@ -94,6 +96,13 @@ def replay_step(
     (:class:`testbeds.pause_cost.PauseCost`); an emulated device stretches that too.
     ``transfer_cost(bytes, pause_s)``: seconds the sending and receiving executors spend on
     a transfer beyond the wire, by how long the pair has been quiet before it.
+    ``interference``: what a transfer costs a computation of its sender or receiver that it
+    overlaps (:class:`testbeds.interference.TransferInterference`). The sender works on it
+    for the first half of its path time, the receiver for the second; a computation pays the
+    share of that work that falls while it is on the core (stretched on an emulated
+    device). Where that work falls depends on the placement it changes, so the replay runs
+    again with the spans the last pass placed until they no longer move (``MAX_PASSES`` at
+    most; in the benchmark runs 2-9 passes).
 
     Pauses are counted per stage (since its process last computed, a wait for a busy core
     included) and per sending pair (since its last answer); the probe cannot tell whether it
@@ -103,8 +112,39 @@ def replay_step(
     the quiet before a pair's first transfer, is the time since the step began.
     """
     sg = stage_graph(workload, unit_stage, stage_workers, topology)
+    spans: list[list[_Span]] | None = None
+    replay = None
+    for _ in range(MAX_PASSES if interference is not None else 1):
+        replay, found = _replay_pass(
+            sg, workload, stage_workers, topology, micro_batches, schedule, cores, pause_cost, transfer_cost, interference, spans,
+        )
+        if spans is not None and found == spans:
+            break
+        spans = found
+    assert replay is not None
+    return replay
+
+
+_Span = tuple[float, float, float]
+"""(from, to, seconds): a transfer's work in a stage's process, and what it costs a
+computation of that stage it lies wholly inside."""
+
+#: Passes of the replay with transfer interference: each charges the computations with the
+#: transfers the last one placed, until the placement no longer moves.
+MAX_PASSES = 12
+
+
+def _replay_pass(
+    sg: StageGraph, workload: Workload, stage_workers: Sequence[int], topology: Topology, micro_batches: int, schedule: str,
+    cores: int, pause_cost: Callable[[float, bool], float] | None, transfer_cost: Callable[[float, float], float] | None,
+    interference: TransferInterference | None, spans: list[list[_Span]] | None,
+) -> tuple[Replay, list[list[_Span]]]:
+    """One pass of :func:`replay_step`; ``spans``: per stage, the transfer work the last pass
+    placed there, which the computations it overlaps now pay. Returns the replay and this
+    pass's spans."""
     n, m = sg.num_stages, micro_batches
     w = list(stage_workers)
+    found: list[list[_Span]] = [[] for _ in range(n)]
     rtt = [topology.driver_link(x)[0] if topology.driver_links is not None else 0.0 for x in w]
     # RunStep reaches each stage after half its round trip; the feed starts once all answered.
     feed_in = _feed(sg, w, topology, workload.step.target_bytes, m, start=max(rtt, default=0.0))
@@ -144,6 +184,9 @@ def replay_step(
         if pause_cost is not None:
             others_busy = any(busy_until > start for busy_until in pool)
             compute += pause_cost(start - last_on_core[s], others_busy) / on_core[s]
+        if spans is not None:  # the transfer work the last pass placed in this process while it is on the core
+            on = (start, start + compute * on_core[s])
+            compute += sum(cost * overlap_share(*on, t0, t1) for t0, t1, cost in spans[s]) / on_core[s]
         end = start + compute
         computed[s] += compute
         last_on_core[s] = start + compute * on_core[s]
@@ -152,12 +195,14 @@ def replay_step(
         nxt[s] += 1
         mb = act.micro_batch_idx
         if act.kind == "F":
-            for c in consumers[s]:
-                arrived[("act", s, c, mb)] = _send(queues[(s, c)], end, topology, w[s], w[c], sg.act[(s, c)], transfer_cost)
+            sends = [(("act", s, c, mb), c, sg.act[(s, c)]) for c in consumers[s]]
         else:
-            for a in producers[s]:
-                if sg.grad[(a, s)]:
-                    arrived[("grad", s, a, mb)] = _send(queues[(s, a)], end, topology, w[s], w[a], sg.grad[(a, s)], transfer_cost)
+            sends = [(("grad", s, a, mb), a, sg.grad[(a, s)]) for a in producers[s] if sg.grad[(a, s)]]
+        for key, dst, size in sends:
+            left, path_s, arrived[key] = _send(queues[(s, dst)], end, topology, w[s], w[dst], size, transfer_cost)
+            if interference is not None and w[s] != w[dst]:  # the sender's half of the path, then the receiver's
+                found[s].append((left, left + path_s / 2, interference.send(size)))
+                found[dst].append((arrived[key] - path_s / 2, arrived[key], interference.receive(size)))
     # A stage answers the driver's wait once its compute is done and its sends are answered.
     done = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) + rtt[s] / 2 for s in range(n))
     tied = tied_sync_s(workload, sg, w, topology)
@@ -165,19 +210,21 @@ def replay_step(
     unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
     apply = max(rtt, default=0.0) + optimizer_s(workload, unemulated)
     step = max(done, default=0.0) + tied + apply + workload.step.control_s
-    return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply, compute_s=tuple(computed))
+    return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply, compute_s=tuple(computed)), found
 
 
 def _send(
     queue: _SendQueue, ready: float, topology: Topology, src: int, dst: int, size: float,
     path_cost: Callable[[float, float], float] | None,
-) -> float:
+) -> tuple[float, float, float]:
     """One transfer through ``queue``; ``path_cost(size, pause)``: the executors' own work
-    on it, by how long the pair has been quiet (:class:`testbeds.pause_cost.TransferPathCost`)."""
+    on it, by how long the pair has been quiet (:class:`testbeds.pause_cost.TransferPathCost`).
+    Returns when it leaves, that path time, and when its data arrives."""
     if src == dst:
-        return ready
+        return ready, 0.0, ready
     path_s = path_cost(size, max(ready - queue.free_at, 0.0)) if path_cost is not None else 0.0
-    return queue.send(ready, path_s + topology.transfer_s(src, dst, size), answer_s(topology, dst, src))
+    left = max(ready, queue.free_at)
+    return left, path_s, queue.send(ready, path_s + topology.transfer_s(src, dst, size), answer_s(topology, dst, src))
 
 
 def _feed(sg: StageGraph, workers: list[int], topology: Topology, target_bytes: int, m: int, *, start: float) -> list[list[float]]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from fusion.config import JobSpec
 from scheduler.estimator import StepCosts
+from testbeds.interference import TransferInterference, interference_beside
 from testbeds.link_times import with_link_times
 from testbeds.pause_cost import (
     PauseCost,
@@ -37,7 +38,9 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     links' message times were measured on the testbed (``links-<topology>.json`` beside
     the result, :mod:`testbeds.link_times`), pipelining's transfers take those; where the
     machine's pause cost was measured (``pause-cost.json`` beside it,
-    :mod:`testbeds.pause_cost`), fusion's and uniform's stages pay it after each wait.
+    :mod:`testbeds.pause_cost`), fusion's and uniform's stages pay it after each wait, and
+    each of their computations the transfers its process makes while it runs
+    (:mod:`testbeds.interference`).
 
     The machine is shared, so its speed during a run differs from its speed while profiling
     here (by 3x under load). A second prediction, ``calibrated``, replaces the profiled
@@ -56,7 +59,7 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
         rows.extend(
             validate_doc(
                 doc, path.stem, cores=cores, links=link_times_beside(doc, path.parent), pause=pause_cost_beside(path.parent),
-                transfer_path=transfer_path_beside(path.parent),
+                transfer_path=transfer_path_beside(path.parent), interference=interference_beside(path.parent),
             )
         )
     return rows
@@ -77,7 +80,7 @@ def link_times_beside(doc: dict[str, Any], directory: Path) -> dict[str, Any] | 
 
 def validate_doc(
     doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None, pause: PauseCost | None = None,
-    transfer_path: TransferPathCost | None = None,
+    transfer_path: TransferPathCost | None = None, interference: TransferInterference | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`validate` for one benchmark result document; ``links``: the testbed's measured
     link times (:func:`link_times_beside`), which then price the gloo baselines' transfers
@@ -86,7 +89,10 @@ def validate_doc(
     profiled prediction (not in the calibrated one: the compute a run measured includes it;
     the gloo baselines' ranks poll through their waits instead of sleeping);
     ``transfer_path``: the executors' own work per transfer on this machine, which fusion's
-    and uniform's transfers between stages then pay in both predictions."""
+    and uniform's transfers between stages then pay in both predictions; ``interference``:
+    what a transfer costs a computation it overlaps in its process, which fusion's and
+    uniform's computations then pay in the profiled prediction (like the pause cost, the
+    compute a run measured includes it)."""
     rows = []
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
@@ -122,6 +128,7 @@ def validate_doc(
                 sims[name] = simulate_plan(
                     job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
                     pause_cost=pause if charge_pause else None, transfer_cost=transfer_path,
+                    interference=interference if charge_pause else None,
                 ).to_dict()
         return sims
 
@@ -133,7 +140,7 @@ def validate_doc(
     if mean:
         calibrated = run_all(job.reference_flops / factor, {n: {h: v / factor for h, v in f.items()} for n, f in host_factors.items()})
     else:  # nothing measured to calibrate on: the profile's compute, still without the pause cost
-        calibrated = run_all(job.reference_flops) if pause is not None else raw
+        calibrated = run_all(job.reference_flops) if pause is not None or interference is not None else raw
     for name, step_s in measured.items():
         sim = raw.get(name, {}).get("step_s")
         cal = calibrated.get(name, {}).get("step_s")
@@ -145,6 +152,7 @@ def validate_doc(
             "links": "measured" if links else "configured",
             "pause_cost": pause is not None and name in ("fusion", "uniform"),
             "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
+            "interference": interference is not None and name in ("fusion", "uniform"),
         })
     return rows
 
@@ -165,9 +173,12 @@ def add_simulation(doc: dict[str, Any], directory: Path) -> None:
     its error against the measured one (:func:`validate_doc`: the plans fusion and uniform
     ran, the run's profile, and the same with compute calibrated on the run; the testbed's
     measured link times and the machine's pause costs where ``directory`` holds them)."""
-    pause, path = pause_cost_beside(directory), transfer_path_beside(directory)
+    pause, path, interference = pause_cost_beside(directory), transfer_path_beside(directory), interference_beside(directory)
     doc["sim_pause_cost"], doc["sim_transfer_path"] = pause is not None, path is not None
-    for v in validate_doc(doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause, transfer_path=path):
+    doc["sim_interference"] = interference is not None
+    for v in validate_doc(
+        doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause, transfer_path=path, interference=interference,
+    ):
         row = doc["systems"][v["system"]]
         row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
         row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
@@ -207,10 +218,13 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
     )
     paused = sorted({r["bench"] for r in rows if r.get("pause_cost")})
     pathed = sorted({r["bench"] for r in rows if r.get("transfer_path")})
+    interfered = sorted({r["bench"] for r in rows if r.get("interference")})
     lines.append(
         "\nfusion's and uniform's stages pay the machine's measured cost of computing after a pause "
         f"(`testbeds/pause_cost.py`, profiled column only) in: {', '.join(paused) or 'none'}; "
-        f"and their transfers the executors' measured transfer path (both columns) in: {', '.join(pathed) or 'none'}"
+        f"and their transfers the executors' measured transfer path (both columns) in: {', '.join(pathed) or 'none'}; "
+        "their computations the measured cost of the transfers their process makes meanwhile "
+        f"(`testbeds/interference.py`, profiled column only) in: {', '.join(interfered) or 'none'}"
     )
     text = "\n".join(lines) + "\n"
     if out:

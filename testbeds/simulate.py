@@ -57,6 +57,7 @@ from scheduler.estimator import (
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
 from scheduler.topology import GIB, Topology, WorkerSpec
 from testbeds.gloo_model import ddp_buckets, gpipe_step_s, ring_allreduce_s
+from testbeds.interference import TransferInterference
 from testbeds.replay import replay_step
 from testbeds.sim_topologies import MBPS, load_topology, testbed_topology
 
@@ -206,6 +207,7 @@ def simulate_plan(
     driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
     pause_cost: Callable[[float, bool], float] | None = None,
     transfer_cost: Callable[[float, float], float] | None = None,
+    interference: TransferInterference | None = None,
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
     estimator with the driver (the coordinator) on host ``driver``: its control round trips
@@ -217,7 +219,9 @@ def simulate_plan(
     ``detail``. Hosts that share a machine (:func:`testbed_topology`) share its ``cores``
     (``None``: one at a time, as the estimator assumes); ``pause_cost`` and
     ``transfer_cost``: what a stage's computation and a transfer's path through the
-    executors cost after a pause on such a machine (:mod:`testbeds.pause_cost`).
+    executors cost after a pause on such a machine (:mod:`testbeds.pause_cost`);
+    ``interference``: what a transfer costs the computation it overlaps in its process
+    (:mod:`testbeds.interference`).
     """
     from fusion.graph.split import split_stages
 
@@ -266,7 +270,7 @@ def simulate_plan(
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
     replay = replay_step(
         wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost,
-        transfer_cost=transfer_cost,
+        transfer_cost=transfer_cost, interference=interference,
     )
     return _finish(
         SystemResult(

@@ -137,3 +137,22 @@ def test_without_recorded_compute_the_calibrated_column_still_leaves_the_pause_o
     paying = {r["system"]: r for r in validate_doc(bare, "two-sites", pause=cost)}
     assert paying["uniform"]["simulated_step_s"] > paying["uniform"]["calibrated_step_s"]
     assert paying["uniform"]["calibrated_step_s"] == pytest.approx(plain["uniform"]["calibrated_step_s"])
+
+
+def test_transfer_interference_slows_only_the_executors_profiled_computations(doc: dict) -> None:
+    """uniform's stages compute while their transfers come and go, and pay for them in the
+    profiled prediction; the calibrated one (the run's own compute includes it), fusion's
+    one-stage plan (no transfers between stages) and the gloo baselines are unchanged."""
+    from testbeds.interference import TransferInterference
+    from testbeds.pause_cost import TransferPathCost
+
+    path = TransferPathCost((1 << 10, 1 << 20), (0.0, 0.03), ((0.002, 0.004), (0.004, 0.006)))
+    cost = TransferInterference((1 << 10, 1 << 20), (0.002, 0.004), (0.003, 0.005))
+    plain = {r["system"]: r for r in validate_doc(doc, "two-sites", transfer_path=path)}
+    paying = {r["system"]: r for r in validate_doc(doc, "two-sites", transfer_path=path, interference=cost)}
+    assert paying["uniform"]["simulated_step_s"] > plain["uniform"]["simulated_step_s"]
+    assert paying["uniform"]["interference"] and not plain["uniform"]["interference"] and not paying["ddp"]["interference"]
+    for name in ("fusion", "ddp", "pipelining"):
+        assert paying[name]["simulated_step_s"] == pytest.approx(plain[name]["simulated_step_s"])
+    for name in plain:
+        assert paying[name]["calibrated_step_s"] == pytest.approx(plain[name]["calibrated_step_s"])
