@@ -90,10 +90,10 @@ class TransferInterference:
             raise ConfigError(f"a transfer interference needs one send and one receive cost of 0-1 s per size, got {self}")
 
     def send(self, size_bytes: float) -> float:
-        return _by_size(self.sizes_bytes, self.send_s, size_bytes)
+        return by_size(self.sizes_bytes, self.send_s, size_bytes)
 
     def receive(self, size_bytes: float) -> float:
-        return _by_size(self.sizes_bytes, self.receive_s, size_bytes)
+        return by_size(self.sizes_bytes, self.receive_s, size_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"sizes_bytes": list(self.sizes_bytes), "send_s": list(self.send_s), "receive_s": list(self.receive_s)}
@@ -106,7 +106,9 @@ class TransferInterference:
             raise ConfigError(f"not a transfer interference ({e!r}): needs sizes_bytes, send_s and receive_s lists") from e
 
 
-def _by_size(sizes: Sequence[int], costs: Sequence[float], size_bytes: float) -> float:
+def by_size(sizes: Sequence[int], costs: Sequence[float], size_bytes: float) -> float:
+    """``costs`` at ``size_bytes``: linear between ``sizes``, the first below them, beyond the
+    last at the last step's rate per byte (never falling)."""
     if size_bytes > sizes[-1]:
         per_byte = max(costs[-1] - costs[-2], 0.0) / (sizes[-1] - sizes[-2])
         return costs[-1] + (size_bytes - sizes[-1]) * per_byte

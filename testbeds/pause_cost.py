@@ -48,7 +48,12 @@ from typing import Any
 import numpy as np
 
 from fusion.errors import ConfigError, FusionError
-from testbeds.interference import ROUNDS, SECONDS_PER_CASE, measure_interference
+from testbeds.interference import (
+    ROUNDS,
+    SECONDS_PER_CASE,
+    by_size,
+    measure_interference,
+)
 
 #: Pauses measured (seconds): stages here wait 1-300 ms between computations.
 PAUSES_S = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
@@ -127,18 +132,12 @@ class TransferPathCost:
 
     def __call__(self, size_bytes: float, pause_s: float) -> float:
         """Seconds for a transfer of ``size_bytes`` after ``pause_s`` of quiet on its pair."""
-        at_size = [self._by_size(row, size_bytes) for row in self.seconds]
+        at_size = [by_size(self.sizes_bytes, row, size_bytes) for row in self.seconds]
         if pause_s <= 0:
             return at_size[0]
         if pause_s < self.pauses_s[1]:  # linearly from back to back up to the shortest pause
             return at_size[0] + (at_size[1] - at_size[0]) * pause_s / self.pauses_s[1]
         return float(np.interp(np.log(pause_s), np.log(self.pauses_s[1:]), at_size[1:]))
-
-    def _by_size(self, row: Sequence[float], size_bytes: float) -> float:
-        if size_bytes > self.sizes_bytes[-1]:
-            s_per_byte = max(row[-1] - row[-2], 0.0) / (self.sizes_bytes[-1] - self.sizes_bytes[-2])
-            return row[-1] + (size_bytes - self.sizes_bytes[-1]) * s_per_byte
-        return float(np.interp(size_bytes, self.sizes_bytes, row))
 
     def to_dict(self) -> dict[str, Any]:
         return {"sizes_bytes": list(self.sizes_bytes), "pauses_s": list(self.pauses_s), "seconds": [list(r) for r in self.seconds]}
