@@ -146,20 +146,14 @@ def _time_computations(run: Callable[[], object], seconds: float) -> list[tuple[
     return spans
 
 
-def measure_receive(run: Callable[[], object], size: int, seconds: float) -> float:
-    """Cost per received transfer: an executor service in this process receives ``Probe``
-    transfers from a child process (stopped by its pid) while this thread computes."""
-    from executor.access import ExecutorAccess
+def measure_receive(run: Callable[[], object], size: int, seconds: float, address: str, key: bytes) -> float:
+    """Cost per received transfer: the executor service of this process at ``address``
+    (control key ``key``) receives ``Probe`` transfers from a child process (stopped by its
+    pid) while this thread computes."""
     from executor.local import REPO_ROOT
-    from executor.server import ExecutorService, start_server
-    from fusion.auth import new_key
 
-    key = new_key()
-    service = ExecutorService(worker_name="interference-probe")
-    service.access = ExecutorAccess(keyring=service.pool.keyring, control_key=key)
-    server, port = start_server(service, "127.0.0.1:0")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    args = [f"127.0.0.1:{port}", key.hex(), str(size), str(seconds), *map(str, GAP_S)]
+    args = [address, key.hex(), str(size), str(seconds), *map(str, GAP_S)]
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert sender.stdout is not None
@@ -173,8 +167,6 @@ def measure_receive(run: Callable[[], object], size: int, seconds: float) -> flo
     finally:
         sender.kill()
         sender.wait(timeout=10)
-        server.stop(0)
-        service.close()
     return cost_per_transfer(computations, transfers)
 
 
@@ -214,8 +206,11 @@ def measure_interference(
     """Both sides for every size on this machine, ``rounds`` times over (about
     ``2 * len(sizes) * seconds * rounds``); returns the median over rounds and the lowest
     and highest round (one round's fit moves by about 1 ms)."""
+    from executor.access import ExecutorAccess
     from executor.client import ChannelPool, ExecutorClient
     from executor.local import LocalCluster
+    from executor.server import ExecutorService, start_server
+    from fusion.auth import new_key
     from testbeds.bench_core import EXECUTOR_WARM_UP_S
     from testbeds.pause_cost import probe_computation
 
@@ -228,18 +223,26 @@ def measure_interference(
     echo(f"timing a computation while transfers of {len(sizes)} sizes overlap it, received and sent: {rounds} rounds of {seconds:g} s each")
     receive: dict[int, list[float]] = {size: [] for size in sizes}
     send: dict[int, list[float]] = {size: [] for size in sizes}
-    with LocalCluster(1, torch_threads=1) as cluster:
-        pool = ChannelPool()
-        try:
-            client = ExecutorClient(cluster.addresses[0], pool)
-            client.probe(sizes[-1])
-            time.sleep(EXECUTOR_WARM_UP_S)  # the executor imports in the background for its first seconds
-            for _ in range(rounds):
-                for size in sizes:
-                    receive[size].append(measure_receive(run, size, seconds))
-                    send[size].append(measure_send(run, size, seconds, client))
-        finally:
-            pool.close()
+    key = new_key()
+    service = ExecutorService(worker_name="interference-probe")  # receives in this process
+    service.access = ExecutorAccess(keyring=service.pool.keyring, control_key=key)
+    server, port = start_server(service, "127.0.0.1:0")
+    try:
+        with LocalCluster(1, torch_threads=1) as cluster:  # receives what this process sends
+            pool = ChannelPool()
+            try:
+                client = ExecutorClient(cluster.addresses[0], pool)
+                client.probe(sizes[-1])
+                time.sleep(EXECUTOR_WARM_UP_S)  # both executors import in the background for their first seconds
+                for _ in range(rounds):
+                    for size in sizes:
+                        receive[size].append(measure_receive(run, size, seconds, f"127.0.0.1:{port}", key))
+                        send[size].append(measure_send(run, size, seconds, client))
+            finally:
+                pool.close()
+    finally:
+        server.stop(0)
+        service.close()
 
     def pick(f: Callable[[list[float]], float]) -> TransferInterference:
         return TransferInterference(tuple(sizes), tuple(f(send[s]) for s in sizes), tuple(f(receive[s]) for s in sizes))
