@@ -103,10 +103,12 @@ def validate_doc(
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
 
     def run_all(
-        speed: float, host_factors: dict[str, dict[str, float]] | None = None, charge_pause: bool = False
+        speed: float, host_factors: dict[str, dict[str, float]] | None = None, unseen_compute: bool = False
     ) -> dict[str, dict[str, Any]]:
         """Every measured system; ``host_factors``: per system, hosts whose compute the run
-        measured that many times the profile's (fusion and uniform, stage by stage)."""
+        measured that many times the profile's (fusion and uniform, stage by stage);
+        ``unseen_compute``: charge the compute a profile does not see but a run's measured
+        compute includes (the pause cost and the transfer interference)."""
         share = TCP_PAYLOAD_SHARE if doc["backend"] == "netns" else 1.0
         emulated = doc.get("emulated_slowdown")  # hosts the run made slower (--emulate-speeds)
         host_factors = host_factors or {}
@@ -127,12 +129,12 @@ def validate_doc(
                 given = doc["systems"][name].get("plan")
                 sims[name] = simulate_plan(
                     job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
-                    pause_cost=pause if charge_pause else None, transfer_cost=transfer_path,
-                    interference=interference if charge_pause else None,
+                    pause_cost=pause if unseen_compute else None, transfer_cost=transfer_path,
+                    interference=interference if unseen_compute else None,
                 ).to_dict()
         return sims
 
-    raw = run_all(job.reference_flops, charge_pause=True)
+    raw = run_all(job.reference_flops, unseen_compute=True)
     host_factors = {name: f for name in ("fusion", "uniform") if (f := _stage_factors(doc, name, raw.get(name), spec.train.micro_batches))}
     mean = [float(np.mean(list(f.values()))) for f in host_factors.values()]
     factor = float(np.mean(mean)) if mean else 1.0
