@@ -22,6 +22,7 @@ import torch
 
 from executor.emulation import check_factor
 from fusion.config import JobSpec, load_job
+from testbeds.netns import DELAY_TUN
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,15 @@ def init_gloo(args: RankArgs, *, timeout_s: float = 300.0) -> None:
     )
 
 
+#: Interfaces whose counters are not traffic onto a link: loopback, and the netns delay
+#: line's TUN device (``tun`` latency mode), which every delayed packet crosses on its way
+#: to ``eth0``, so counting it too would count those bytes twice.
+NOT_LINKS = frozenset({"lo", DELAY_TUN})
+
+
 def bytes_sent() -> int:
-    """Bytes this namespace has sent on its non-loopback interfaces."""
-    return sum(c.bytes_sent for name, c in psutil.net_io_counters(pernic=True).items() if name != "lo")
+    """Bytes this namespace has sent onto its links (every interface but :data:`NOT_LINKS`)."""
+    return sum(c.bytes_sent for name, c in psutil.net_io_counters(pernic=True).items() if name not in NOT_LINKS)
 
 
 class MetricsWriter:

@@ -78,6 +78,13 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     assert doc["efficiency"] is None or doc["efficiency"] > 0
     # uniform splits the model over both hosts: its bytes cross the 50 Mbps link.
     assert doc["systems"]["uniform"]["slowest_link_bytes"] > 0
+    # DDP's ring all-reduce over two ranks: each sends the whole gradient once per step, so
+    # the link carries 2x its bytes (plus TCP/IP headers and acks), counted once each even
+    # where the 5 ms latency routes them through the delay line's TUN device first.
+    from fusion.models import build_model
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in build_model("gpt2", "tiny").parameters())
+    assert 2 * grad_bytes < doc["systems"]["ddp"]["slowest_link_bytes"] < 2.6 * grad_bytes
     # The coordinator's profile travels with the result, so the simulator replays its costs.
     assert doc["profile"]["nodes"] and doc["profile"]["matmul_flops"] > 0
     assert {"control_s", "micro_batch_s", "optimizer_s_per_byte"} <= set(doc["step_costs"])
