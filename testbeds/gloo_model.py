@@ -11,6 +11,7 @@ micro-batch pays the round trip).
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -112,3 +113,154 @@ def gpipe_step_s(
     bwd_order = fwd_order[::-1]
     bwd_done = wave(b, bwd_order, list(g[::-1]), list(g_lat[::-1]), list(x_lat[::-1]), fwd_done[::-1])
     return float(max(bwd_done))
+
+
+#: ProcessGroupGloo's worker threads (its ``Options.threads`` default): DDP's bucket
+#: all-reduces run on these, two at a time, in the order DDP issued them.
+GLOO_THREADS = 2
+#: Message events above which :func:`bucket_allreduce_done_s` is not replayed (a 256- or
+#: 1,024-rank ring with tens of buckets): :func:`ring_allreduce_s` prices those instead.
+MAX_REPLAY_MESSAGES = 400_000
+
+
+def ddp_bucket_params(param_bytes: list[float]) -> list[list[int]]:
+    """DDP's buckets over parameters in registration order (``param_bytes[i]``: parameter
+    ``i``): filled from the last parameter backwards, the first closed once it holds 1 MiB,
+    the rest at 25 MiB (``_compute_bucket_assignment_by_size``). Lists of parameter indices,
+    in the order DDP all-reduces them."""
+    buckets: list[list[int]] = [[]]
+    size, limit = 0.0, DDP_FIRST_BUCKET_BYTES
+    for i in reversed(range(len(param_bytes))):
+        buckets[-1].append(i)
+        size += param_bytes[i]
+        if size >= limit:
+            buckets.append([])
+            size, limit = 0.0, DDP_BUCKET_BYTES
+    return [b for b in buckets if b]
+
+
+def _split(size_bytes: float, n: int, element: int = 4) -> tuple[int, int, int]:
+    """gloo's ring split of ``size_bytes`` over ``n`` ranks (``allreduce.cc``): (bytes
+    rounded to whole elements, segment bytes, segments: at least ``2n``, a multiple of ``n``)."""
+    total = max(element, int(size_bytes) // element * element)
+    seg = min((total + 2 * n - 1) // (2 * n), 1 << 20)
+    seg = (seg + element - 1) // element * element
+    num = max((total + seg - 1) // seg, 2 * n)
+    return total, seg, (num + n - 1) // n * n
+
+
+def _segments(size_bytes: float, n: int) -> tuple[int, list[list[float]], list[list[float]]]:
+    """:func:`_split`'s segment count and, per rank and iteration, the bytes sent in
+    reduce-scatter and in all-gather (0: nothing)."""
+    total, seg, num = _split(size_bytes, n)
+    per_rank = num // n
+
+    def length(first: int, i: int) -> float:
+        return float(max(0, min(seg, total - ((first * per_rank + i) * seg) % (num * seg))))
+
+    scatter = [[length(r + 1, i) for i in range(num)] for r in range(n)]
+    gather = [[length(r, i) for i in range(num)] for r in range(n)]
+    return num, scatter, gather
+
+
+def bucket_allreduce_done_s(topology: Topology, ranks: list[int], bucket_bytes: list[float], ready_s: list[list[float]]) -> list[float]:
+    """When each rank's last bucket all-reduce ends, replayed message by message.
+
+    ``bucket_bytes[b]``: bucket ``b``'s size; ``ready_s[b][k]``: when rank ``ranks[k]``
+    handed it to gloo (its gradients ready). Each bucket runs gloo's ring (``allreduce.cc``:
+    ``2N``-segment reduce-scatter then all-gather, two segments in flight, an iteration
+    waiting for the segment received and sent two iterations before) on one of the rank's
+    :data:`GLOO_THREADS` threads. A send leaves once the receiver's ready notice has come
+    back (``NOTIFY_RECV_READY``), and a pair's messages share its link first come, first
+    served. So a rank whose gradients are ready early sends what it already has while a
+    slower rank computes, and two buckets' bytes fill each other's gaps: what the closed
+    form (:func:`ring_allreduce_s`) cannot show when the ranks start apart.
+    """
+    n = len(ranks)
+    if n < 2 or not bucket_bytes:
+        return [max((r[k] for r in ready_s), default=0.0) for k in range(n)]
+    plans = [_segments(size, n) for size in bucket_bytes]
+    bw, lat = topology.bandwidth_bytes_per_s, topology.latency_s
+    link_free: dict[tuple[int, int], float] = {}
+    known: dict[tuple, float] = {}
+    waiting: dict[tuple, list[tuple[int, int]]] = {}
+    cursor: dict[tuple[int, int], list[int]] = {}  # (bucket, rank) -> [phase, iteration]
+    done = [[0.0] * n for _ in bucket_bytes]
+    events: list[tuple[float, int, tuple]] = []
+    seq = 0
+
+    def push(t: float, event: tuple) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, event))
+        seq += 1
+
+    def start(b: int, k: int) -> None:
+        begin = ready_s[b][k] if b < GLOO_THREADS else max(ready_s[b][k], done[b - GLOO_THREADS][k])
+        cursor[(b, k)] = [0, 0]
+        push(begin, ("advance", b, k))
+
+    def settle(key: tuple, t: float) -> None:
+        known[key] = t
+        for b, k in waiting.pop(key, []):
+            push(t, ("advance", b, k))
+
+    for b in range(min(GLOO_THREADS, len(bucket_bytes))):
+        for k in range(n):
+            start(b, k)
+    while events:
+        now, _, event = heapq.heappop(events)
+        kind = event[0]
+        if kind == "advance":
+            _, b, k = event
+            num, scatter, gather = plans[b]
+            phase, i = cursor[(b, k)]
+            lengths = (scatter, gather)[phase]
+            if i >= 2:
+                needs = []
+                if lengths[(k + 1) % n][i - 2] > 0:
+                    needs.append(("arrive", b, phase, k, i - 2))
+                if lengths[k][i - 2] > 0:
+                    needs.append(("sent", b, phase, k, i - 2))
+                missing = [key for key in needs if key not in known]
+                if missing:
+                    waiting.setdefault(missing[0], []).append((b, k))
+                    continue
+            if i < num - 2:
+                up = (k + 1) % n  # the rank this one receives from: it waits for our notice
+                if lengths[up][i] > 0:
+                    push(now + lat[ranks[k]][ranks[up]], ("notice", b, phase, up, i))
+                if lengths[k][i] > 0:
+                    settle(("posted", b, phase, k, i), now)
+                    if ("notice", b, phase, k, i) in known:
+                        push(now, ("depart", b, phase, k, i))
+            i += 1
+            if i == num and phase == 0:
+                phase, i = 1, 0
+            if i == num:
+                done[b][k] = now
+                if b + GLOO_THREADS < len(bucket_bytes):
+                    start(b + GLOO_THREADS, k)
+                continue
+            cursor[(b, k)] = [phase, i]
+            push(now + GLOO_STEP_OVERHEAD_S, ("advance", b, k))
+        elif kind == "notice":
+            known[event] = now
+            if ("posted",) + event[1:] in known:
+                push(now, ("depart",) + event[1:])
+        elif kind == "depart":
+            _, b, phase, k, i = event
+            size = (plans[b][1], plans[b][2])[phase][k][i]
+            src, dst = ranks[k], ranks[(k - 1) % n]
+            begin = max(now, link_free.get((src, dst), 0.0))
+            end = begin + size / bw[src][dst]
+            link_free[(src, dst)] = end
+            push(end, ("sent", b, phase, k, i))
+            push(max(end + lat[src][dst], begin + topology.transfer_s(src, dst, size)), ("arrive", b, phase, (k - 1) % n, i))
+        else:  # sent / arrive: the value is known from now on
+            settle(event, now)
+    return [max(done[b][k] for b in range(len(bucket_bytes))) for k in range(n)]
+
+
+def replay_messages(n: int, bucket_bytes: list[float]) -> int:
+    """Messages :func:`bucket_allreduce_done_s` replays (its cost)."""
+    return sum(2 * n * _split(size, n)[2] for size in bucket_bytes)

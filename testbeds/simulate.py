@@ -13,10 +13,11 @@ plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The 
   (:class:`compress.controller.AdaTopK`) would pick for the link, and encoded at
   :func:`compress.topk.topk_encoded_size` bytes (zstd's further gain is not counted).
 - ``uniform``: equal node counts in join order, dense, priced the same way.
-- ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed by
-  gloo's ring all-reduce (:func:`testbeds.gloo_model.ring_allreduce_s`), not overlapped
-  with backward (gloo on CPUs shares the cores with compute, and a small model's buckets
-  are ready together).
+- ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed
+  bucket by bucket as each rank's backward makes them ready, gloo's ring replayed message
+  by message (:func:`testbeds.gloo_model.bucket_allreduce_done_s`; the closed form
+  :func:`testbeds.gloo_model.ring_allreduce_s` after the backward where the replay would
+  be too long).
 - ``pipelining``: GPipe over ``S = min(N, blocks)`` hosts with the even block split of
   :mod:`testbeds.baselines.split` (:func:`testbeds.gloo_model.gpipe_step_s`), each
   transfer a round trip plus its bytes (gloo sends only to a posted receive).
@@ -56,7 +57,15 @@ from scheduler.estimator import (
 )
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
 from scheduler.topology import GIB, Topology, WorkerSpec
-from testbeds.gloo_model import ddp_buckets, gpipe_step_s, ring_allreduce_s
+from testbeds.gloo_model import (
+    MAX_REPLAY_MESSAGES,
+    bucket_allreduce_done_s,
+    ddp_bucket_params,
+    ddp_buckets,
+    gpipe_step_s,
+    replay_messages,
+    ring_allreduce_s,
+)
 from testbeds.interference import TransferInterference
 from testbeds.replay import replay_step
 from testbeds.sim_topologies import MBPS, load_topology, testbed_topology
@@ -336,6 +345,25 @@ def shared_cores_factor(workers: Sequence[WorkerSpec], cores: int | None) -> flo
     return max(1.0, sum(1.0 / w.slowdown for w in workers) / cores)
 
 
+def ddp_bucket_ready_s(wl: Workload) -> list[tuple[float, float]]:
+    """DDP's buckets for ``wl``'s parameters: (bytes, seconds into one micro-batch's forward
+    and backward at reference speed when the last of its gradients is ready). A parameter's
+    gradient is complete once the backward has passed the first unit that reads it (tied
+    parameters: their first reader), and parameters are in the order units first read them."""
+    sizes: dict[int, float] = {}
+    first: dict[int, int] = {}
+    for u, unit in enumerate(wl.params):
+        for pid, size in unit:
+            sizes.setdefault(pid, float(size))
+            first.setdefault(pid, u)
+    order = sorted(sizes)
+    done_at = float(wl.fwd_s.sum()) + np.cumsum(wl.bwd_s[::-1])[::-1]  # the backward has finished unit u
+    return [
+        (sum(sizes[order[i]] for i in bucket), max(float(done_at[first[order[i]]]) for i in bucket))
+        for bucket in ddp_bucket_params([sizes[p] for p in order])
+    ]
+
+
 def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
     """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
 
@@ -359,13 +387,19 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
     short = [w.name for w in topology.workers if w.memory_bytes is not None and need > w.memory_bytes]
     if short:
         return SystemResult(name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has")
-    slowest = min(w.effective_flops for w in topology.workers)
-    scale = job.reference_flops / slowest
-    compute_s = per_mb_s * (per_rank_samples / mb) * scale * shared_cores_factor(topology.workers, cores)
-    buckets = ddp_buckets(param_bytes)
-    # gloo runs DDP's buckets on its worker threads at once, so their latencies overlap and
-    # their bytes share the links: one all-reduce of the whole gradient.
-    allreduce_s = ring_allreduce_s(topology, list(range(n)), param_bytes)
+    cores_factor = shared_cores_factor(topology.workers, cores)
+    samples = per_rank_samples / mb  # micro-batches' worth of samples each rank computes
+    scale = [job.reference_flops / w.effective_flops * cores_factor * samples for w in topology.workers]
+    compute_s = per_mb_s * max(scale)
+    ready = ddp_bucket_ready_s(wl)
+    buckets = len(ready) or ddp_buckets(param_bytes)
+    if ready and replay_messages(n, [b for b, _ in ready]) <= MAX_REPLAY_MESSAGES:
+        done = bucket_allreduce_done_s(topology, list(range(n)), [b for b, _ in ready], [[t * k for k in scale] for _, t in ready])
+        allreduce_s, model = max(done) - compute_s, "replay"
+    else:
+        # gloo runs DDP's buckets on its worker threads at once, so their latencies overlap
+        # and their bytes share the links: one all-reduce of the whole gradient.
+        allreduce_s, model = ring_allreduce_s(topology, list(range(n)), param_bytes), "closed form"
     # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
     optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
     step_s = compute_s + allreduce_s + optimizer_s
@@ -374,7 +408,7 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
     return _finish(
         SystemResult(
             name="ddp", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=n,
-            detail={"compute_s": compute_s, "allreduce_s": allreduce_s, "optimizer_s": optimizer_s, "buckets": buckets},
+            detail={"compute_s": compute_s, "allreduce_s": allreduce_s, "optimizer_s": optimizer_s, "buckets": buckets, "allreduce_model": model},
         ),
         job,
     )

@@ -72,6 +72,79 @@ def test_ring_allreduce_waits_for_the_slowest_ring_edge() -> None:
     assert gloo.ring_allreduce_s(with_slow(1, 2), [0, 1, 2], 3e6) == pytest.approx(8 * (0.5 + o))
 
 
+def test_ring_replay_agrees_with_the_closed_form_when_the_ranks_start_together() -> None:
+    """Both follow gloo's ring; the replay also pays the hand-over between reduce-scatter and
+    all-gather (a round trip) and the last segments' wait, which the closed form leaves out."""
+    for bw, latency in ((1e6, 0.01), (12.5e6, 0.02), (1e9, 0.0005)):
+        topo = line_topology(4, bandwidth_bytes_per_s=bw, latency_s=latency)
+        for size in (3e3, 3e5, 3e6):
+            closed = gloo.ring_allreduce_s(topo, [0, 1, 2, 3], size)
+            done = gloo.bucket_allreduce_done_s(topo, [0, 1, 2, 3], [size], [[0.0] * 4])
+            assert closed * 0.85 < max(done) < closed * 1.2, (bw, latency, size)
+
+
+def test_ring_replay_by_hand() -> None:
+    """Two ranks, 16 bytes, no latency, 1 byte/s: 4 segments of 4 bytes. In each phase each
+    rank sends two (iterations 0 and 1) on its own link, 8 s back to back, and the loop's
+    last two iterations wait for them: 16 s and a few iterations' overhead."""
+    topo = line_topology(2, bandwidth_bytes_per_s=1.0, latency_s=0.0)
+    o = gloo.GLOO_STEP_OVERHEAD_S
+    for end in gloo.bucket_allreduce_done_s(topo, [0, 1], [16.0], [[0.0, 0.0]]):
+        assert 16.0 < end <= 16.0 + 4 * o
+
+
+def test_ring_replay_a_late_rank_delays_the_ring_by_its_lateness() -> None:
+    topo = line_topology(4, bandwidth_bytes_per_s=1e6, latency_s=0.01)
+    together = max(gloo.bucket_allreduce_done_s(topo, [0, 1, 2, 3], [3e5], [[0.0] * 4]))
+    late = max(gloo.bucket_allreduce_done_s(topo, [0, 1, 2, 3], [3e5], [[0.0, 0.0, 0.0, 1.0]]))
+    assert late == pytest.approx(together + 1.0, rel=1e-6)
+
+
+def test_ring_replay_fills_a_slow_link_while_a_late_rank_computes() -> None:
+    """Rank 2's link to rank 1 is the slow one; rank 3 is late. Rank 2 sends what it already
+    has of both buckets while it waits, so the step ends sooner than the late start plus the
+    all-reduce, and never before the slow link has carried its share."""
+    topo = line_topology(4, bandwidth_bytes_per_s=10e6, latency_s=0.005)
+    bw = [list(row) for row in topo.bandwidth_bytes_per_s]
+    bw[2][1] = 1e6
+    slow = Topology(workers=topo.workers, bandwidth_bytes_per_s=bw, latency_s=topo.latency_s)
+    sizes = [1e6, 2e6]
+    ready = [[0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 1.0]]
+    end = max(gloo.bucket_allreduce_done_s(slow, [0, 1, 2, 3], sizes, ready))
+    serial = 1.0 + gloo.ring_allreduce_s(slow, [0, 1, 2, 3], sum(sizes))
+    assert 2 * 3 / 4 * sum(sizes) / 1e6 < end < serial - 0.3
+
+
+def test_ring_replay_runs_two_buckets_per_rank_at_once() -> None:
+    """gloo's two threads: a third bucket waits for the first to finish on its rank."""
+    topo = line_topology(2, bandwidth_bytes_per_s=1e6, latency_s=0.0)
+    two = max(gloo.bucket_allreduce_done_s(topo, [0, 1], [1e6, 1e6], [[0.0, 0.0]] * 2))
+    three = max(gloo.bucket_allreduce_done_s(topo, [0, 1], [1e6, 1e6, 1e6], [[0.0, 0.0]] * 3))
+    one = max(gloo.bucket_allreduce_done_s(topo, [0, 1], [1e6], [[0.0, 0.0]]))
+    assert two == pytest.approx(2 * one, rel=0.05)  # both share the one link: bytes add up
+    assert three == pytest.approx(3 * one, rel=0.05)
+    assert gloo.replay_messages(2, [1e6]) == 2 * 2 * 4
+
+
+def test_ddp_bucket_params_fill_from_the_last_parameter() -> None:
+    mib = gloo.DDP_FIRST_BUCKET_BYTES
+    # The last two make the first bucket (it closes at 1 MiB), the rest the second.
+    assert gloo.ddp_bucket_params([10.0, 20.0, mib / 2, mib / 2]) == [[3, 2], [1, 0]]
+    assert gloo.ddp_bucket_params([10.0]) == [[0]]
+
+
+def test_ddp_bucket_ready_times(tiny: sim.JobCosts) -> None:
+    """GPT-2's embedding is tied to its head: the bucket holding it is ready only when the
+    backward has passed the embedding, at the very end."""
+    wl = tiny.workload()
+    ready = sim.ddp_bucket_ready_s(wl)
+    assert len(ready) == 1
+    size, t = ready[0]
+    assert size == pytest.approx(wl.total_param_bytes)
+    # (the units before the embedding, its index arithmetic, have next to no backward)
+    assert t == pytest.approx(float(wl.fwd_s.sum() + wl.bwd_s.sum()), rel=1e-3)
+
+
 def test_ddp_buckets() -> None:
     assert gloo.ddp_buckets(1000) == 1
     assert gloo.ddp_buckets(gloo.DDP_FIRST_BUCKET_BYTES) == 1
@@ -128,7 +201,11 @@ def test_ddp_model_matches_its_parts(tiny: sim.JobCosts) -> None:
     r = sim.simulate_ddp(tiny, topo)
     wl = tiny.workload()
     param_bytes = wl.total_param_bytes
-    assert r.detail["allreduce_s"] == pytest.approx(gloo.ring_allreduce_s(topo, [0, 1, 2, 3], param_bytes))
+    # One bucket (143 KB < 1 MiB), ready on every rank at the end of the backward: its ring
+    # replayed from there.
+    assert r.detail["buckets"] == 1 and r.detail["allreduce_model"] == "replay"
+    done = gloo.bucket_allreduce_done_s(topo, [0, 1, 2, 3], [param_bytes], [[r.detail["compute_s"]] * 4])
+    assert r.detail["allreduce_s"] == pytest.approx(max(done) - r.detail["compute_s"])
     per_mb = float(wl.fwd_s.sum() + wl.bwd_s.sum())
     assert r.detail["compute_s"] == pytest.approx(per_mb * (16 / 4) / 4)  # B/N samples = one micro-batch of 4
     assert r.step_s == pytest.approx(r.detail["compute_s"] + r.detail["allreduce_s"] + r.detail["optimizer_s"])
