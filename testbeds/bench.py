@@ -424,7 +424,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
             f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; calibrated: the same with each host of fusion's and uniform's plans computing "
             f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
-            + (f" Pipelining's transfers take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/link_times.py`)."
+            + " ddp's gradient buckets are all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message."
+            + (f" ddp's and pipelining's messages take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/link_times.py`)."
                if doc.get("sim_links") == "measured" else "")
             + (" fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
                "`testbeds/pause_cost.py`) in the simulated column." if doc.get("sim_pause_cost") else "")
@@ -433,6 +434,7 @@ def markdown(doc: dict[str, Any]) -> str:
             + (" Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
                "`testbeds/interference.py`) in the simulated column." if doc.get("sim_interference") else "")
         )
+    lines += [f"\n{name}'s bytes on the slowest link: {r['slowest_link_bytes_note']}" for name, r in doc["systems"].items() if r.get("slowest_link_bytes_note")]
     return "\n".join(lines) + "\n"
 
 

@@ -215,8 +215,9 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
         lines.append(f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; median |error| {f(s_['median_abs'], '.0%')}")
     measured = sorted({r["bench"] for r in rows if r.get("links") == "measured"})
     lines.append(
-        "\npipelining's transfers priced from the links' measured message times (`testbeds/link_times.py`) in: "
-        f"{', '.join(measured) or 'none'}; fusion's and uniform's gRPC transfers and DDP's all-reduce at the configured links"
+        "\nDDP's and pipelining's messages priced from the links' measured message times (`testbeds/link_times.py`) in: "
+        f"{', '.join(measured) or 'none'}; fusion's and uniform's gRPC transfers at the configured links; DDP's gradient "
+        "buckets all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message (`testbeds/gloo_model.py`)"
     )
     paused = sorted({r["bench"] for r in rows if r.get("pause_cost")})
     pathed = sorted({r["bench"] for r in rows if r.get("transfer_path")})
