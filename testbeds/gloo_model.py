@@ -264,3 +264,33 @@ def bucket_allreduce_done_s(topology: Topology, ranks: list[int], bucket_bytes: 
 def replay_messages(n: int, bucket_bytes: list[float]) -> int:
     """Messages :func:`bucket_allreduce_done_s` replays (its cost)."""
     return sum(2 * n * _split(size, n)[2] for size in bucket_bytes)
+
+
+def broadcast_done_s(topology: Topology, ranks: list[int], size_bytes: float, start_s: list[float]) -> list[float]:
+    """When each rank's gloo broadcast from ``ranks[0]`` returns (``broadcast.cc``), each
+    rank entering it at ``start_s[k]``.
+
+    A binomial tree: in round ``i`` every rank that has the data sends it to the rank ``2^i``
+    further on (virtual ranks), which posted its receive when it entered (it does nothing
+    before its one receive). A send leaves once that notice is in and the sender has the
+    data; a rank returns when it has received and all its sends are written. DDP runs one
+    before every forward to copy rank 0's module buffers (BatchNorm's statistics) to the
+    others, so its ranks leave it no earlier than a notice from the slowest-starting rank
+    they send to can come back.
+    """
+    n = len(ranks)
+    have = [math.inf] * n  # when each rank holds the data
+    have[0] = start_s[0]
+    end = list(start_s)
+    bw, lat = topology.bandwidth_bytes_per_s, topology.latency_s
+    for i in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0):
+        for src in range(1 << i):
+            dst = src + (1 << i)
+            if dst >= n:
+                continue
+            a, b = ranks[src], ranks[dst]
+            depart = max(have[src], start_s[dst] + lat[b][a])
+            have[dst] = depart + topology.transfer_s(a, b, size_bytes)
+            end[src] = max(end[src], depart + size_bytes / bw[a][b])
+            end[dst] = max(end[dst], have[dst])
+    return end

@@ -15,7 +15,8 @@ plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The 
 - ``uniform``: equal node counts in join order, dense, priced the same way.
 - ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed
   bucket by bucket as each rank's backward makes them ready, gloo's ring replayed message
-  by message (:func:`testbeds.gloo_model.bucket_allreduce_done_s`; the closed form
+  by message and step after step, each forward after the broadcast of the module's
+  buffers (:func:`ddp_replay_step_s`; the closed form
   :func:`testbeds.gloo_model.ring_allreduce_s` after the backward where the replay would
   be too long).
 - ``pipelining``: GPipe over ``S = min(N, blocks)`` hosts with the even block split of
@@ -59,6 +60,7 @@ from scheduler.planner import compression_marks, make_plan, price, request_for_j
 from scheduler.topology import GIB, Topology, WorkerSpec
 from testbeds.gloo_model import (
     MAX_REPLAY_MESSAGES,
+    broadcast_done_s,
     bucket_allreduce_done_s,
     ddp_bucket_params,
     ddp_buckets,
@@ -96,6 +98,9 @@ class JobCosts:
     """Tokens in one sample (sequence length) for language models, else 0."""
     costs: str
     """``profile`` or ``flops``."""
+    buffer_bytes: int = 0
+    """The model's buffers (BatchNorm's running statistics): DDP broadcasts them from rank 0
+    before every forward."""
     @property
     def target_bytes(self) -> int:
         """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
@@ -159,7 +164,10 @@ def job_costs(
     if base.optimizer_s_per_byte == 0.0:
         base = dataclasses.replace(base, optimizer_s_per_byte=opt_s)
     base = dataclasses.replace(base, target_bytes=y.numel() * y.element_size())
-    return JobCosts(spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs)
+    return JobCosts(
+        spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+    )
 
 
 # ---------------------------------------------------------------- systems
@@ -364,6 +372,32 @@ def ddp_bucket_ready_s(wl: Workload) -> list[tuple[float, float]]:
     ]
 
 
+#: Steps of DDP the replay runs from a common start: each rank starts the next step when
+#: its own all-reduce and optimizer step are done, so the ranks drift apart by a step's
+#: skew and the period settles after one or two.
+DDP_REPLAY_STEPS = 4
+
+
+def ddp_replay_step_s(topology: Topology, ready: list[tuple[float, float]], scale: list[float], optimizer_s: float, buffer_bytes: int) -> float:
+    """Rank 0's step (what the DDP baseline times), replayed over :data:`DDP_REPLAY_STEPS`
+    steps: the module's buffers broadcast from rank 0 as each rank enters its forward
+    (:func:`testbeds.gloo_model.broadcast_done_s`; DDP's ``broadcast_buffers``, when the
+    model has any), each bucket handed to gloo ``ready[b][1] * scale[k]`` later on rank
+    ``k`` and all-reduced (:func:`testbeds.gloo_model.bucket_allreduce_done_s`), then the
+    optimizer step. The median of rank 0's periods after the first step."""
+    n = len(scale)
+    ranks = list(range(n))
+    end = [0.0] * n
+    periods = []
+    for _ in range(DDP_REPLAY_STEPS):
+        start = broadcast_done_s(topology, ranks, buffer_bytes, end) if buffer_bytes else end
+        done = bucket_allreduce_done_s(topology, ranks, [b for b, _ in ready], [[start[k] + t * scale[k] for k in ranks] for _, t in ready])
+        following = [d + optimizer_s for d in done]
+        periods.append(following[0] - end[0])
+        end = following
+    return float(np.median(periods[1:])) if len(periods) > 1 else periods[0]
+
+
 def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
     """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
 
@@ -393,22 +427,25 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
     compute_s = per_mb_s * max(scale)
     ready = ddp_bucket_ready_s(wl)
     buckets = len(ready) or ddp_buckets(param_bytes)
-    if ready and replay_messages(n, [b for b, _ in ready]) <= MAX_REPLAY_MESSAGES:
-        done = bucket_allreduce_done_s(topology, list(range(n)), [b for b, _ in ready], [[t * k for k in scale] for _, t in ready])
-        allreduce_s, model = max(done) - compute_s, "replay"
+    # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
+    optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
+    if ready and DDP_REPLAY_STEPS * replay_messages(n, [b for b, _ in ready]) <= MAX_REPLAY_MESSAGES:
+        step_s = ddp_replay_step_s(topology, ready, scale, optimizer_s, job.buffer_bytes)
+        allreduce_s, model = step_s - compute_s - optimizer_s, "replay"
     else:
         # gloo runs DDP's buckets on its worker threads at once, so their latencies overlap
         # and their bytes share the links: one all-reduce of the whole gradient.
         allreduce_s, model = ring_allreduce_s(topology, list(range(n)), param_bytes), "closed form"
-    # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
-    optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
-    step_s = compute_s + allreduce_s + optimizer_s
+        step_s = compute_s + allreduce_s + optimizer_s
     ring_bytes = {(i, (i - 1) % n): 2 * (n - 1) / n * param_bytes for i in range(n)} if n > 1 else {}
     slow_bytes, slow_mbps = _slowest(topology, ring_bytes)
     return _finish(
         SystemResult(
             name="ddp", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=n,
-            detail={"compute_s": compute_s, "allreduce_s": allreduce_s, "optimizer_s": optimizer_s, "buckets": buckets, "allreduce_model": model},
+            detail={
+                "compute_s": compute_s, "allreduce_s": allreduce_s, "optimizer_s": optimizer_s, "buckets": buckets, "allreduce_model": model,
+                "buffer_bytes": job.buffer_bytes,
+            },
         ),
         job,
     )

@@ -145,6 +145,40 @@ def test_ddp_bucket_ready_times(tiny: sim.JobCosts) -> None:
     assert t == pytest.approx(float(wl.fwd_s.sum() + wl.bwd_s.sum()), rel=1e-3)
 
 
+def test_broadcast_by_hand() -> None:
+    """Binomial tree from rank 0 over 4 ranks, 10 ms links, 1,000 bytes at 1 MB/s (1 ms):
+    round 0 sends 0 -> 1, round 1 sends 0 -> 2 and 1 -> 3, each once the receiver's notice
+    (10 ms) is in and the sender has the data."""
+    topo = line_topology(4, bandwidth_bytes_per_s=1e6, latency_s=0.01)
+    end = gloo.broadcast_done_s(topo, [0, 1, 2, 3], 1000.0, [0.0] * 4)
+    assert end == pytest.approx([0.011, 0.022, 0.021, 0.032])
+    # A receiver that enters a second late holds up its sender until its notice is in.
+    late = gloo.broadcast_done_s(topo, [0, 1, 2, 3], 1000.0, [0.0, 0.0, 0.0, 1.0])
+    assert late == pytest.approx([0.011, 1.011, 0.021, 1.021])
+    assert gloo.broadcast_done_s(topo, [0], 1000.0, [0.5]) == [0.5]
+
+
+def test_ddp_replay_pays_the_buffer_broadcast() -> None:
+    """A model with buffers: rank 0's step waits at least a notice's latency for its
+    broadcast, step after step."""
+    topo = line_topology(4, bandwidth_bytes_per_s=1e6, latency_s=0.01)
+    ready, scale = [(1e5, 0.01)], [1.0, 1.0, 2.0, 1.0]
+    plain = sim.ddp_replay_step_s(topo, ready, scale, 0.005, 0)
+    with_buffers = sim.ddp_replay_step_s(topo, ready, scale, 0.005, 10_000)
+    assert with_buffers > plain + 0.01
+
+
+def test_job_costs_count_the_buffers() -> None:
+    resnet = JobSpec.from_dict(
+        {"name": "r", "model": {"name": "resnet", "preset": "tiny"}, "data": {"name": "shapes", "batch_size": 4, "image_size": 16},
+         "train": {"steps": 1, "micro_batches": 1}}
+    )
+    from fusion.models import build_model
+
+    want = sum(b.numel() * b.element_size() for b in build_model("resnet", "tiny").buffers())
+    assert want > 0 and sim.job_costs(resnet, costs="flops").buffer_bytes == want
+
+
 def test_ddp_buckets() -> None:
     assert gloo.ddp_buckets(1000) == 1
     assert gloo.ddp_buckets(gloo.DDP_FIRST_BUCKET_BYTES) == 1
@@ -202,8 +236,12 @@ def test_ddp_model_matches_its_parts(tiny: sim.JobCosts) -> None:
     wl = tiny.workload()
     param_bytes = wl.total_param_bytes
     # One bucket (143 KB < 1 MiB), ready on every rank at the end of the backward: its ring
-    # replayed from there.
-    assert r.detail["buckets"] == 1 and r.detail["allreduce_model"] == "replay"
+    # replayed from there, step after step (GPT-2 has no buffers to broadcast).
+    assert r.detail["buckets"] == 1 and r.detail["allreduce_model"] == "replay" and r.detail["buffer_bytes"] == 0
+    ready = sim.ddp_bucket_ready_s(wl)
+    scale = [r.detail["compute_s"] / ready[0][1]] * 4
+    assert r.step_s == pytest.approx(sim.ddp_replay_step_s(topo, ready, scale, r.detail["optimizer_s"], 0))
+    # All four alike on a symmetric line: every step is the first one's.
     done = gloo.bucket_allreduce_done_s(topo, [0, 1, 2, 3], [param_bytes], [[r.detail["compute_s"]] * 4])
     assert r.detail["allreduce_s"] == pytest.approx(max(done) - r.detail["compute_s"])
     per_mb = float(wl.fwd_s.sum() + wl.bwd_s.sum())
