@@ -23,11 +23,12 @@ Two ways in, one stretch:
 - :meth:`Slowdown.stretch` after a timed computation (fusion's executor times each
   micro-batch's forward and backward itself).
 - :meth:`Slowdown.attach` for a plain ``torch.nn.Module`` (the DDP and GPipe baselines):
-  forward hooks stretch each forward; in the backward, each parameter's gradient
-  accumulation stretches the computation since the previous one (or since the backward
-  reached the module's output). The backward is stretched as it goes, so DDP's gradient
-  buckets become ready when they would on the slower device: an all-reduce cannot hide
-  behind emulated time that comes later.
+  forward hooks stretch each forward; in the backward, a parameter's gradient accumulation
+  stretches the computation since the last stretch once that is :data:`MIN_PIECE_S` or
+  more (or since the backward reached the module's output), and the end of the pass
+  stretches the rest. The backward is stretched as it goes, so DDP's gradient buckets
+  become ready when they would on the slower device (give or take a piece): an
+  all-reduce cannot hide behind emulated time that comes later.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ import torch
 
 from fusion.errors import ConfigError
 
+#: Shortest backward piece stretched on its own (seconds of this machine's compute): each
+#: stretch is a sleep, and the piece after a sleep computes slower on a cold core (the
+#: pause cost, ``testbeds/pause_cost.py``), a slowdown the stretch then multiplies. Per
+#: parameter, that made an emulated backward 1.6-3.6x longer than ``factor`` times the
+#: real one (GPT-2 mini / ResNet-18/16, factors 2.9 and 25.4); shorter pieces wait for the
+#: next gradient or the end of the pass.
+MIN_PIECE_S = 0.002
+
 
 def check_factor(factor: float) -> float:
     """``factor`` as a float, or ``ConfigError``: a slowdown is a finite number >= 1."""
@@ -52,8 +61,10 @@ def check_factor(factor: float) -> float:
 class Slowdown:
     """Stretch computations to ``factor`` times their wall time (1: leave them alone)."""
 
-    def __init__(self, factor: float = 1.0) -> None:
+    def __init__(self, factor: float = 1.0, *, min_piece_s: float = MIN_PIECE_S) -> None:
         self.factor = check_factor(factor)
+        #: :meth:`attach`'s shortest backward piece (:data:`MIN_PIECE_S`; 0: every gradient).
+        self.min_piece_s = min_piece_s
         self._lock = threading.Lock()
         #: When the backward's last stretched piece ended (``None``: no backward yet).
         self._mark: float | None = None
@@ -73,9 +84,11 @@ class Slowdown:
     def attach(self, module: torch.nn.Module) -> None:
         """Stretch every forward and backward of ``module`` (no-op for factor 1).
 
-        The backward is stretched piece by piece: each parameter's gradient accumulation
-        stretches the time since the previous one, or since the gradient reached the
-        module's output; a forward whose output needs no gradient is stretched alone.
+        The backward is stretched piece by piece: a parameter's gradient accumulation
+        stretches the time since the last stretch (or since the gradient reached the
+        module's output) once it is ``min_piece_s`` or more, and the end of the backward
+        pass stretches what is left; a forward whose output needs no gradient is stretched
+        alone.
         """
         if not self.active:
             return
@@ -99,13 +112,25 @@ class Slowdown:
     def _backward_started(self, grad: torch.Tensor) -> torch.Tensor:
         with self._lock:
             self._mark = time.perf_counter()
+        # What is left of the backward after its last stretched piece is stretched when the
+        # pass ends (the autograd engine runs queued callbacks then, as DDP's reducer uses).
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         return grad
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
+        self._stretch_piece(self.min_piece_s)
+
+    def _backward_ended(self) -> None:
+        self._stretch_piece(0.0)
+
+    def _stretch_piece(self, at_least: float) -> None:
+        """Stretch the backward since the last piece once it has computed ``at_least``."""
         with self._lock:
             if self._mark is None:
                 return
             since = time.perf_counter() - self._mark
+            if since < at_least:
+                return
         self.stretch(since)
         with self._lock:
             self._mark = time.perf_counter()

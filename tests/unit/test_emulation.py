@@ -21,10 +21,11 @@ from fusion.worker import resources_message
 
 
 class RecordingSlowdown(Slowdown):
-    """A slowdown that records each stretch instead of sleeping."""
+    """A slowdown that records each stretch instead of sleeping (every backward piece its
+    own unless ``min_piece_s`` says otherwise)."""
 
-    def __init__(self, factor: float) -> None:
-        super().__init__(factor)
+    def __init__(self, factor: float, min_piece_s: float = 0.0) -> None:
+        super().__init__(factor, min_piece_s=min_piece_s)
         self.stretched: list[float] = []
 
     def stretch(self, seconds: float) -> float:
@@ -55,11 +56,61 @@ def test_attach_stretches_each_forward_and_the_backward_piece_by_piece() -> None
     slow.attach(model)
     for _ in range(3):  # three micro-batches: one forward each, and a backward piece per parameter
         model(torch.randn(5, 8)).sum().backward()
-    assert len(slow.stretched) == 3 * (1 + 4) and all(s >= 0 for s in slow.stretched)
+    # each backward: a piece per parameter, then the end of the pass (nothing left: ~0)
+    assert len(slow.stretched) == 3 * (1 + 4 + 1) and all(s >= 0 for s in slow.stretched)
     assert sum(slow.stretched[1:5]) > 0  # the first backward's pieces
     with torch.no_grad():  # a forward without autograd is stretched too, and waits for no backward
         model(torch.randn(5, 8))
-    assert len(slow.stretched) == 16
+    assert len(slow.stretched) == 19
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward computes for ``seconds`` (a stand-in for a heavy layer)."""
+
+    seconds = 0.0
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        end = time.perf_counter() + _SlowBackward.seconds
+        while time.perf_counter() < end:
+            pass
+        return grad
+
+
+class _Layered(torch.nn.Module):
+    """Two linear layers with a 5 ms backward between them (in backward order: the second
+    layer's gradients, the slow part, the first layer's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(_SlowBackward.apply(self.first(x)))
+
+
+def test_short_backward_pieces_wait_for_a_longer_one_or_the_end_of_the_pass() -> None:
+    """Each stretch is a sleep after which the next piece computes slower (the pause cost,
+    multiplied by the factor): pieces under ``min_piece_s`` are stretched together."""
+    _SlowBackward.seconds = 0.005
+    model, slow = _Layered(), RecordingSlowdown(3.0, min_piece_s=0.002)
+    slow.attach(model)
+    model(torch.randn(5, 8)).sum().backward()
+    forward, *backward = slow.stretched
+    # The second layer's two gradients are under 2 ms: no stretch of their own. The first
+    # layer's weight comes after the 5 ms: that piece holds both and is stretched; its bias
+    # follows at once and waits for the end of the pass.
+    assert len(backward) == 2
+    assert backward[0] >= 0.005 and backward[1] < 0.002
+    assert forward >= 0
+    # the default is the same rule at MIN_PIECE_S
+    from executor.emulation import MIN_PIECE_S
+
+    assert Slowdown(2.0).min_piece_s == MIN_PIECE_S > 0
 
 
 def test_attach_changes_no_number() -> None:
@@ -92,9 +143,9 @@ def test_only_parameters_that_get_a_gradient_end_a_piece() -> None:
     model, slow = TwoHeads(), RecordingSlowdown(2.0)
     slow.attach(model)
     model(torch.randn(3, 4), use_b=False).sum().backward()  # b gets no gradient: a's two pieces
-    assert len(slow.stretched) == 1 + 2
+    assert len(slow.stretched) == 1 + 2 + 1  # (and the end of the pass)
     model(torch.randn(3, 4)).sum().backward()
-    assert len(slow.stretched) == 3 + 1 + 4
+    assert len(slow.stretched) == 4 + 1 + 4 + 1
 
 
 def _profile(flops: float, machine: str) -> DeviceProfile:
