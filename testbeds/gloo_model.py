@@ -1,4 +1,5 @@
-"""How long gloo takes: the all-reduce DDP runs and GPipe's point-to-point pipeline.
+"""How long gloo takes: the all-reduce DDP runs (bucket by bucket, step after step) and
+GPipe's point-to-point pipeline.
 
 Pure functions of a topology and sizes, used by :mod:`testbeds.simulate` to price the
 baselines. Both follow gloo's TCP transport as measured on the testbeds: a sender waits
@@ -16,6 +17,7 @@ import math
 
 import numpy as np
 
+from scheduler.estimator import Workload
 from scheduler.topology import Topology
 
 #: One iteration of gloo's ring beyond the link's latency and bytes (its bookkeeping).
@@ -294,3 +296,48 @@ def broadcast_done_s(topology: Topology, ranks: list[int], size_bytes: float, st
             end[src] = max(end[src], depart + size_bytes / bw[a][b])
             end[dst] = max(end[dst], have[dst])
     return end
+
+
+def ddp_bucket_ready_s(wl: Workload) -> list[tuple[float, float]]:
+    """DDP's buckets for ``wl``'s parameters: (bytes, seconds into one micro-batch's forward
+    and backward at reference speed when the last of its gradients is ready). A parameter's
+    gradient is complete once the backward has passed the first unit that reads it (tied
+    parameters: their first reader), and parameters are in the order units first read them."""
+    sizes: dict[int, float] = {}
+    first: dict[int, int] = {}
+    for u, unit in enumerate(wl.params):
+        for pid, size in unit:
+            sizes.setdefault(pid, float(size))
+            first.setdefault(pid, u)
+    order = sorted(sizes)
+    done_at = float(wl.fwd_s.sum()) + np.cumsum(wl.bwd_s[::-1])[::-1]  # the backward has finished unit u
+    return [
+        (sum(sizes[order[i]] for i in bucket), max(float(done_at[first[order[i]]]) for i in bucket))
+        for bucket in ddp_bucket_params([sizes[p] for p in order])
+    ]
+
+
+#: Steps of DDP the replay runs from a common start: each rank starts the next step when
+#: its own all-reduce and optimizer step are done, so the ranks drift apart by a step's
+#: skew and the period settles after one or two.
+DDP_REPLAY_STEPS = 4
+
+
+def ddp_replay_step_s(topology: Topology, ready: list[tuple[float, float]], scale: list[float], optimizer_s: float, buffer_bytes: int) -> float:
+    """Rank 0's step (what the DDP baseline times), replayed over :data:`DDP_REPLAY_STEPS`
+    steps: the module's buffers broadcast from rank 0 as each rank enters its forward
+    (:func:`broadcast_done_s`; DDP's ``broadcast_buffers``, when the
+    model has any), each bucket handed to gloo ``ready[b][1] * scale[k]`` later on rank
+    ``k`` and all-reduced (:func:`bucket_allreduce_done_s`), then the
+    optimizer step. The median of rank 0's periods after the first step."""
+    n = len(scale)
+    ranks = list(range(n))
+    end = [0.0] * n
+    periods = []
+    for _ in range(DDP_REPLAY_STEPS):
+        start = broadcast_done_s(topology, ranks, buffer_bytes, end) if buffer_bytes else end
+        done = bucket_allreduce_done_s(topology, ranks, [b for b, _ in ready], [[start[k] + t * scale[k] for k in ranks] for _, t in ready])
+        following = [d + optimizer_s for d in done]
+        periods.append(following[0] - end[0])
+        end = following
+    return float(np.median(periods[1:])) if len(periods) > 1 else periods[0]

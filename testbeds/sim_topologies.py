@@ -4,7 +4,7 @@ FusionLLM paper's testbed, and a topology as a one-host testbed runs it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +123,13 @@ def testbed_topology(
     lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
     bw = tuple(tuple(b * payload_share for b in row) for row in topology.bandwidth_bytes_per_s)
     return Topology(workers=workers, bandwidth_bytes_per_s=bw, latency_s=lat)
+
+
+def shared_cores_factor(workers: Sequence[WorkerSpec], cores: int | None) -> float:
+    """How many times longer each rank's compute takes when the ranks on ``workers`` share
+    ``cores`` (``None``: each has its own device). A rank emulating a slower device
+    (``slowdown`` k, :mod:`executor.emulation`) sleeps ``(k - 1) / k`` of its compute, so it
+    occupies ``1 / k`` of a core."""
+    if not cores:
+        return 1.0
+    return max(1.0, sum(1.0 / w.slowdown for w in workers) / cores)

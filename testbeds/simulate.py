@@ -16,7 +16,7 @@ plans with (:mod:`scheduler.estimator`), on topologies one host cannot run. The 
 - ``ddp``: data parallel over every host, ``B / N`` samples per rank, gradients summed
   bucket by bucket as each rank's backward makes them ready, gloo's ring replayed message
   by message and step after step, each forward after the broadcast of the module's
-  buffers (:func:`ddp_replay_step_s`; the closed form
+  buffers (:func:`testbeds.gloo_model.ddp_replay_step_s`; the closed form
   :func:`testbeds.gloo_model.ring_allreduce_s` after the backward where the replay would
   be too long).
 - ``pipelining``: GPipe over ``S = min(N, blocks)`` hosts with the even block split of
@@ -59,18 +59,18 @@ from scheduler.estimator import (
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
 from scheduler.topology import GIB, Topology, WorkerSpec
 from testbeds.gloo_model import (
+    DDP_REPLAY_STEPS,
     MAX_REPLAY_MESSAGES,
-    broadcast_done_s,
-    bucket_allreduce_done_s,
-    ddp_bucket_params,
+    ddp_bucket_ready_s,
     ddp_buckets,
+    ddp_replay_step_s,
     gpipe_step_s,
     replay_messages,
     ring_allreduce_s,
 )
 from testbeds.interference import TransferInterference
 from testbeds.replay import replay_step
-from testbeds.sim_topologies import MBPS, load_topology, testbed_topology
+from testbeds.sim_topologies import MBPS, load_topology, shared_cores_factor, testbed_topology
 
 logger = logging.getLogger(__name__)
 
@@ -343,61 +343,6 @@ def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topolo
     return act, grad, ratios
 
 
-def shared_cores_factor(workers: Sequence[WorkerSpec], cores: int | None) -> float:
-    """How many times longer each rank's compute takes when the ranks on ``workers`` share
-    ``cores`` (``None``: each has its own device). A rank emulating a slower device
-    (``slowdown`` k, :mod:`executor.emulation`) sleeps ``(k - 1) / k`` of its compute, so it
-    occupies ``1 / k`` of a core."""
-    if not cores:
-        return 1.0
-    return max(1.0, sum(1.0 / w.slowdown for w in workers) / cores)
-
-
-def ddp_bucket_ready_s(wl: Workload) -> list[tuple[float, float]]:
-    """DDP's buckets for ``wl``'s parameters: (bytes, seconds into one micro-batch's forward
-    and backward at reference speed when the last of its gradients is ready). A parameter's
-    gradient is complete once the backward has passed the first unit that reads it (tied
-    parameters: their first reader), and parameters are in the order units first read them."""
-    sizes: dict[int, float] = {}
-    first: dict[int, int] = {}
-    for u, unit in enumerate(wl.params):
-        for pid, size in unit:
-            sizes.setdefault(pid, float(size))
-            first.setdefault(pid, u)
-    order = sorted(sizes)
-    done_at = float(wl.fwd_s.sum()) + np.cumsum(wl.bwd_s[::-1])[::-1]  # the backward has finished unit u
-    return [
-        (sum(sizes[order[i]] for i in bucket), max(float(done_at[first[order[i]]]) for i in bucket))
-        for bucket in ddp_bucket_params([sizes[p] for p in order])
-    ]
-
-
-#: Steps of DDP the replay runs from a common start: each rank starts the next step when
-#: its own all-reduce and optimizer step are done, so the ranks drift apart by a step's
-#: skew and the period settles after one or two.
-DDP_REPLAY_STEPS = 4
-
-
-def ddp_replay_step_s(topology: Topology, ready: list[tuple[float, float]], scale: list[float], optimizer_s: float, buffer_bytes: int) -> float:
-    """Rank 0's step (what the DDP baseline times), replayed over :data:`DDP_REPLAY_STEPS`
-    steps: the module's buffers broadcast from rank 0 as each rank enters its forward
-    (:func:`testbeds.gloo_model.broadcast_done_s`; DDP's ``broadcast_buffers``, when the
-    model has any), each bucket handed to gloo ``ready[b][1] * scale[k]`` later on rank
-    ``k`` and all-reduced (:func:`testbeds.gloo_model.bucket_allreduce_done_s`), then the
-    optimizer step. The median of rank 0's periods after the first step."""
-    n = len(scale)
-    ranks = list(range(n))
-    end = [0.0] * n
-    periods = []
-    for _ in range(DDP_REPLAY_STEPS):
-        start = broadcast_done_s(topology, ranks, buffer_bytes, end) if buffer_bytes else end
-        done = bucket_allreduce_done_s(topology, ranks, [b for b, _ in ready], [[start[k] + t * scale[k] for k in ranks] for _, t in ready])
-        following = [d + optimizer_s for d in done]
-        periods.append(following[0] - end[0])
-        end = following
-    return float(np.median(periods[1:])) if len(periods) > 1 else periods[0]
-
-
 def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
     """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
 
@@ -433,8 +378,7 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
         step_s = ddp_replay_step_s(topology, ready, scale, optimizer_s, job.buffer_bytes)
         allreduce_s, model = step_s - compute_s - optimizer_s, "replay"
     else:
-        # gloo runs DDP's buckets on its worker threads at once, so their latencies overlap
-        # and their bytes share the links: one all-reduce of the whole gradient.
+        # Too long to replay: one all-reduce of the whole gradient after the backward.
         allreduce_s, model = ring_allreduce_s(topology, list(range(n)), param_bytes), "closed form"
         step_s = compute_s + allreduce_s + optimizer_s
     ring_bytes = {(i, (i - 1) % n): 2 * (n - 1) / n * param_bytes for i in range(n)} if n > 1 else {}

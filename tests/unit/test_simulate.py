@@ -137,7 +137,7 @@ def test_ddp_bucket_ready_times(tiny: sim.JobCosts) -> None:
     """GPT-2's embedding is tied to its head: the bucket holding it is ready only when the
     backward has passed the embedding, at the very end."""
     wl = tiny.workload()
-    ready = sim.ddp_bucket_ready_s(wl)
+    ready = gloo.ddp_bucket_ready_s(wl)
     assert len(ready) == 1
     size, t = ready[0]
     assert size == pytest.approx(wl.total_param_bytes)
@@ -163,8 +163,8 @@ def test_ddp_replay_pays_the_buffer_broadcast() -> None:
     broadcast, step after step."""
     topo = line_topology(4, bandwidth_bytes_per_s=1e6, latency_s=0.01)
     ready, scale = [(1e5, 0.01)], [1.0, 1.0, 2.0, 1.0]
-    plain = sim.ddp_replay_step_s(topo, ready, scale, 0.005, 0)
-    with_buffers = sim.ddp_replay_step_s(topo, ready, scale, 0.005, 10_000)
+    plain = gloo.ddp_replay_step_s(topo, ready, scale, 0.005, 0)
+    with_buffers = gloo.ddp_replay_step_s(topo, ready, scale, 0.005, 10_000)
     assert with_buffers > plain + 0.01
 
 
@@ -238,9 +238,9 @@ def test_ddp_model_matches_its_parts(tiny: sim.JobCosts) -> None:
     # One bucket (143 KB < 1 MiB), ready on every rank at the end of the backward: its ring
     # replayed from there, step after step (GPT-2 has no buffers to broadcast).
     assert r.detail["buckets"] == 1 and r.detail["allreduce_model"] == "replay" and r.detail["buffer_bytes"] == 0
-    ready = sim.ddp_bucket_ready_s(wl)
+    ready = gloo.ddp_bucket_ready_s(wl)
     scale = [r.detail["compute_s"] / ready[0][1]] * 4
-    assert r.step_s == pytest.approx(sim.ddp_replay_step_s(topo, ready, scale, r.detail["optimizer_s"], 0))
+    assert r.step_s == pytest.approx(gloo.ddp_replay_step_s(topo, ready, scale, r.detail["optimizer_s"], 0))
     # All four alike on a symmetric line: every step is the first one's.
     done = gloo.bucket_allreduce_done_s(topo, [0, 1, 2, 3], [param_bytes], [[r.detail["compute_s"]] * 4])
     assert r.detail["allreduce_s"] == pytest.approx(max(done) - r.detail["compute_s"])
