@@ -285,7 +285,7 @@ def broadcast_done_s(topology: Topology, ranks: list[int], size_bytes: float, st
     have[0] = start_s[0]
     end = list(start_s)
     bw, lat = topology.bandwidth_bytes_per_s, topology.latency_s
-    for i in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0):
+    for i in range(math.ceil(math.log2(n)) if n > 1 else 0):
         for src in range(1 << i):
             dst = src + (1 << i)
             if dst >= n:

@@ -39,7 +39,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from scheduler.estimator import (
     workload_from_dag,
 )
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
-from scheduler.topology import GIB, Topology, WorkerSpec
+from scheduler.topology import GIB, Topology
 from testbeds.gloo_model import (
     DDP_REPLAY_STEPS,
     MAX_REPLAY_MESSAGES,
@@ -70,7 +70,12 @@ from testbeds.gloo_model import (
 )
 from testbeds.interference import TransferInterference
 from testbeds.replay import replay_step
-from testbeds.sim_topologies import MBPS, load_topology, shared_cores_factor, testbed_topology
+from testbeds.sim_topologies import (
+    MBPS,
+    load_topology,
+    shared_cores_factor,
+    testbed_topology,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +379,7 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
     buckets = len(ready) or ddp_buckets(param_bytes)
     # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
     optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
-    if ready and DDP_REPLAY_STEPS * replay_messages(n, [b for b, _ in ready]) <= MAX_REPLAY_MESSAGES:
+    if ready and DDP_REPLAY_STEPS * replay_messages(n, [size for size, _ in ready]) <= MAX_REPLAY_MESSAGES:
         step_s = ddp_replay_step_s(topology, ready, scale, optimizer_s, job.buffer_bytes)
         allreduce_s, model = step_s - compute_s - optimizer_s, "replay"
     else:
@@ -397,17 +402,10 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
 
 def gpipe_stages(job: JobCosts, num_stages: int) -> np.ndarray:
     """Stage of every compute unit under the even block split (:mod:`testbeds.baselines.split`)."""
-    from testbeds.baselines.split import even_split_points
+    from testbeds.baselines.split import split_stages
 
-    points = even_split_points(job.blocks, num_stages)
-    units = job.dag.compute_nodes()
-    stage = np.zeros(len(units), dtype=np.int64)
-    current = 0
-    for i, node in enumerate(units):
-        while current < len(points) and (node.module_path == points[current] or node.module_path.startswith(points[current] + ".")):
-            current += 1
-        stage[i] = current
-    return stage
+    paths = [node.module_path for node in job.dag.compute_nodes()]
+    return np.array(split_stages(job.blocks, paths, num_stages), dtype=np.int64)
 
 
 def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:

@@ -46,6 +46,18 @@ def even_split_points(blocks: Sequence[str], num_stages: int) -> list[str]:
     return [blocks[s * len(blocks) // num_stages] for s in range(1, num_stages)]
 
 
+def split_stages(blocks: Sequence[str], module_paths: Sequence[str], num_stages: int) -> list[int]:
+    """The stage of each unit (its module path, in execution order) under
+    :func:`even_split_points`: a stage begins at the first unit of its split point's block."""
+    points = even_split_points(blocks, num_stages)
+    stages, current = [], 0
+    for path in module_paths:
+        while current < len(points) and (path == points[current] or path.startswith(points[current] + ".")):
+            current += 1
+        stages.append(current)
+    return stages
+
+
 def num_pipeline_stages(model: torch.nn.Module, num_hosts: int) -> int:
     """As many stages as hosts, but no more than the model has blocks."""
     return max(1, min(num_hosts, len(block_names(model))))
