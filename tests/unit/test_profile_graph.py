@@ -62,3 +62,28 @@ def test_whole_graph_timing_repeats_until_min_time() -> None:
     # A step of this model takes well under a millisecond: 0.1 s takes many more repeats.
     assert len(calls) > 20 + (1 + 3)
     assert profile["__graph__"]["fwd_time_s"] < 0.01
+
+
+class Skewed(torch.nn.Module):
+    """A heavy forward on an input, which needs no gradient, beside a light layer that does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        mixed = torch.matmul(table, table)
+        return self.fc(x) + mixed.mean()
+
+
+def test_backward_is_measured_per_node_not_spread_by_forward() -> None:
+    gm = torch.fx.symbolic_trace(Skewed())
+    profile = profile_graph(gm, (torch.randn(8, 64), torch.randn(384, 384)), repeats=3, warmup=1, min_time_s=0.0)
+    graph_bwd = profile["__graph__"]["bwd_time_s"]
+    # The matmul is most of the forward, and has no backward at all: spread by forward
+    # shares, it would carry most of the backward too.
+    assert profile["matmul"]["fwd_time_s"] > 0.5 * profile["__graph__"]["fwd_time_s"]
+    assert profile["matmul"]["bwd_time_s"] == 0.0
+    assert profile["mean"]["bwd_time_s"] == 0.0
+    assert profile["fc"]["bwd_time_s"] > 0.5 * graph_bwd
+    assert sum(v["bwd_time_s"] for k, v in profile.items() if k != "__graph__") == pytest.approx(graph_bwd)
