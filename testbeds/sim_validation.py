@@ -3,6 +3,7 @@ to what it measured (``python -m testbeds.simulate --validate BENCH_JSON...``)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -97,7 +98,7 @@ def validate_doc(
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
     step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
-    job = job_costs(spec, step=step, profile=doc.get("profile"))
+    job = dataclasses.replace(job_costs(spec, step=step, profile=doc.get("profile")), pipelining_stages=doc.get("pipelining_stages"))
     topology = load_topology(doc["topology"])
     mode = doc["latency_mode"]
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
@@ -155,6 +156,7 @@ def validate_doc(
             "pause_cost": pause is not None and name in ("fusion", "uniform"),
             "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
             "interference": interference is not None and name in ("fusion", "uniform"),
+            "gpipe_stages": name == "pipelining" and bool(doc.get("pipelining_stages")),
         })
     return rows
 
@@ -228,6 +230,11 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
         f"and their transfers the executors' measured transfer path (both columns) in: {', '.join(pathed) or 'none'}; "
         "their computations the measured cost of the transfers their process makes meanwhile "
         f"(`testbeds/interference.py`, profiled column only) in: {', '.join(interfered) or 'none'}"
+    )
+    staged = sorted({r["bench"] for r in rows if r.get("gpipe_stages")})
+    lines.append(
+        "\npipelining's stages priced from the GPipe program's own stage profile, which the benchmark measured before "
+        f"its runs (`testbeds/stage_profile.py`), in: {', '.join(staged) or 'none'}; elsewhere from the node profile"
     )
     text = "\n".join(lines) + "\n"
     if out:
