@@ -62,7 +62,6 @@ from typing import Any
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
 from scheduler.topology import Topology
-from testbeds.drift import SpeedProbe
 from testbeds.run import slowdown_args
 from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
 
@@ -127,8 +126,6 @@ class Run:
     wall_s: float = 0.0
     measured: dict[str, Any] | None = None
     """fusion/uniform: the job's ``measured.json`` (what its coordinator planned from)."""
-    speed_probe_s: float | None = None
-    """The machine's speed just before this run (:class:`testbeds.drift.SpeedProbe`)."""
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -349,7 +346,6 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
             per_round.append(statistics.median(r["step_s"] for r in timed))
     last = runs[-1]
     row: dict[str, Any] = {"note": next((r.note for r in runs if r.note), ""), "rounds": len(per_round), "hosts_used": last.hosts_used}
-    row["speed_probe_s"] = [r.speed_probe_s for r in runs if r.speed_probe_s is not None]
     if not per_round:
         row.update(samples_per_s=None, step_s=None, slowest_link_bytes=None, final_loss=None)
         return row
@@ -514,21 +510,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
-    probe = SpeedProbe(spec)
-    speed_probe: dict[str, float] = {}
     pipelining_stages = measure_pipelining_stages(spec, len(topology)) if "pipelining" in systems else None
-    if pipelining_stages is not None:
-        speed_probe["stage_profile_s"] = probe()
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
         fleet = FusionFleet(tb, workdir, slowdowns=slowdowns) if {"fusion", "uniform"} & set(systems) else None
         for round_idx in range(args.repeats):
             for system in systems:
                 logger.info("round %d: %s", round_idx + 1, system)
-                probe_s = probe()
-                if system in ("fusion", "uniform"):
-                    # The coordinator profiles the model when the fleet's first job starts.
-                    speed_probe.setdefault("node_profile_s", probe_s)
                 t0 = time.monotonic()
                 if system in ("fusion", "uniform"):
                     job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
@@ -537,7 +525,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
                     run = run_baseline(tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout, slowdowns=slowdowns)
                 print(f"  round {round_idx + 1} {system}: {len(run.records)} steps in {time.monotonic() - t0:.1f}s {run.note}", file=sys.stderr, flush=True)
-                run.speed_probe_s = probe_s
                 runs[system].append(run)
         if fleet is not None:
             fleet_costs = fleet.step_costs()
@@ -554,8 +541,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "measured": next((r.measured for r in runs.get("fusion", []) if r.measured), None),
         # The GPipe program's own stage costs (testbeds.stage_profile), measured here before the runs.
         "pipelining_stages": pipelining_stages,
-        # The machine's speed when the profiles were taken (each row has it before its runs).
-        "speed_probe": speed_probe,
     }
     doc = report(rows, meta)
     if args.simulate:

@@ -14,7 +14,6 @@ import numpy as np
 
 from fusion.config import JobSpec
 from scheduler.estimator import StepCosts
-from testbeds.drift import speed_drift
 from testbeds.interference import TransferInterference, interference_beside
 from testbeds.link_times import with_link_times
 from testbeds.pause_cost import (
@@ -45,9 +44,7 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     (:mod:`testbeds.interference`).
 
     The machine is shared, so its speed during a run differs from its speed while profiling
-    here (by 3x under load). Where the benchmark probed the machine's speed before each
-    system's runs and after each profile (:mod:`testbeds.drift`), each system is priced at
-    its runs' speed relative to its profile's: the drift of a shared VM, not the model. A second prediction, ``calibrated``, replaces the profiled
+    here (by 3x under load). A second prediction, ``calibrated``, replaces the profiled
     compute with what the run itself measured, to check the rest of the model (links,
     schedule, driver) on its own: each host of fusion's and uniform's plans computes as
     many times slower than profiled as the compute seconds it recorded (``compute_s``) are
@@ -138,18 +135,8 @@ def validate_doc(
                 ).to_dict()
         return sims
 
-    # Each system at the machine's speed during its runs, relative to its profile's (probed
-    # by the benchmark, testbeds.drift); the profile's level where the run recorded no probe.
-    drift = {name: speed_drift(doc, name) for name in measured}
-    at_profile = run_all(job.reference_flops, unseen_compute=True)
-    raw = dict(at_profile)
-    for level in sorted({d for d in drift.values() if d is not None and d != 1.0}):
-        sims = run_all(job.reference_flops * level, unseen_compute=True)
-        raw.update({name: sims[name] for name in measured if drift[name] == level and name in sims})
-    # The run's compute over the profile's own level (the calibration replaces the drift).
-    host_factors = {
-        name: f for name in ("fusion", "uniform") if (f := _stage_factors(doc, name, at_profile.get(name), spec.train.micro_batches))
-    }
+    raw = run_all(job.reference_flops, unseen_compute=True)
+    host_factors = {name: f for name in ("fusion", "uniform") if (f := _stage_factors(doc, name, raw.get(name), spec.train.micro_batches))}
     mean = [float(np.mean(list(f.values()))) for f in host_factors.values()]
     factor = float(np.mean(mean)) if mean else 1.0
     # ddp and pipelining record no compute time: they take the mean factor of fusion's and uniform's.
@@ -170,7 +157,6 @@ def validate_doc(
             "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
             "interference": interference is not None and name in ("fusion", "uniform"),
             "gpipe_stages": name == "pipelining" and bool(doc.get("pipelining_stages")),
-            "speed_drift": drift[name],
         })
     return rows
 
@@ -244,11 +230,6 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
         f"and their transfers the executors' measured transfer path (both columns) in: {', '.join(pathed) or 'none'}; "
         "their computations the measured cost of the transfers their process makes meanwhile "
         f"(`testbeds/interference.py`, profiled column only) in: {', '.join(interfered) or 'none'}"
-    )
-    drifted = [f"{r['bench']} {r['system']} {r['speed_drift']:.2f}x" for r in rows if r.get("speed_drift") is not None]
-    lines.append(
-        "\neach system priced at the machine's speed during its runs over its speed when its costs were profiled, "
-        f"as the benchmark probed them (`testbeds/drift.py`, profiled column only): {', '.join(drifted) or 'no run recorded probes'}"
     )
     staged = sorted({r["bench"] for r in rows if r.get("gpipe_stages")})
     lines.append(

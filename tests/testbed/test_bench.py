@@ -94,9 +94,6 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     # ... and the GPipe program's own stage costs, one per stage (GPT-2 tiny: two blocks).
     assert len(doc["pipelining_stages"]) == 2
     assert all(s["fwd_time_s"] > 0 and s["bwd_time_s"] > 0 for s in doc["pipelining_stages"])
-    # The machine's speed was probed after each profile and before every run (testbeds.drift).
-    assert set(doc["speed_probe"]) == {"node_profile_s", "stage_profile_s"}
-    assert all(len(row["speed_probe_s"]) == 1 and row["speed_probe_s"][0] > 0 for row in doc["systems"].values())
     # ... and so does what fusion's coordinator measured: both hosts run on this machine's CPU.
     measured = doc["measured"]["topology"]
     assert {w["name"] for w in measured["workers"]} == {"near", "far"} and len({w["machine"] for w in measured["workers"]}) == 1

@@ -159,21 +159,3 @@ def test_transfer_interference_slows_only_the_executors_profiled_computations(do
         assert paying[name]["simulated_step_s"] == pytest.approx(plain[name]["simulated_step_s"])
     for name in plain:
         assert paying[name]["calibrated_step_s"] == pytest.approx(plain[name]["calibrated_step_s"])
-
-
-def test_each_system_is_priced_at_the_speed_its_runs_were_probed_at(doc: dict) -> None:
-    """A benchmark that probed the machine 2x faster during DDP's runs than at its profile
-    gets DDP priced at 2x the profile's speed; the calibrated column, which takes the run's
-    own compute, does not move, and neither do systems without probes."""
-    plain = {r["system"]: r for r in validate_doc(doc, "two-sites")}
-    probed = json.loads(json.dumps(doc))
-    probed["speed_probe"] = {"node_profile_s": 0.010}
-    probed["systems"]["ddp"]["speed_probe_s"] = [0.004, 0.006]  # 0.005 s: twice as fast
-    rows = {r["system"]: r for r in validate_doc(probed, "two-sites")}
-    assert rows["ddp"]["speed_drift"] == pytest.approx(2.0)
-    assert rows["ddp"]["simulated_step_s"] < 0.9 * plain["ddp"]["simulated_step_s"]
-    assert rows["ddp"]["calibrated_step_s"] == pytest.approx(plain["ddp"]["calibrated_step_s"])
-    for name in ("fusion", "uniform", "pipelining"):
-        assert rows[name]["speed_drift"] is None
-        assert rows[name]["simulated_step_s"] == pytest.approx(plain[name]["simulated_step_s"])
-        assert rows[name]["compute_factor"] == pytest.approx(plain[name]["compute_factor"])
