@@ -258,7 +258,8 @@ def run_ranks(
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
             if p.returncode != 0:
                 log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
-                raise FusionError(f"{module} rank {rank} exited with {p.returncode}: {log.read_text(errors='replace')[-1500:]}")
+                error = RankCrashed if p.returncode < 0 else FusionError
+                raise error(f"{module} rank {rank} exited with {p.returncode}: {log.read_text(errors='replace')[-1500:]}")
     except subprocess.TimeoutExpired as e:
         raise FusionError(f"{module} did not finish within {timeout_s:.0f}s") from e
     finally:
@@ -284,18 +285,35 @@ def measure_pipelining_stages(spec: JobSpec, num_hosts: int) -> list[dict[str, f
     return profile_pipeline_stages(spec, num_stages)
 
 
+class RankCrashed(FusionError):
+    """A baseline rank was killed by a signal, not by its own error (on this VM gloo aborts
+    a rank with SIGABRT now and then: "terminate called without an active exception")."""
+
+
+def _run_ranks_retrying(tb: Any, module: str, spec_file: Path, hosts: list[str], **kwargs: Any) -> tuple[list[dict[str, Any]], str]:
+    """:func:`run_ranks`, once more if a rank crashed; the records and a note saying so."""
+    try:
+        return run_ranks(tb, module, spec_file, hosts, **kwargs), ""
+    except RankCrashed as e:
+        first = str(e).splitlines()[0][:200]
+        logger.warning("%s; running it again", first)
+        return run_ranks(tb, module, spec_file, hosts, **kwargs), f"run again after a crash ({first})"
+
+
 def run_baseline(
     tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Path, timeout_s: float, slowdowns: Mapping[str, float] | None = None,
 ) -> Run:
-    """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not apply)."""
+    """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not
+    apply, or when a crashed rank made it run again)."""
     spec_file = workdir / f"{system}.toml"
     spec_file.write_text(job_toml(spec))
     hosts = list(tb.hosts)
     t0 = time.monotonic()
+    rank_args: dict[str, Any] = {"steps": steps, "workdir": workdir, "timeout_s": timeout_s, "slowdowns": slowdowns}
     if system == "ddp":
         if spec.data.batch_size < len(hosts):
             return Run(system=system, note=f"n/a: batch {spec.data.batch_size} < {len(hosts)} ranks")
-        records = run_ranks(tb, "testbeds.baselines.ddp", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s, slowdowns=slowdowns)
+        records, note = _run_ranks_retrying(tb, "testbeds.baselines.ddp", spec_file, hosts, **rank_args)
     else:
         from fusion.training import build_job_model
         from testbeds.baselines.split import num_pipeline_stages
@@ -305,15 +323,16 @@ def run_baseline(
             return Run(system=system, note="n/a: the model has fewer than 2 blocks to split")
         hosts = hosts[:num_stages]
         try:
-            records = run_ranks(
-                tb, "testbeds.baselines.pipelining", spec_file, hosts, steps=steps, workdir=workdir, timeout_s=timeout_s, slowdowns=slowdowns,
-            )
+            records, note = _run_ranks_retrying(tb, "testbeds.baselines.pipelining", spec_file, hosts, **rank_args)
         except FusionError as e:
             return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
     # Ranks name links by rank; the table names hosts.
     for r in records:
         r["bytes_per_link"] = {f"{hosts[int(a)]}->{hosts[int(b)]}": v for a, b, v in ((*k.split("->"), v) for k, v in r.get("bytes_per_link", {}).items())}
-    return Run(system=system, records=records, final_loss=records[-1]["loss"] if records else None, hosts_used=hosts, wall_s=time.monotonic() - t0)
+    return Run(
+        system=system, records=records, final_loss=records[-1]["loss"] if records else None, hosts_used=hosts, wall_s=time.monotonic() - t0,
+        note=note,
+    )
 
 
 # ---------------------------------------------------------------- summary

@@ -1,0 +1,52 @@
+"""A baseline rank killed by a signal makes the benchmark run that system once more, and
+says so; a rank's own error, or a second crash, still fails. (``run_ranks`` itself is
+exercised for real in tests/testbed/test_bench.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fusion.config import JobSpec
+from fusion.errors import FusionError
+from testbeds import bench
+
+JOB = JobSpec.from_toml('name = "retry"\n[model]\nname = "gpt2"\npreset = "tiny"\n[data]\nbatch_size = 8\nseq_len = 16\n[train]\nsteps = 2\n')
+RECORDS = [{"step": 0, "step_s": 1.0, "loss": 2.0, "samples_per_s": 8.0, "bytes_per_link": {"0->1": 10.0}}]
+
+
+def fake_ranks(failures: list[Exception]):
+    calls: list[str] = []
+
+    def run_ranks(tb, module, spec_file, hosts, **kwargs):
+        calls.append(module)
+        if failures:
+            raise failures.pop(0)
+        return [dict(r) for r in RECORDS]
+
+    return run_ranks, calls
+
+
+@pytest.mark.parametrize("system", ["ddp", "pipelining"])
+def test_a_crashed_rank_runs_the_system_again(system: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_ranks, calls = fake_ranks([bench.RankCrashed("testbeds.baselines.x rank 2 exited with -6: terminate called")])
+    monkeypatch.setattr(bench, "run_ranks", run_ranks)
+    run = bench.run_baseline(SimpleNamespace(hosts=["a", "b"]), system, JOB, steps=2, workdir=tmp_path, timeout_s=10)
+    assert len(calls) == 2
+    assert run.records and run.records[0]["bytes_per_link"] == {"a->b": 10.0}
+    assert "run again after a crash (testbeds.baselines.x rank 2 exited with -6" in run.note
+
+
+def test_a_second_crash_or_a_ranks_own_error_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tb = SimpleNamespace(hosts=["a", "b"])
+    run_ranks, calls = fake_ranks([bench.RankCrashed("rank 0 exited with -6"), bench.RankCrashed("rank 1 exited with -11")])
+    monkeypatch.setattr(bench, "run_ranks", run_ranks)
+    with pytest.raises(bench.RankCrashed, match="-11"):
+        bench.run_baseline(tb, "ddp", JOB, steps=2, workdir=tmp_path, timeout_s=10)
+    run_ranks, calls = fake_ranks([FusionError("rank 1 exited with 1: ValueError")])
+    monkeypatch.setattr(bench, "run_ranks", run_ranks)
+    with pytest.raises(FusionError, match="exited with 1"):
+        bench.run_baseline(tb, "ddp", JOB, steps=2, workdir=tmp_path, timeout_s=10)
+    assert len(calls) == 1
