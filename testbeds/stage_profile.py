@@ -20,6 +20,7 @@ topologies no one ran) from the node profile.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -32,10 +33,14 @@ from torch.utils import _pytree as pytree
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
 
-#: Repeats per stage after the warm-up; more follow until a stage has measured MIN_TIME_S.
-REPEATS = 10
-WARMUP = 2
-MIN_TIME_S = 0.5
+#: The stages are timed in turn, round after round, until the rounds have measured this
+#: long. This VM switches between speeds ~1.7x apart every second or so (one stage timed
+#: for 0.5 s at a time came out 1.0x or 1.7x at random), and a GPipe step on it lasts
+#: seconds: a long window, shared by all stages, prices each at the mix of speeds a run sees.
+MIN_TIME_S = 4.0
+WARMUP_ROUNDS = 2
+#: Share of the samples dropped at each end before averaging (preemptions, not speed).
+TRIM = 0.1
 
 
 class _StageInputs(torch.fx.Interpreter):
@@ -54,31 +59,30 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _time_stage(module: torch.nn.Module, args: tuple[Any, ...], backward: Callable[[object], None]) -> tuple[float, float]:
-    """Median forward and backward seconds of one stage on its recorded inputs."""
-    fwd: list[float] = []
-    bwd: list[float] = []
-    i = 0
-    while i < WARMUP + REPEATS or sum(fwd) + sum(bwd) < MIN_TIME_S:
-        inputs = tuple(
-            a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
-        )
-        t0 = time.perf_counter()
-        out = module(*inputs)
-        t1 = time.perf_counter()
-        backward(out)
-        t2 = time.perf_counter()
-        module.zero_grad(set_to_none=True)
-        if i >= WARMUP:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        i += 1
-    return statistics.median(fwd), statistics.median(bwd)
+def _time_once(module: torch.nn.Module, args: tuple[Any, ...], backward: Callable[[object], None]) -> tuple[float, float]:
+    """Forward and backward seconds of one stage on its recorded inputs."""
+    inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
+    t0 = time.perf_counter()
+    out = module(*inputs)
+    t1 = time.perf_counter()
+    backward(out)
+    t2 = time.perf_counter()
+    module.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1
+
+
+def trimmed_mean(values: list[float], trim: float = TRIM) -> float:
+    """The mean of ``values`` without the ``trim`` share at each end."""
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return statistics.fmean(kept)
 
 
 def profile_pipeline_stages(spec: JobSpec, num_stages: int) -> list[dict[str, float]]:
     """Forward and backward seconds of each GPipe stage for one micro-batch, split and built
-    as :mod:`testbeds.baselines.pipelining` builds them, on one thread as its ranks run.
+    as :mod:`testbeds.baselines.pipelining` builds them, on one thread as its ranks run: the
+    trimmed mean of the stages timed in turn for ``MIN_TIME_S``.
 
     The last stage's backward includes the job's loss. Returns one
     ``{"fwd_time_s", "bwd_time_s"}`` per stage.
@@ -100,7 +104,7 @@ def profile_pipeline_stages(spec: JobSpec, num_stages: int) -> list[dict[str, fl
         recorder = _StageInputs(pipe.split_gm)
         recorder.run(x)
         loss_fn = get_loss(spec.train.loss)
-        stages = []
+        runs: list[Callable[[], tuple[float, float]]] = []
         for i in range(num_stages):
             name = f"submod_pp_{i}"
             if name not in recorder.args:
@@ -117,9 +121,19 @@ def profile_pipeline_stages(spec: JobSpec, num_stages: int) -> list[dict[str, fl
                 outs = [t for t in _tensors(out) if t.requires_grad]
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-            fwd, bwd = _time_stage(pipe.get_stage_module(i), args, backward)
-            stages.append({"fwd_time_s": fwd, "bwd_time_s": bwd})
-        return stages
+            runs.append(functools.partial(_time_once, pipe.get_stage_module(i), args, backward))
+        samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+        rounds, spent = 0, 0.0
+        while rounds < WARMUP_ROUNDS + 3 or spent < MIN_TIME_S:
+            for stage, run in enumerate(runs):
+                fwd, bwd = run()
+                if rounds >= WARMUP_ROUNDS:
+                    samples[stage].append((fwd, bwd))
+                    spent += fwd + bwd
+            rounds += 1
+        return [
+            {"fwd_time_s": trimmed_mean([f for f, _ in got]), "bwd_time_s": trimmed_mean([b for _, b in got])} for got in samples
+        ]
     finally:
         torch.set_num_threads(threads)
         torch.random.set_rng_state(rng)
