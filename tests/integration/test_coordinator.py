@@ -25,6 +25,7 @@ from fusion.config import load_job
 from fusion.launch import Fleet, child_env
 from fusion.training import build_job_model, train_reference
 from scheduler.topology import Topology
+from tests.support.parity import assert_state_close
 
 TOKEN = "test-token-123"
 
@@ -125,8 +126,7 @@ def check_outputs(job_dir: Path, job_file: Path, steps: int) -> None:
     model = build_job_model(spec)
     model.load_state_dict(load_file(job_dir / "model.safetensors"))
     ref = train_reference(spec)
-    for name, value in ref.state_dict.items():
-        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert_state_close(model.state_dict(), ref.state_dict)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-4, atol=1e-5)
 
 

@@ -20,6 +20,14 @@ from fusion.training import train_reference
 # stays far below these bounds, a wrong gradient does not.
 RTOL = 1e-4
 ATOL = 1e-5
+#: GPT-2's key bias (the middle third of ``attn.c_attn.bias``) has a gradient of exactly
+#: zero: it adds ``q · b_k`` to every score of a query's row, and the softmax ignores a
+#: constant shift. What it gets is fp32 rounding noise (~1e-10), which AdamW divides by
+#: ``sqrt(v) + eps`` into steps of ~1e-5: after tens of steps two correct runs hold different
+#: noise there (seen in CI: 1.08e-5 apart, 7.8e-6 against -3e-6). Those entries must stay
+#: noise, far below what a trained bias reaches (~1e-2), but are not compared entry by entry.
+KEY_BIAS = re.compile(r"(.*\.)?attn\.c_attn\.bias$")
+NOISE_BOUND = 1e-4
 
 
 def assert_parity(
@@ -42,10 +50,23 @@ def assert_parity(
     assert set(got.gradients) == set(ref.gradients), set(got.gradients) ^ set(ref.gradients)
     for name, g in ref.gradients.items():
         torch.testing.assert_close(got.gradients[name], g, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"gradient of {n}: {m}")
-    assert set(got.state_dict) == set(ref.state_dict)
-    for name, v in ref.state_dict.items():
-        torch.testing.assert_close(got.state_dict[name], v, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_state_close(got.state_dict, ref.state_dict)
     return got
+
+
+def assert_state_close(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> None:
+    """Every ``state_dict`` entry of ``got`` equals ``ref``'s to float tolerance, except the
+    entries whose gradient is zero by construction (:data:`KEY_BIAS`), which must stay
+    rounding noise in both."""
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    for name, v in ref.items():
+        g = got[name]
+        if KEY_BIAS.match(name) and v.ndim == 1 and v.numel() % 3 == 0:
+            n = v.numel() // 3
+            for t, who in ((g[n : 2 * n], "run"), (v[n : 2 * n], "reference")):
+                assert t.abs().max().item() <= NOISE_BOUND, f"{name}: the key bias of the {who} moved beyond rounding noise: {t}"
+            g, v = torch.cat([g[:n], g[2 * n :]]), torch.cat([v[:n], v[2 * n :]])
+        torch.testing.assert_close(g, v, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def skip_assignment(dag: OpDag, branch: str, num_stages: int) -> dict[str, int]:
