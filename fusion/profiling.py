@@ -113,6 +113,18 @@ def measure_device(device: str = "cpu", *, machine: str | None = None) -> Device
 
 
 # ---------------------------------------------------------------- per-node costs
+def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
+    """The mean of ``values`` without the ``trim`` share at each end: on a shared machine
+    that switches between speeds, the mix of phases a long run meets (a median lands in one
+    phase), without the odd preemption."""
+    if not values:
+        raise ValueError("trimmed_mean of no values")
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return statistics.fmean(kept)
+
+
 def scale_node_times(nodes: dict[str, dict[str, float]], factor: float) -> dict[str, dict[str, float]]:
     """A node profile (as :func:`profile_graph` returns it) with the forward and backward
     times scaled by ``factor`` (a calibration's), the whole-graph ``__`` entries dropped."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
+from fusion.profiling import trimmed_mean
 
 #: The stages are timed in turn, round after round, until the rounds have measured this
 #: long. This VM switches between speeds ~1.7x apart every second or so (one stage timed
@@ -69,14 +69,6 @@ def _time_once(module: torch.nn.Module, args: tuple[Any, ...], backward: Callabl
     t2 = time.perf_counter()
     module.zero_grad(set_to_none=True)
     return t1 - t0, t2 - t1
-
-
-def trimmed_mean(values: list[float], trim: float = TRIM) -> float:
-    """The mean of ``values`` without the ``trim`` share at each end."""
-    ordered = sorted(values)
-    cut = int(len(ordered) * trim)
-    kept = ordered[cut : len(ordered) - cut] or ordered
-    return statistics.fmean(kept)
 
 
 def profile_pipeline_stages(spec: JobSpec, num_stages: int) -> list[dict[str, float]]:
@@ -132,7 +124,7 @@ def profile_pipeline_stages(spec: JobSpec, num_stages: int) -> list[dict[str, fl
                     spent += fwd + bwd
             rounds += 1
         return [
-            {"fwd_time_s": trimmed_mean([f for f, _ in got]), "bwd_time_s": trimmed_mean([b for _, b in got])} for got in samples
+            {"fwd_time_s": trimmed_mean([f for f, _ in got], TRIM), "bwd_time_s": trimmed_mean([b for _, b in got], TRIM)} for got in samples
         ]
     finally:
         torch.set_num_threads(threads)

@@ -11,7 +11,14 @@ import sys
 import threading
 from pathlib import Path
 
-from fusion.cli.env import add_log_arg, resolve_token, run_cli, setup_logging
+from fusion.cli.env import (
+    add_log_arg,
+    env_calibrate_s,
+    resolve_token,
+    run_cli,
+    setup_logging,
+)
+from fusion.coordinator.planning import CALIBRATE_MIN_S
 from fusion.coordinator.service import CoordinatorService, start_coordinator_server
 from fusion.coordinator.store import Store
 from fusion.errors import ConfigError
@@ -32,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="./fusion-state", help="where the SQLite state (and a generated token) live (default: %(default)s)")
     p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between worker heartbeats (default: %(default)s)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker is declared gone (default: %(default)s)")
+    p.add_argument(
+        "--calibrate-seconds", type=float, default=None,
+        help=f"compute seconds the executor calibration measures per model before planning (default: $FUSION_CALIBRATE_S or {CALIBRATE_MIN_S})",
+    )
     p.add_argument("--device", default="cpu", help="device stages run on (cpu, cuda, cuda:N; default: %(default)s)")
     p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM)")
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
@@ -73,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         warn_if_exposed(args.host, tls, "the coordinator")
         if args.port < 0 or args.port > 65535:
             raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+        calibrate_s = env_calibrate_s(CALIBRATE_MIN_S) if args.calibrate_seconds is None else args.calibrate_seconds
+        if not calibrate_s >= 0:
+            raise ConfigError(f"--calibrate-seconds must be >= 0, got {calibrate_s}")
         store = Store(state_dir / STATE_DB)
         service = CoordinatorService(
             store=store,
@@ -80,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             device=args.device,
+            calibrate_s=calibrate_s,
             register_burst=args.register_burst,
             registers_per_s=args.registers_per_s,
             auth_failure_burst=args.auth_failure_burst,

@@ -4,6 +4,7 @@
 - ``FUSION_TOKEN``: default ``--token``.
 - ``FUSION_LOG_LEVEL``: default ``--log-level`` (``WARNING``).
 - ``FUSION_TLS_CA``: default ``--tls-ca`` of ``fusion`` (CA bundle; turns TLS on).
+- ``FUSION_CALIBRATE_S``: default ``--calibrate-seconds`` of ``fusion-coordinator``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def env_token() -> str | None:
 
 def env_tls_ca() -> str | None:
     return os.environ.get("FUSION_TLS_CA") or None
+
+
+def env_calibrate_s(default: float) -> float:
+    """``$FUSION_CALIBRATE_S`` as a number of seconds, else ``default``."""
+    text = os.environ.get("FUSION_CALIBRATE_S")
+    if not text:
+        return default
+    try:
+        return float(text)
+    except ValueError as e:
+        raise ConfigError(f"FUSION_CALIBRATE_S must be a number of seconds, got {text!r}") from e
 
 
 def env_log_level() -> str:

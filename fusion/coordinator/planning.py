@@ -253,9 +253,20 @@ class ExecutorOverhead:
     """Compute the executor measured over the compute the node profile predicts."""
 
 
+#: Calibration times steps until the ``M``-micro-batch ones have computed this long (and
+#: at least ``steps`` of each count). A shared machine's speed moves by 1.3-1.7x from one
+#: second to the next (``python -m testbeds.speed_trace``: a 2-core VM, one model timed back
+#: to back for 30 s, windows of 1 s from 0.73x to 1.17x the median), and five steps land in
+#: one such phase: the level they set for every node then misses a run of minutes by as much.
+CALIBRATE_MIN_S = 3.0
+#: Share of the calibration steps left out at each end before averaging: preemptions and
+#: the first steps after a pause, not the machine's speed.
+CALIBRATE_TRIM = 0.1
+
+
 def calibrate_executor(
     spec: JobSpec, model: Any, captured: Any, dataset: Any, worker: Endpoint, pool: ChannelPool, profile: ModelProfile, *,
-    device: str = "cpu", steps: int = 5, driver_link: tuple[float, float] = (0.0, float("inf")),
+    device: str = "cpu", steps: int = 5, min_time_s: float = CALIBRATE_MIN_S, driver_link: tuple[float, float] = (0.0, float("inf")),
 ) -> ExecutorOverhead:
     """Time the whole model as one stage on ``worker`` with 1 and with ``M`` micro-batches.
 
@@ -269,48 +280,67 @@ def calibrate_executor(
     its own measurement and the driver's path from ``driver_link`` (the worker's measured
     ``(round_trip_s, bandwidth)``), so what is left is the executor's own overhead
     (serialisation, mailboxes, hand-offs), which the estimator adds to every plan.
+
+    The two counts take turns, step by step, so that both see the same machine, until the
+    ``M``-micro-batch steps have computed ``min_time_s`` (:data:`CALIBRATE_MIN_S`); each
+    figure is a trimmed mean over the steps (:func:`fusion.profiling.trimmed_mean`): the
+    mix of fast and slow phases a run of minutes meets, not the one phase a median of a
+    few steps falls in.
     """
     from executor.driver import PipelineDriver
     from fusion.graph.split import split_stages
+    from fusion.profiling import trimmed_mean
     from fusion.training import job_batch
 
+    if steps < 1 or not min_time_s >= 0:
+        raise FusionError(f"calibration needs steps >= 1 and min_time_s >= 0, got {steps} and {min_time_s}")
     mb = spec.micro_batch_size
     counts = sorted({1, max(2, spec.train.micro_batches)})
     profiled = sum(float(v.get("fwd_time_s", 0.0)) + float(v.get("bwd_time_s", 0.0)) for k, v in profile.nodes.items() if not k.startswith("__"))
     stages = split_stages(captured.dag, {n.name: 0 for n in captured.dag.compute_nodes()})
-    rest: list[float] = []
-    factor = 1.0
-    for count in counts:
-        job = spec.replace(data={"batch_size": mb * count}, train={"micro_batches": count})
-        _, example_y = example_micro_batch(job, dataset)
-        driver = PipelineDriver(
-            job_id=f"calibrate-{count}-{time.monotonic_ns()}", job=job, model=model, captured=captured, stages=stages,
-            addresses=[worker.address], example_target=example_y, device=device, pool=pool,
-        )
-        try:
+    jobs = [spec.replace(data={"batch_size": mb * count}, train={"micro_batches": count}) for count in counts]
+    drivers: list[Any] = []
+    rest: list[list[float]] = [[] for _ in counts]
+    compute: list[list[float]] = [[] for _ in counts]
+    try:
+        for count, job in zip(counts, jobs, strict=True):
+            _, example_y = example_micro_batch(job, dataset)
+            driver = PipelineDriver(
+                job_id=f"calibrate-{count}-{time.monotonic_ns()}", job=job, model=model, captured=captured, stages=stages,
+                addresses=[worker.address], example_target=example_y, device=device, pool=pool,
+            )
+            drivers.append(driver)
             driver.load()
-            steps_rest, steps_compute = [], []
-            for step in range(steps + 1):
+        step = 0
+        # Step 0 warms up; then until both the step count and the compute time are reached
+        # (within three times that in all: where compute is a small part of each step, as on
+        # a GPU, the rest is measured long enough by then).
+        t0 = time.monotonic()
+        while step <= steps or (sum(compute[-1]) < min_time_s and time.monotonic() - t0 < 3 * min_time_s):
+            for k, (driver, job) in enumerate(zip(drivers, jobs, strict=True)):
                 x, y = job_batch(job, dataset, step)
                 stats = driver.train_step(step, (x,), y)
-                if step:  # the first step warms up
-                    compute = sum(stats.compute_s.values())
-                    steps_compute.append(compute)
-                    steps_rest.append(max(stats.step_s - compute, 0.0))
-            rest.append(statistics.median(steps_rest))
-            # The M-micro-batch run (the last) is the one plans resemble; its compute sets the level.
-            measured = statistics.median(steps_compute) / (count * profiled) if profiled > 0 else 0.0
-            factor = measured if measured > 0 else 1.0
-        finally:
+                if step:
+                    spent = sum(stats.compute_s.values())
+                    compute[k].append(spent)
+                    rest[k].append(max(stats.step_s - spent, 0.0))
+            step += 1
+    finally:
+        for driver in drivers:
             driver.close()
-    slope = (rest[1] - rest[0]) / (counts[1] - counts[0])
+    logger.info("calibrated the executor on %s over %d steps of each micro-batch count %s", worker.name, step - 1, counts)
+    # The M-micro-batch steps (the last count) are the ones plans resemble; their compute sets the level.
+    measured = trimmed_mean(compute[-1], CALIBRATE_TRIM) / (counts[-1] * profiled) if profiled > 0 else 0.0
+    factor = measured if measured > 0 else 1.0
+    rest_s = [trimmed_mean(r, CALIBRATE_TRIM) for r in rest]
+    slope = (rest_s[1] - rest_s[0]) / (counts[1] - counts[0])
     per_mb = max(slope, 0.0)
     # The optimizer update is priced separately (per parameter byte): leave it out here, and
     # so is the driver's path to this worker (estimator: control round trips and the feed).
     optimizer_s = profile.optimizer_s_per_byte * captured.dag.total_param_bytes
     example_x, example_y = example_micro_batch(spec, dataset)
     driver_s = DRIVER_CONTROL_ROUND_TRIPS * driver_link[0] + feed_s(driver_link, [wire_bytes(example_x), wire_bytes(example_y)])
-    fixed = max(rest[0] - per_mb - optimizer_s - driver_s, 0.0)
+    fixed = max(rest_s[0] - per_mb - optimizer_s - driver_s, 0.0)
     return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb, compute_factor=factor)
 
 
@@ -372,9 +402,11 @@ def measure(
     *,
     device: str = "cpu",
     cache: ProfileCache | None = None,
+    calibrate_s: float = CALIBRATE_MIN_S,
 ) -> Measurements:
     """Probe the driver's links and those between workers, profile the model and calibrate
-    the executor on the worker nearest the driver (where a one-stage plan would run)."""
+    the executor on the worker nearest the driver (where a one-stage plan would run) for at
+    least ``calibrate_s`` seconds of compute (:func:`calibrate_executor`)."""
     driver_links = probe_driver_links(workers, pool)
     home = min(range(len(workers)), key=lambda i: driver_links[i][0])
     profile = profile_model(spec, captured.dag, workers[home], pool, device=device, cache=cache)
@@ -389,7 +421,9 @@ def measure(
     scaled = [replace(w, matmul_flops=profile.matmul_flops * (speed or base) / base) for w, speed in zip(workers, reported, strict=True)]
     topology = measured_topology(scaled, lat, bw).with_driver_links(driver_links)
     if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None or profile.compute_factor is None:
-        calibrated = calibrate_executor(spec, model, captured, dataset, workers[home], pool, profile, device=device, driver_link=driver_links[home])
+        calibrated = calibrate_executor(
+            spec, model, captured, dataset, workers[home], pool, profile, device=device, min_time_s=calibrate_s, driver_link=driver_links[home]
+        )
         profile.overhead_step_s, profile.overhead_micro_batch_s = calibrated.step_s, calibrated.micro_batch_s
         profile.compute_factor = calibrated.compute_factor
         if cache is not None:

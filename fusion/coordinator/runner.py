@@ -54,6 +54,7 @@ from fusion.coordinator.outputs import (
     read_history,
 )
 from fusion.coordinator.planning import (
+    CALIBRATE_MIN_S,
     Endpoint,
     LinkTable,
     Measurements,
@@ -112,6 +113,7 @@ class JobRunner(threading.Thread):
         device: str = "cpu",
         claim_idle: Callable[[JobRunner], list[WorkerRow]] | None = None,
         release: Callable[[JobRunner, WorkerRow, str], None] | None = None,
+        calibrate_s: float = CALIBRATE_MIN_S,
     ) -> None:
         super().__init__(name=f"job-{job_id}", daemon=True)
         self.store = store
@@ -122,6 +124,7 @@ class JobRunner(threading.Thread):
         self.pool = pool
         self.on_done = on_done
         self.device = device
+        self.calibrate_s = calibrate_s
         self.profiles = profiles
         self.links = links
         self.claim_idle = claim_idle or (lambda runner: [])
@@ -284,7 +287,10 @@ class JobRunner(threading.Thread):
         """Profile the model (cached) and probe the links between ``workers``."""
         endpoints = [self._endpoint(w) for w in workers]
         t0 = time.perf_counter()
-        m = measure(self.spec, self.model, self.captured, self.dataset, endpoints, self.pool, device=self.device, cache=self.profiles)
+        m = measure(
+            self.spec, self.model, self.captured, self.dataset, endpoints, self.pool, device=self.device, cache=self.profiles,
+            calibrate_s=self.calibrate_s,
+        )
         for i, a in enumerate(endpoints):
             for j, b in enumerate(endpoints):
                 if i != j:

@@ -36,7 +36,7 @@ from executor.client import ChannelPool
 from executor.status import rpc_errors
 from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
 from fusion.config import JobSpec
-from fusion.coordinator.planning import LinkTable, ProfileCache
+from fusion.coordinator.planning import CALIBRATE_MIN_S, LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
 from fusion.errors import AuthError, ConfigError, RateLimitError, WireError
@@ -91,6 +91,7 @@ class CoordinatorService:
         heartbeat_interval_s: float = 2.0,
         heartbeat_timeout_s: float = 10.0,
         device: str = "cpu",
+        calibrate_s: float = CALIBRATE_MIN_S,
         register_burst: float = 32.0,
         registers_per_s: float = 2.0,
         auth_failure_burst: float = 30.0,
@@ -105,6 +106,8 @@ class CoordinatorService:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.device = device
+        #: Compute seconds of each model's executor calibration (:func:`calibrate_executor`).
+        self.calibrate_s = calibrate_s
         # Calls to workers' executors are signed with each worker's control key, derived
         # from its stored session hash (so it survives a coordinator restart).
         self.pool = ChannelPool(keyring=KeyRing(resolve_control=self._control_key_of))
@@ -417,7 +420,7 @@ class CoordinatorService:
                 runner = JobRunner(
                     store=self.store, job_id=job.job_id, spec=spec, workers=idle, output_dir=job.output_dir,
                     pool=self.pool, on_done=self._job_done, device=self.device, profiles=self.profiles, links=self.links,
-                    claim_idle=self._claim_idle, release=self._release,
+                    claim_idle=self._claim_idle, release=self._release, calibrate_s=self.calibrate_s,
                 )
                 self._runners[job.job_id] = runner
                 runner.start()

@@ -8,13 +8,17 @@ worker is predicted from what that worker actually did.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
+import time
 
 import pytest
 
 from executor.client import ChannelPool
 from executor.local import LocalCluster
 from fusion.config import JobSpec
+from fusion.errors import FusionError
 from fusion.coordinator.planning import (
     Endpoint,
     calibrate_executor,
@@ -42,7 +46,7 @@ def test_calibration_measures_the_executors_compute(cluster: LocalCluster) -> No
     pool = ChannelPool()
     try:
         profile = profile_model(JOB, captured.dag, worker, pool, repeats=3)
-        calibrated = calibrate_executor(JOB, model, captured, dataset, worker, pool, profile)
+        calibrated = calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, min_time_s=0.3)
     finally:
         pool.close()
     assert calibrated.step_s >= 0 and calibrated.micro_batch_s >= 0
@@ -59,3 +63,30 @@ def test_calibration_measures_the_executors_compute(cluster: LocalCluster) -> No
     assert sum((n.fwd_time_s or 0.0) for n in costed_dag(captured.dag, profile).compute_nodes()) == pytest.approx(
         sum(v["fwd_time_s"] for k, v in profile.nodes.items() if not k.startswith("__"))
     )
+
+
+def test_calibration_computes_for_min_time_s_with_both_counts_in_turn(cluster: LocalCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """Five steps fall inside one speed phase of a shared machine; the calibration goes on
+    until the M-micro-batch steps have computed ``min_time_s``, the 1-micro-batch steps
+    taking turns with them."""
+    model = build_job_model(JOB)
+    dataset = build_job_dataset(JOB)
+    example_x, _ = example_micro_batch(JOB, dataset)
+    captured = capture(model, (example_x,))
+    worker = Endpoint(name="w0", address=cluster.addresses[0], matmul_flops=1e11)
+    pool = ChannelPool()
+    try:
+        profile = profile_model(JOB, captured.dag, worker, pool, repeats=3)
+        with caplog.at_level(logging.INFO, logger="fusion.coordinator.planning"):
+            t0 = time.monotonic()
+            calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, steps=2, min_time_s=1.0)
+            elapsed_s = time.monotonic() - t0
+        with pytest.raises(FusionError, match="steps >= 1"):
+            calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, steps=0)
+    finally:
+        pool.close()
+    assert elapsed_s >= 1.0
+    found = re.search(r"over (\d+) steps of each micro-batch count \[1, 4\]", caplog.text)
+    assert found, caplog.text
+    # A step of 4 micro-batches of this tiny model computes in milliseconds: 1 s takes many.
+    assert int(found.group(1)) > 10, found.group(0)

@@ -11,6 +11,7 @@ import pytest
 from fusion.cli.env import (
     DEFAULT_COORDINATOR,
     add_connection_args,
+    env_calibrate_s,
     env_coordinator,
     env_log_level,
     resolve_token,
@@ -151,3 +152,24 @@ def test_run_cli_exit_codes(body: Callable[[], int], code: int, stderr: str, cap
 def test_run_cli_lets_bugs_through() -> None:
     with pytest.raises(ZeroDivisionError):
         run_cli(lambda: 1 // 0)
+
+
+# ----------------------------------------------------------------- calibration seconds
+
+
+def test_calibrate_seconds_come_from_the_environment_or_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FUSION_CALIBRATE_S", raising=False)
+    assert env_calibrate_s(3.0) == 3.0
+    monkeypatch.setenv("FUSION_CALIBRATE_S", "0.5")
+    assert env_calibrate_s(3.0) == 0.5
+    monkeypatch.setenv("FUSION_CALIBRATE_S", "three")
+    with pytest.raises(ConfigError, match="FUSION_CALIBRATE_S must be a number of seconds, got 'three'"):
+        env_calibrate_s(3.0)
+
+
+def test_the_coordinator_refuses_negative_calibrate_seconds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fusion.cli import coordinator
+
+    code = coordinator.main(["--state-dir", str(tmp_path), "--token", "t", "--port", "0", "--calibrate-seconds", "-1"])
+    assert code != 0
+    assert "--calibrate-seconds must be >= 0, got -1.0" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""How steady this machine's speed is: one job's model timed back to back for a while.
+
+The simulator prices a run from profiles taken in a few seconds at its start; a run lasts
+minutes. If the machine's speed moves between the two, no model of the run can make up
+for it. This traces it: one micro-batch's forward and backward of the job's model, on one
+thread as the testbed's workers run, over and over for ``--seconds``, reported per window
+of ``--window`` seconds as that window's median step over the whole trace's median.
+
+``python -m testbeds.speed_trace --job testbeds/results/bench-job-resnet.toml --seconds 60 --out testbeds/results/speed-trace``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusion.config import JobSpec, load_job
+
+
+def trace(spec: JobSpec, *, seconds: float, window_s: float) -> dict[str, Any]:
+    """Per window: its start (s from the trace's start), steps timed and median step."""
+    from fusion.losses import get_loss
+    from fusion.training import build_job_dataset, build_job_model, example_micro_batch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_job_model(spec)
+        model.train()
+        x, y = example_micro_batch(spec, build_job_dataset(spec))
+        loss = get_loss(spec.train.loss)
+        for _ in range(3):  # warm-up
+            loss(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        samples: list[tuple[float, float]] = []
+        while (now := time.perf_counter()) - start < seconds:
+            loss(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            samples.append((now - start, time.perf_counter() - now))
+    finally:
+        torch.set_num_threads(threads)
+    windows: list[dict[str, float]] = []
+    for k in range(int(seconds / window_s)):
+        steps = [s for t, s in samples if k * window_s <= t < (k + 1) * window_s]
+        if steps:
+            windows.append({"start_s": k * window_s, "steps": len(steps), "median_step_s": statistics.median(steps)})
+    overall = statistics.median(s for _, s in samples)
+    for w in windows:
+        w["relative"] = w["median_step_s"] / overall
+    rel = sorted(w["relative"] for w in windows)
+    return {
+        "job": spec.name, "seconds": seconds, "window_s": window_s, "median_step_s": overall, "windows": windows,
+        "slowest_over_fastest_window": rel[-1] / rel[0] if rel else None,
+        "share_of_windows_over_1_25x_the_fastest": sum(r > 1.25 * rel[0] for r in rel) / len(rel) if rel else None,
+    }
+
+
+def markdown(doc: dict[str, Any], command: str) -> str:
+    lines = [
+        "# How steady the machine's speed is", "", f"`{command}`", "",
+        f"{doc['job']}: one micro-batch's forward and backward, one thread, back to back for {doc['seconds']:.0f} s; "
+        f"median step {doc['median_step_s'] * 1e3:.2f} ms. Slowest window over fastest: "
+        f"{doc['slowest_over_fastest_window']:.2f}x; windows over 1.25x the fastest: "
+        f"{doc['share_of_windows_over_1_25x_the_fastest']:.0%}.", "",
+        "| window start s | steps | median step ms | over the trace's median |", "|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {w['start_s']:.0f} | {w['steps']} | {w['median_step_s'] * 1e3:.2f} | {w['relative']:.2f} |" for w in doc["windows"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m testbeds.speed_trace", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="job TOML (as bench --job takes it)")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--window", type=float, default=1.0, help="seconds per reported window")
+    parser.add_argument("--out", help="write OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    if args.seconds <= 0 or args.window <= 0 or args.window > args.seconds:
+        parser.error("--seconds and --window must be positive, the window no longer than the trace")
+    doc = trace(load_job(args.job), seconds=args.seconds, window_s=args.window)
+    text = markdown(doc, "python -m testbeds.speed_trace " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
+        Path(args.out + ".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
