@@ -17,8 +17,11 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
 - ``pipelining``: :mod:`testbeds.baselines.pipelining`, GPipe over the first ``min(N,
   blocks)`` hosts.
 
-Per system: the median step seconds over the timed steps (the first ``--warmup`` steps of a
-run are left out) and over the rounds, samples (and tokens) per second, the bytes per step
+Per system: the step seconds of each round, a mean over its timed steps with the
+extremes trimmed (the first ``--warmup`` steps of a run are left out; this VM switches
+between speeds 1.3-1.7x apart every second or so, and a median of a fast system's steps
+falls in one such phase where a mean weighs them as a long run meets them), the median of
+the rounds, samples (and tokens) per second, the bytes per step
 on the slowest link it sends over (lowest configured bandwidth; both directions), its final
 loss, fusion's speed-up over it, and, for fusion, its **efficiency**: the estimator's
 predicted step time for the plan fusion ran (``predicted_step_s``, priced with the costs the
@@ -61,6 +64,7 @@ from typing import Any
 
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
+from fusion.profiling import trimmed_mean
 from scheduler.topology import Topology
 from testbeds.run import slowdown_args
 from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
@@ -357,12 +361,12 @@ def slowest_link_bytes(topology: Topology, bytes_per_link: dict[str, float]) -> 
 
 
 def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, Any]:
-    """One system's rounds → its row: medians over timed steps and over rounds."""
+    """One system's rounds → its row: trimmed means over timed steps, medians over rounds."""
     per_round = []
     for run in runs:
         timed = [r for r in run.records if r["step"] >= warmup] or run.records
         if timed:
-            per_round.append(statistics.median(r["step_s"] for r in timed))
+            per_round.append(trimmed_mean([r["step_s"] for r in timed]))
     last = runs[-1]
     row: dict[str, Any] = {"note": next((r.note for r in runs if r.note), ""), "rounds": len(per_round), "hosts_used": last.hosts_used}
     if not per_round:
@@ -394,7 +398,7 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
         row["plan"] = last.plan_stages
     computed = [r["compute_s"] for r in timed if r.get("compute_s")]
     if computed:  # measured compute seconds per step on each stage's worker (fusion, uniform)
-        row["compute_s"] = {w: statistics.median(c.get(w, 0.0) for c in computed) for w in computed[-1]}
+        row["compute_s"] = {w: trimmed_mean([c.get(w, 0.0) for c in computed]) for w in computed[-1]}
     ratios = [r["compression"] for r in timed if r.get("compression")]
     if ratios:
         row["keep_ratios"] = {k: statistics.median(x[k]["keep_ratio"] for x in ratios if k in x) for k in ratios[-1]}
@@ -423,7 +427,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         (
             f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
-            f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; medians."
+            f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; "
+            f"{'trimmed means of the steps, medians of the rounds' if doc.get('step_statistic') == 'trimmed-mean' else 'medians'}."
         ),
         "",
         *emulation_lines(doc),
@@ -552,7 +557,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
     meta = {
         "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
-        "latency_mode": latency_mode, "emulated_slowdown": slowdowns, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
+        "latency_mode": latency_mode, "step_statistic": "trimmed-mean", "emulated_slowdown": slowdowns, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},

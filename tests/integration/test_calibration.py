@@ -12,19 +12,24 @@ import logging
 import math
 import re
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from executor.client import ChannelPool
 from executor.local import LocalCluster
 from fusion.config import JobSpec
-from fusion.errors import FusionError
 from fusion.coordinator.planning import (
     Endpoint,
+    ExecutorOverhead,
+    ModelProfile,
     calibrate_executor,
     costed_dag,
     profile_model,
 )
+from fusion.errors import FusionError
 from fusion.graph.export import capture
 from fusion.training import build_job_dataset, build_job_model, example_micro_batch
 
@@ -37,7 +42,23 @@ JOB = JobSpec.from_dict(
 )
 
 
-def test_calibration_measures_the_executors_compute(cluster: LocalCluster) -> None:
+@dataclass
+class Setup:
+    """The job's model captured, and a profile of it from one real executor."""
+
+    model: Any
+    dataset: Any
+    captured: Any
+    worker: Endpoint
+    pool: ChannelPool
+    profile: ModelProfile
+
+    def calibrate(self, **kwargs: Any) -> ExecutorOverhead:
+        return calibrate_executor(JOB, self.model, self.captured, self.dataset, self.worker, self.pool, self.profile, **kwargs)
+
+
+@pytest.fixture
+def setup(cluster: LocalCluster) -> Iterator[Setup]:
     model = build_job_model(JOB)
     dataset = build_job_dataset(JOB)
     example_x, _ = example_micro_batch(JOB, dataset)
@@ -45,10 +66,14 @@ def test_calibration_measures_the_executors_compute(cluster: LocalCluster) -> No
     worker = Endpoint(name="w0", address=cluster.addresses[0], matmul_flops=1e11)
     pool = ChannelPool()
     try:
-        profile = profile_model(JOB, captured.dag, worker, pool, repeats=3)
-        calibrated = calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, min_time_s=0.3)
+        yield Setup(model, dataset, captured, worker, pool, profile_model(JOB, captured.dag, worker, pool, repeats=3))
     finally:
         pool.close()
+
+
+def test_calibration_measures_the_executors_compute(setup: Setup) -> None:
+    calibrated = setup.calibrate(min_time_s=0.3)
+    profile, captured = setup.profile, setup.captured
     assert calibrated.step_s >= 0 and calibrated.micro_batch_s >= 0
     # The executor runs the same operators the profile timed: on one machine the two agree
     # to within a small factor (not 0, not 10x; 1.6-2.8 for this tiny model here, with and
@@ -65,26 +90,16 @@ def test_calibration_measures_the_executors_compute(cluster: LocalCluster) -> No
     )
 
 
-def test_calibration_computes_for_min_time_s_with_both_counts_in_turn(cluster: LocalCluster, caplog: pytest.LogCaptureFixture) -> None:
+def test_calibration_computes_for_min_time_s_with_both_counts_in_turn(setup: Setup, caplog: pytest.LogCaptureFixture) -> None:
     """Five steps fall inside one speed phase of a shared machine; the calibration goes on
     until the M-micro-batch steps have computed ``min_time_s``, the 1-micro-batch steps
     taking turns with them."""
-    model = build_job_model(JOB)
-    dataset = build_job_dataset(JOB)
-    example_x, _ = example_micro_batch(JOB, dataset)
-    captured = capture(model, (example_x,))
-    worker = Endpoint(name="w0", address=cluster.addresses[0], matmul_flops=1e11)
-    pool = ChannelPool()
-    try:
-        profile = profile_model(JOB, captured.dag, worker, pool, repeats=3)
-        with caplog.at_level(logging.INFO, logger="fusion.coordinator.planning"):
-            t0 = time.monotonic()
-            calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, steps=2, min_time_s=1.0)
-            elapsed_s = time.monotonic() - t0
-        with pytest.raises(FusionError, match="steps >= 1"):
-            calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, steps=0)
-    finally:
-        pool.close()
+    with caplog.at_level(logging.INFO, logger="fusion.coordinator.planning"):
+        t0 = time.monotonic()
+        setup.calibrate(steps=2, min_time_s=1.0)
+        elapsed_s = time.monotonic() - t0
+    with pytest.raises(FusionError, match="steps >= 1"):
+        setup.calibrate(steps=0)
     assert elapsed_s >= 1.0
     found = re.search(r"over (\d+) steps of each micro-batch count \[1, 4\]", caplog.text)
     assert found, caplog.text
