@@ -471,6 +471,8 @@ def markdown(doc: dict[str, Any]) -> str:
                if doc.get("sim_transfer_path") else "")
             + (" Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
                "`testbeds/interference.py`) in the simulated column." if doc.get("sim_interference") else "")
+            + (" Their driver's calls pay the gRPC round trip the coordinator measured to the worker on its own host, on top of "
+               "the configured links." if doc.get("sim_driver_links") == "measured" else "")
         )
     lines += [f"\n{name}'s bytes on the slowest link: {r['slowest_link_bytes_note']}" for name, r in doc["systems"].items() if r.get("slowest_link_bytes_note")]
     return "\n".join(lines) + "\n"

@@ -102,6 +102,7 @@ def validate_doc(
     topology = load_topology(doc["topology"])
     mode = doc["latency_mode"]
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
+    driver_links = measured_driver_links(doc, topology)
 
     def run_all(
         speed: float, host_factors: dict[str, dict[str, float]] | None = None, unseen_compute: bool = False
@@ -131,7 +132,7 @@ def validate_doc(
                 sims[name] = simulate_plan(
                     job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
                     pause_cost=pause if unseen_compute else None, transfer_cost=transfer_path,
-                    interference=interference if unseen_compute else None,
+                    interference=interference if unseen_compute else None, driver_links=driver_links,
                 ).to_dict()
         return sims
 
@@ -157,8 +158,33 @@ def validate_doc(
             "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
             "interference": interference is not None and name in ("fusion", "uniform"),
             "gpipe_stages": name == "pipelining" and bool(doc.get("pipelining_stages")),
+            "driver_links": "measured" if driver_links is not None and name in ("fusion", "uniform") else "configured",
         })
     return rows
+
+
+def measured_driver_links(doc: dict[str, Any], topology: Any) -> list[tuple[float, float]] | None:
+    """The driver's ``(round_trip_s, bandwidth_bytes_per_s)`` to each host of ``topology``
+    (the driver on its first host): the configured links plus, on every round trip, the
+    gRPC round trip fusion's coordinator measured to the worker on its own host before
+    planning (``measured`` in a bench result: its ``measured.json``); ``None`` where the
+    result has none.
+
+    The calibrated executor overheads (``step_costs``) leave out the driver's path at the
+    measured round trip (:func:`fusion.coordinator.planning.calibrate_executor`), so the
+    replay must put it back: priced from the configured links alone, the driver's calls to
+    a worker on its own host would be free, where each is a gRPC round trip of ~2 ms on
+    this machine (several per step). The links' latency and bandwidth stay as configured
+    (the probe's fit of a slow link's bandwidth is the noisier figure)."""
+    measured_topology = (doc.get("measured") or {}).get("topology") or {}
+    links = measured_topology.get("driver_links")
+    names = [w.get("name") for w in measured_topology.get("workers", [])]
+    host = topology.names()[0]
+    if not links or len(links) != len(names) or host not in names:
+        return None
+    local_rtt_s = float(links[names.index(host)][0])
+    configured = topology.with_driver_at(0).driver_links
+    return [(rtt + local_rtt_s, bw) for rtt, bw in configured]
 
 
 def _stage_factors(doc: dict[str, Any], name: str, sim: dict[str, Any] | None, micro_batches: int) -> dict[str, float]:
@@ -188,6 +214,8 @@ def add_simulation(doc: dict[str, Any], directory: Path) -> None:
         row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
         doc["compute_factor"] = v["compute_factor"]
         doc["sim_links"] = v["links"]
+        if v["system"] in ("fusion", "uniform"):
+            doc["sim_driver_links"] = v["driver_links"]
 
 
 def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_json: bool = False) -> int:
@@ -230,6 +258,11 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
         f"and their transfers the executors' measured transfer path (both columns) in: {', '.join(pathed) or 'none'}; "
         "their computations the measured cost of the transfers their process makes meanwhile "
         f"(`testbeds/interference.py`, profiled column only) in: {', '.join(interfered) or 'none'}"
+    )
+    driven = sorted({r["bench"] for r in rows if r.get("driver_links") == "measured"})
+    lines.append(
+        "\nfusion's and uniform's driver calls pay the gRPC round trip the coordinator measured to the worker on its own host, "
+        f"on top of the configured links, in: {', '.join(driven) or 'none'}"
     )
     staged = sorted({r["bench"] for r in rows if r.get("gpipe_stages")})
     lines.append(

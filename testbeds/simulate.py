@@ -39,7 +39,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,10 +234,14 @@ def simulate_plan(
     pause_cost: Callable[[float, bool], float] | None = None,
     transfer_cost: Callable[[float, float], float] | None = None,
     interference: TransferInterference | None = None,
+    driver_links: Sequence[tuple[float, float]] | None = None,
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
     estimator with the driver (the coordinator) on host ``driver``: its control round trips
     and feed cross that host's links (``None``: the driver's path is free).
+    ``driver_links``: the driver's ``(round_trip_s, bandwidth_bytes_per_s)`` to each host as
+    a run's coordinator measured them, in place of the configured links from ``driver``
+    (whose own host would be free: a gRPC round trip inside one host is not).
 
     ``given``: price this plan (``[{"worker", "nodes"}]``, as a bench run recorded it)
     instead of planning. The step is the event replay of the executor running the plan
@@ -254,6 +258,10 @@ def simulate_plan(
     spec = job.spec
     free_driver = topology.with_driver_links(None)
     topology = free_driver if driver is None else topology.with_driver_at(driver)
+    if driver_links is not None:
+        if len(driver_links) != len(topology):
+            raise FusionError(f"{len(driver_links)} driver links for {len(topology)} hosts")
+        topology = topology.with_driver_links(driver_links)
     request = request_for_job(spec, strategy=strategy, step_costs=job.step)
     request = dataclasses.replace(request, compression=compression, time_budget_s=time_budget_s)
     name = "fusion" if strategy == "opfence" else strategy

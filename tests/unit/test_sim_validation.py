@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from fusion.config import JobSpec
+from fusion.errors import FusionError
 from scheduler.estimator import StepCosts
 from testbeds import sim_topologies
-from testbeds.sim_validation import _stage_factors, validate_doc
+from testbeds.sim_validation import _stage_factors, measured_driver_links, validate_doc
 from testbeds.simulate import job_costs, simulate_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,3 +160,32 @@ def test_transfer_interference_slows_only_the_executors_profiled_computations(do
         assert paying[name]["simulated_step_s"] == pytest.approx(plain[name]["simulated_step_s"])
     for name in plain:
         assert paying[name]["calibrated_step_s"] == pytest.approx(plain[name]["calibrated_step_s"])
+
+
+def test_the_driver_pays_the_round_trip_its_coordinator_measured_on_its_own_host(doc: dict) -> None:
+    """The calibrated overheads leave the driver's path out at the measured round trip, so
+    the replay adds it to every configured link, the driver's own host included (free there
+    by the configured links alone)."""
+    topology = sim_topologies.load_topology(doc["topology"])
+    links = measured_driver_links(doc, topology)
+    measured = doc["measured"]["topology"]
+    local = measured["driver_links"][[w["name"] for w in measured["workers"]].index(topology.names()[0])][0]
+    configured = topology.with_driver_at(0).driver_links
+    assert links == [(rtt + local, bw) for rtt, bw in configured]
+    assert links[0][0] == local > 0
+    rows = {r["system"]: r for r in validate_doc(doc, "two-sites")}
+    without = {r["system"]: r for r in validate_doc({**doc, "measured": None}, "two-sites")}
+    assert rows["fusion"]["driver_links"] == "measured" and without["fusion"]["driver_links"] == "configured"
+    for name in ("fusion", "uniform"):
+        assert rows[name]["simulated_step_s"] > without[name]["simulated_step_s"]
+    for name in ("ddp", "pipelining"):
+        assert rows[name]["simulated_step_s"] == pytest.approx(without[name]["simulated_step_s"])
+    assert measured_driver_links({**doc, "measured": {"topology": {"workers": [], "driver_links": []}}}, topology) is None
+
+
+def test_driver_links_for_another_number_of_hosts_are_refused(doc: dict) -> None:
+    spec = JobSpec.from_dict(doc["job"])
+    job = job_costs(spec, step=StepCosts(**doc["step_costs"]), profile=doc["profile"])
+    topology = sim_topologies.testbed_topology(sim_topologies.load_topology(doc["topology"]), job.reference_flops)
+    with pytest.raises(FusionError, match="3 driver links for 4 hosts"):
+        simulate_plan(job, topology, strategy="uniform", compression="none", driver_links=[(0.001, 1e9)] * 3)
