@@ -275,20 +275,6 @@ def run_ranks(
     return _read_jsonl(metrics)
 
 
-def measure_pipelining_stages(spec: JobSpec, num_hosts: int) -> list[dict[str, float]] | None:
-    """The pipelining baseline's stage costs on this machine while it is quiet (see
-    :mod:`testbeds.stage_profile`), or None where the model has too few blocks to split."""
-    from fusion.training import build_job_model
-    from testbeds.baselines.split import num_pipeline_stages
-    from testbeds.stage_profile import profile_pipeline_stages
-
-    num_stages = num_pipeline_stages(build_job_model(spec), num_hosts)
-    if num_stages < 2:
-        return None
-    print(f"profiling the pipelining baseline's {num_stages} stages", file=sys.stderr, flush=True)
-    return profile_pipeline_stages(spec, num_stages)
-
-
 class RankCrashed(FusionError):
     """A baseline rank was killed by a signal, not by its own error (on this VM gloo aborts
     a rank with SIGABRT now and then: "terminate called without an active exception")."""
@@ -536,7 +522,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
-    pipelining_stages = measure_pipelining_stages(spec, len(topology)) if "pipelining" in systems else None
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
         fleet = FusionFleet(tb, workdir, slowdowns=slowdowns) if {"fusion", "uniform"} & set(systems) else None
@@ -565,8 +550,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
         # What fusion's coordinator measured before planning (speeds, machines, link fits).
         "measured": next((r.measured for r in runs.get("fusion", []) if r.measured), None),
-        # The GPipe program's own stage costs (testbeds.stage_profile), measured here before the runs.
-        "pipelining_stages": pipelining_stages,
     }
     doc = report(rows, meta)
     if args.simulate:

@@ -3,7 +3,6 @@ to what it measured (``python -m testbeds.simulate --validate BENCH_JSON...``)."
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -98,7 +97,7 @@ def validate_doc(
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
     step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
-    job = dataclasses.replace(job_costs(spec, step=step, profile=doc.get("profile")), pipelining_stages=doc.get("pipelining_stages"))
+    job = job_costs(spec, step=step, profile=doc.get("profile"))
     topology = load_topology(doc["topology"])
     mode = doc["latency_mode"]
     measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
@@ -157,7 +156,6 @@ def validate_doc(
             "pause_cost": pause is not None and name in ("fusion", "uniform"),
             "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
             "interference": interference is not None and name in ("fusion", "uniform"),
-            "gpipe_stages": name == "pipelining" and bool(doc.get("pipelining_stages")),
             "driver_links": "measured" if driver_links is not None and name in ("fusion", "uniform") else "configured",
         })
     return rows
@@ -263,11 +261,6 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
     lines.append(
         "\nfusion's and uniform's driver calls pay the gRPC round trip the coordinator measured to the worker on its own host, "
         f"on top of the configured links, in: {', '.join(driven) or 'none'}"
-    )
-    staged = sorted({r["bench"] for r in rows if r.get("gpipe_stages")})
-    lines.append(
-        "\npipelining's stages priced from the GPipe program's own stage profile, which the benchmark measured before "
-        f"its runs (`testbeds/stage_profile.py`), in: {', '.join(staged) or 'none'}; elsewhere from the node profile"
     )
     text = "\n".join(lines) + "\n"
     if out:

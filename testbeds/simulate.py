@@ -106,10 +106,7 @@ class JobCosts:
     buffer_bytes: int = 0
     """The model's buffers (BatchNorm's running statistics): DDP broadcasts them from rank 0
     before every forward."""
-    pipelining_stages: list[dict[str, float]] | None = None
-    """The GPipe program's own per-stage ``fwd_time_s``/``bwd_time_s`` for one micro-batch at
-    ``reference_flops`` (:mod:`testbeds.stage_profile`, as a benchmark recorded them); None:
-    price the stages from the node profile."""
+
     @property
     def target_bytes(self) -> int:
         """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
@@ -440,12 +437,11 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     speed = np.array([topology.workers[s].effective_flops for s in range(num_stages)])
     scale = job.reference_flops / speed
     contention = max(1.0, num_stages / cores) if cores else 1.0
-    if job.pipelining_stages is not None and len(job.pipelining_stages) == num_stages:
-        f = np.array([s["fwd_time_s"] for s in job.pipelining_stages]) * scale * contention
-        b = np.array([s["bwd_time_s"] for s in job.pipelining_stages]) * scale * contention
-    else:
-        f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale * contention
-        b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale * contention
+    # From the node profile, each node's backward timed on its own autograd nodes: the GPipe
+    # program's own stages timed in isolation (testbeds.stage_profile) were the worse price
+    # in 8 of 12 full benchmark cells (testbeds/results/bench-notes.md).
+    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale * contention
+    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale * contention
     act = np.zeros(num_stages - 1)
     grad = np.zeros(num_stages - 1)
     seen: set[tuple[int, int]] = set()

@@ -11,10 +11,13 @@ Measured on a 2-core testbed machine, one thread (``python -m testbeds.stage_pro
   the stage's forward (1.3x in the eager model);
 - GPT-2 mini, four stages: forward 1.7-1.9x, backward 0.9-1.0x the forward.
 
-So the simulator prices a GPipe stage from these times when a benchmark recorded them
-(``bench --json``'s ``pipelining_stages``), measured by the bench process just before the
-runs on the same quiet machine as the coordinator's node profile; otherwise (tables for
-topologies no one ran) from the node profile.
+A diagnostic, not the simulator's price. Over two sets of the six benchmark cells
+(2026-12-01, ``testbeds/results/bench-notes.md``), GPipe's step priced from these times was
+within 10 % of the run in 8 of 12, priced from the node profile (each node's backward timed
+on its own autograd nodes) in 10 of 12; the node profile was the closer in 8 cells (by up to
+24 points, volunteers ResNet +49 % against +25 %), these times in 3 (by at most 4 points).
+So the simulator prices GPipe from the node profile, and this tool says how the two
+programs differ.
 """
 
 from __future__ import annotations

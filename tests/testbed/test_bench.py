@@ -91,9 +91,6 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     assert doc["profile"]["nodes"] and doc["profile"]["matmul_flops"] > 0
     assert {"control_s", "micro_batch_s", "optimizer_s_per_byte"} <= set(doc["step_costs"])
     assert doc["profile"]["compute_factor"] > 0  # the calibration's level for the node costs
-    # ... and the GPipe program's own stage costs, one per stage (GPT-2 tiny: two blocks).
-    assert len(doc["pipelining_stages"]) == 2
-    assert all(s["fwd_time_s"] > 0 and s["bwd_time_s"] > 0 for s in doc["pipelining_stages"])
     # ... and so does what fusion's coordinator measured: both hosts run on this machine's CPU.
     measured = doc["measured"]["topology"]
     assert {w["name"] for w in measured["workers"]} == {"near", "far"} and len({w["machine"] for w in measured["workers"]}) == 1

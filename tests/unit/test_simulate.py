@@ -211,22 +211,6 @@ def test_gpipe_rendezvous_pays_each_round_trip() -> None:
     assert gloo.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat) == pytest.approx(9.0)
 
 
-def test_pipelining_prices_stages_from_the_gpipe_programs_profile(tiny: sim.JobCosts) -> None:
-    """Given the GPipe program's stage costs, the stages cost exactly those (scaled to each
-    host's speed), not the node profile's shares: on links that cost nothing, 4 micro-batches
-    through two stages of (1 s, 2 s) and (1 s, 2 s) take 1 + 1 + 3 x 1 forward and
-    2 + 2 + 3 x 2 backward."""
-    free = line_topology(2, bandwidth_bytes_per_s=1e15, latency_s=0.0, flops=tiny.reference_flops)
-    staged = dataclasses.replace(tiny, pipelining_stages=[{"fwd_time_s": 1.0, "bwd_time_s": 2.0}] * 2)
-    assert sim.simulate_pipelining(staged, free).step_s == pytest.approx(15.0, rel=1e-3)
-    # A host half as fast doubles its stage.
-    half = line_topology(2, bandwidth_bytes_per_s=1e15, latency_s=0.0, flops=tiny.reference_flops / 2)
-    assert sim.simulate_pipelining(staged, half).step_s == pytest.approx(30.0, rel=1e-3)
-    # Recorded for another number of stages: the node profile prices them.
-    other = dataclasses.replace(tiny, pipelining_stages=[{"fwd_time_s": 1.0, "bwd_time_s": 2.0}] * 3)
-    assert sim.simulate_pipelining(other, free).step_s == pytest.approx(sim.simulate_pipelining(tiny, free).step_s)
-
-
 def test_even_split_of_gpt2(tiny: sim.JobCosts) -> None:
     assert tiny.blocks == ["transformer.h.0", "transformer.h.1"]
     assert even_split_points(tiny.blocks, 2) == ["transformer.h.1"]
