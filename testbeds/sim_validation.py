@@ -87,7 +87,7 @@ def validate_doc(
     between the clusters they cover (each row's ``links`` says whether they did);
     ``pause``: the machine's pause cost, which fusion's and uniform's stages then pay in the
     profiled prediction (not in the calibrated one: the compute a run measured includes it;
-    the gloo baselines' ranks poll through their waits instead of sleeping);
+    the gloo baselines are priced without it, as they were validated);
     ``transfer_path``: the executors' own work per transfer on this machine, which fusion's
     and uniform's transfers between stages then pay in both predictions; ``interference``:
     what a transfer costs a computation it overlaps in its process, which fusion's and
