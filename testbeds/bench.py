@@ -19,7 +19,8 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
 
 Per system: the step seconds of each round, a mean over its timed steps with the
 extremes trimmed (the first ``--warmup`` steps of a run are left out; this VM switches
-between speeds 1.3-1.7x apart every second or so, and a median of a fast system's steps
+between speeds in phases of a few seconds, 1 s windows 0.79-1.63x their median, and a median
+of a fast system's steps
 falls in one such phase where a mean weighs them as a long run meets them), the median of
 the rounds, samples (and tokens) per second, the bytes per step
 on the slowest link it sends over (lowest configured bandwidth; both directions), its final
