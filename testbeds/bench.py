@@ -17,12 +17,11 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
 - ``pipelining``: :mod:`testbeds.baselines.pipelining`, GPipe over the first ``min(N,
   blocks)`` hosts.
 
-Per system: the step seconds of each round, a mean over its timed steps with the
-extremes trimmed (the first ``--warmup`` steps of a run are left out; this VM switches
-between speeds in phases of a few seconds, 1 s windows 0.79-1.63x their median, and a median
-of a fast system's steps
-falls in one such phase where a mean weighs them as a long run meets them), the median of
-the rounds, samples (and tokens) per second, the bytes per step
+Per system: the step seconds of each round, a mean over its timed steps with the extremes
+trimmed (the first ``--warmup`` steps of a run are left out; this VM switches between
+speeds in phases of a few seconds, 1 s windows 0.79-1.63x their median, and a median of a
+fast system's steps falls in one such phase where a mean weighs them as a long run meets
+them), the median of the rounds, samples (and tokens) per second, the bytes per step
 on the slowest link it sends over (lowest configured bandwidth; both directions), its final
 loss, fusion's speed-up over it, and, for fusion, its **efficiency**: the estimator's
 predicted step time for the plan fusion ran (``predicted_step_s``, priced with the costs the
@@ -67,6 +66,7 @@ from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
 from fusion.profiling import trimmed_mean
 from scheduler.topology import Topology
+from testbeds.bench_report import markdown, write_chart
 from testbeds.run import slowdown_args
 from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
 
@@ -403,108 +403,6 @@ def report(rows: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     if fusion.get("step_s") and fusion.get("predicted_step_s"):
         efficiency = fusion["predicted_step_s"] / fusion["step_s"]
     return {**meta, "systems": rows, "speedup": speedup, "efficiency": efficiency}
-
-
-def markdown(doc: dict[str, Any]) -> str:
-    """The table (and the notes) as markdown."""
-    lines = [
-        f"# {doc['topology']}: {doc['job_name']}",
-        "",
-        f"`{doc['command']}`",
-        "",
-        (
-            f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
-            f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; "
-            f"{'trimmed means of the steps, medians of the rounds' if doc.get('step_statistic') == 'trimmed-mean' else 'medians'}."
-        ),
-        "",
-        *emulation_lines(doc),
-        "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err | calibrated s | err | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for name, r in doc["systems"].items():
-        def f(v: Any, fmt: str) -> str:
-            return "-" if v is None else format(v, fmt)
-
-        sp = doc["speedup"].get(name)
-        sim, err = r.get("simulated_step_s"), r.get("sim_error")
-        cal, cal_err = r.get("calibrated_step_s"), r.get("calibrated_error")
-        link = f"{r['slowest_link_mbps']:g} Mbps" if r.get("slowest_link_mbps") else "none"
-        lines.append(
-            f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | {f(r.get('step_s'), '.4g')} | {link} | "
-            f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | {'-' if name == 'fusion' else f(sp, '.2f')} | "
-            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | {f(cal, '.4g')} | {'-' if cal_err is None else f'{cal_err:+.0%}'} | "
-            f"{r.get('note', '')} |"
-        )
-    lines.append("")
-    eff = doc.get("efficiency")
-    fusion = doc["systems"].get("fusion", {})
-    lines.append(
-        f"fusion efficiency (predicted {f_or(fusion.get('predicted_step_s'))} s / measured {f_or(fusion.get('step_s'))} s): "
-        f"{'-' if eff is None else f'{eff:.2f}'}; fusion ran on {', '.join(fusion.get('hosts_used', [])) or '-'}"
-        + (f"; AdaTopK keep ratios {fusion['keep_ratios']}" if fusion.get("keep_ratios") else "")
-    )
-    if "compute_factor" in doc:
-        lines.append(
-            f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
-            f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; calibrated: the same with each host of fusion's and uniform's plans computing "
-            f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
-            + " ddp's gradient buckets are all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message."
-            + (f" ddp's and pipelining's messages take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/link_times.py`)."
-               if doc.get("sim_links") == "measured" else "")
-            + (" fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
-               "`testbeds/pause_cost.py`) in the simulated column." if doc.get("sim_pause_cost") else "")
-            + (" Their transfers between stages pay the executors' measured transfer path (the same file) in both."
-               if doc.get("sim_transfer_path") else "")
-            + (" Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
-               "`testbeds/interference.py`) in the simulated column." if doc.get("sim_interference") else "")
-            + (" Their driver's calls pay the gRPC round trip the coordinator measured to the worker on its own host, on top of "
-               "the configured links." if doc.get("sim_driver_links") == "measured" else "")
-        )
-    lines += [f"\n{name}'s bytes on the slowest link: {r['slowest_link_bytes_note']}" for name, r in doc["systems"].items() if r.get("slowest_link_bytes_note")]
-    return "\n".join(lines) + "\n"
-
-
-def emulation_lines(doc: dict[str, Any]) -> list[str]:
-    """The table's label for a run with emulated slower devices (none without)."""
-    slowdowns = doc.get("emulated_slowdown")
-    if not slowdowns:
-        return []
-    hosts = slowdowns_label(slowdowns)
-    why = "the topology's device speed ratios, `--emulate-speeds`" if doc.get("emulate_speeds") else "the hosts' `slowdown`"
-    return [
-        f"**Emulated slower devices** ({why}): {hosts}; every system's computations there are followed by a sleep of "
-        "(factor - 1) times their length (`executor.emulation`).",
-        "",
-    ]
-
-
-def f_or(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4g}"
-
-
-def write_chart(doc: dict[str, Any], path: Path) -> None:
-    """A PNG: samples/s per system (bars), fusion's speed-up over each written above its bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n, r in doc["systems"].items()]
-    values = [doc["systems"][n].get("samples_per_s") or 0.0 for n in names]
-    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
-    bars = ax.bar(names, values, color=["#2a7" if n == "fusion" else "#888" for n in names])
-    for bar, name in zip(bars, names):
-        r = doc["systems"][name]
-        sp = doc["speedup"].get(name)
-        label = "n/a" if not r.get("samples_per_s") else (f"fusion {sp:.1f}x" if sp else f"{r['samples_per_s']:.3g}/s")
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("samples / s")
-    ax.set_title(f"{doc['topology']}: {doc['job_name']} ({doc['backend']}, {doc['repeats']} rounds)")
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:

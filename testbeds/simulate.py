@@ -40,7 +40,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,183 +47,32 @@ import numpy as np
 
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError, PlanError
-from fusion.graph.ir import OpDag
 from scheduler.estimator import (
-    OPTIMIZER_STATE_FACTOR,
     StepCosts,
-    Workload,
     estimate,
-    workload_from_dag,
 )
 from scheduler.planner import compression_marks, make_plan, price, request_for_job
-from scheduler.topology import GIB, Topology
-from testbeds.gloo_model import (
-    DDP_REPLAY_STEPS,
-    MAX_REPLAY_MESSAGES,
-    ddp_bucket_ready_s,
-    ddp_buckets,
-    ddp_replay_step_s,
-    gpipe_step_s,
-    replay_messages,
-    ring_allreduce_s,
-)
+from scheduler.topology import Topology
 from testbeds.interference import TransferInterference
 from testbeds.replay import replay_step
+from testbeds.sim_baselines import simulate_ddp, simulate_pipelining
+from testbeds.sim_costs import (
+    SYSTEMS,
+    JobCosts,
+    SystemResult,
+    job_costs,
+    slowest_link,
+    with_throughput,
+)
 from testbeds.sim_topologies import (
-    MBPS,
     load_topology,
-    shared_cores_factor,
     testbed_topology,
 )
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
-
-#: Executor overheads when none are given: the calibration of ``fusion profile`` on this
-#: 2-core machine (GPT-2 tiny, loopback) measured about 6 ms of driver round trips per step
-#: and 1.5 ms of mailbox/hand-off work per micro-batch and stage.
-DEFAULT_CONTROL_S = 6e-3
-DEFAULT_MICRO_BATCH_S = 1.5e-3
-
-
-# ---------------------------------------------------------------- job costs
-@dataclass
-class JobCosts:
-    """A job's model as the simulator sees it: the costed DAG and the fixed step costs."""
-
-    spec: JobSpec
-    dag: OpDag
-    """Compute nodes with per-micro-batch times at ``dag.reference_flops``."""
-    step: StepCosts
-    blocks: list[str]
-    """The model's repeated blocks (for the pipelining split)."""
-    tokens_per_sample: int
-    """Tokens in one sample (sequence length) for language models, else 0."""
-    costs: str
-    """``profile`` or ``flops``."""
-    buffer_bytes: int = 0
-    """The model's buffers (BatchNorm's running statistics): DDP broadcasts them from rank 0
-    before every forward."""
-
-    @property
-    def target_bytes(self) -> int:
-        """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
-        return self.step.target_bytes
-
-    @property
-    def reference_flops(self) -> float:
-        return float(self.dag.reference_flops or 1.0e12)
-
-    def workload(self) -> Workload:
-        return workload_from_dag(self.dag, optimizer=self.spec.train.optimizer, momentum=self.spec.train.momentum, step=self.step)
-
-
-def job_costs(
-    spec: JobSpec, *, costs: str = "profile", step: StepCosts | None = None, repeats: int = 3, profile: dict[str, Any] | None = None
-) -> JobCosts:
-    """Capture the job's model and cost every node: profiled here, taken from ``profile``
-    (``{"nodes", "matmul_flops", "optimizer_s_per_byte", "compute_factor"}`` as the
-    coordinator measured and calibrated them during a benchmark), or from FLOPs."""
-    import torch
-
-    from fusion.graph.export import capture
-    from fusion.models import build_model
-    from fusion.profiling import (
-        measure_matmul_flops,
-        measure_optimizer_s_per_byte,
-        profile_graph,
-        scale_node_times,
-    )
-    from fusion.training import build_job_dataset, build_job_model, example_micro_batch
-    from testbeds.baselines.split import block_names
-
-    if costs not in ("profile", "flops"):
-        raise FusionError(f"unknown costs {costs!r}: use profile or flops")
-    x, y = example_micro_batch(spec, build_job_dataset(spec))
-    tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else 0
-    if costs == "profile":
-        model = build_job_model(spec)
-        captured = capture(model, (x,))
-        if profile is None:
-            torch_threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # one thread per worker, as the testbeds run them
-            try:
-                profile = {
-                    "nodes": profile_graph(captured.graph_module, (x,), repeats=repeats),
-                    "matmul_flops": measure_matmul_flops(torch.device("cpu")),
-                    "optimizer_s_per_byte": measure_optimizer_s_per_byte(spec.train.optimizer, numel=1 << 22),
-                }
-            finally:
-                torch.set_num_threads(torch_threads)
-        nodes = scale_node_times(profile["nodes"], profile.get("compute_factor") or 1.0)  # as the coordinator calibrated them
-        dag = captured.dag.with_profile(nodes, reference_flops=float(profile["matmul_flops"]))
-        opt_s = float(profile["optimizer_s_per_byte"])
-    else:
-        torch.manual_seed(spec.train.seed)
-        with torch.device("meta"):
-            model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
-        dag = capture(model, (x.to("meta"),)).dag
-        opt_s = 0.0
-    base = step or StepCosts(control_s=DEFAULT_CONTROL_S, micro_batch_s=DEFAULT_MICRO_BATCH_S)
-    if base.optimizer_s_per_byte == 0.0:
-        base = dataclasses.replace(base, optimizer_s_per_byte=opt_s)
-    base = dataclasses.replace(base, target_bytes=y.numel() * y.element_size())
-    return JobCosts(
-        spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs,
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-    )
-
 
 # ---------------------------------------------------------------- systems
-@dataclass
-class SystemResult:
-    """One system's predicted step."""
-
-    name: str
-    step_s: float | None
-    """Predicted seconds per step; ``None`` when the system does not apply (see ``note``)."""
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    slowest_link_bytes: int = 0
-    """Bytes per step (both directions) over the slowest link (lowest bandwidth) the system
-    sends over; the busiest one if several are as slow."""
-    slowest_link_mbps: float | None = None
-    """That link's bandwidth in Mbit/s (``None``: the system uses no link)."""
-    hosts_used: int = 0
-    note: str = ""
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _finish(result: SystemResult, job: JobCosts) -> SystemResult:
-    if result.step_s is not None and result.step_s > 0:
-        batch = job.spec.data.batch_size
-        result.samples_per_s = batch / result.step_s
-        if job.tokens_per_sample:
-            result.tokens_per_s = batch * job.tokens_per_sample / result.step_s
-    return result
-
-
-def _slowest(topology: Topology, link_bytes: dict[tuple[int, int], float]) -> tuple[int, float | None]:
-    """(bytes per step, both directions, on the busiest of the lowest-bandwidth host pairs in
-    ``link_bytes``; that bandwidth in Mbit/s)."""
-    pairs: dict[frozenset[int], float] = {}
-    bw: dict[frozenset[int], float] = {}
-    for (a, b), size in link_bytes.items():
-        if a == b or size <= 0:
-            continue
-        pair = frozenset((a, b))
-        pairs[pair] = pairs.get(pair, 0.0) + size
-        bw[pair] = min(topology.bandwidth_bytes_per_s[a][b], topology.bandwidth_bytes_per_s[b][a])
-    if not pairs:
-        return 0, None
-    slowest = min(bw.values())
-    return int(max(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
-
-
 def simulate_plan(
     job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None,
     driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
@@ -254,11 +102,12 @@ def simulate_plan(
 
     spec = job.spec
     free_driver = topology.with_driver_links(None)
-    topology = free_driver if driver is None else topology.with_driver_at(driver)
     if driver_links is not None:
         if len(driver_links) != len(topology):
             raise FusionError(f"{len(driver_links)} driver links for {len(topology)} hosts")
         topology = topology.with_driver_links(driver_links)
+    else:
+        topology = free_driver if driver is None else topology.with_driver_at(driver)
     request = request_for_job(spec, strategy=strategy, step_costs=job.step)
     request = dataclasses.replace(request, compression=compression, time_budget_s=time_budget_s)
     name = "fusion" if strategy == "opfence" else strategy
@@ -297,13 +146,13 @@ def simulate_plan(
     for (a, c), size in est.link_bytes.items():
         wa, wc = stage_workers[a], stage_workers[c]
         per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
-    slow_bytes, slow_mbps = _slowest(topology, per_pair)
+    slow_bytes, slow_mbps = slowest_link(topology, per_pair)
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
     replay = replay_step(
         wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost,
         transfer_cost=transfer_cost, interference=interference,
     )
-    return _finish(
+    return with_throughput(
         SystemResult(
             name=name,
             step_s=replay.step_s,
@@ -355,137 +204,6 @@ def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topolo
                 ratios[(a, c)] = ratio
         act[(a, c)], grad[(a, c)] = factors["activations"], factors["gradients"]
     return act, grad, ratios
-
-
-def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
-    """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
-
-    ``cores``: on a one-machine testbed all ``N`` ranks compute at once on that many cores
-    (one thread each), so compute takes ``max(1, N / cores)`` times longer
-    (:func:`shared_cores_factor`, which counts a rank emulating a slower device by its share).
-    """
-    spec = job.spec
-    n = len(topology)
-    batch, mb = spec.data.batch_size, spec.micro_batch_size
-    if batch < n:
-        return SystemResult(name="ddp", step_s=None, note=f"n/a: batch {batch} < {n} ranks")
-    wl = job.workload()
-    per_mb_s = float(wl.fwd_s.sum() + wl.bwd_s.sum())  # whole model, one micro-batch, at reference speed
-    per_rank_samples = batch / n
-    param_bytes = float(wl.total_param_bytes)
-    one = estimate(wl, np.zeros(len(wl), dtype=np.int64), [0], topology, micro_batches=1)
-    factor = 2.0 + OPTIMIZER_STATE_FACTOR[wl.optimizer]
-    activations = max(0.0, one.peak_memory_bytes[0] - factor * param_bytes) * per_rank_samples / mb
-    need = factor * param_bytes + activations
-    short = [w.name for w in topology.workers if w.memory_bytes is not None and need > w.memory_bytes]
-    if short:
-        return SystemResult(name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has")
-    cores_factor = shared_cores_factor(topology.workers, cores)
-    samples = per_rank_samples / mb  # micro-batches' worth of samples each rank computes
-    scale = [job.reference_flops / w.effective_flops * cores_factor * samples for w in topology.workers]
-    compute_s = per_mb_s * max(scale)
-    ready = ddp_bucket_ready_s(wl)
-    buckets = len(ready) or ddp_buckets(param_bytes)
-    # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
-    optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
-    if ready and DDP_REPLAY_STEPS * replay_messages(n, [size for size, _ in ready]) <= MAX_REPLAY_MESSAGES:
-        step_s = ddp_replay_step_s(topology, ready, scale, optimizer_s, job.buffer_bytes)
-        allreduce_s, model = step_s - compute_s - optimizer_s, "replay"
-    else:
-        # Too long to replay: one all-reduce of the whole gradient after the backward.
-        allreduce_s, model = ring_allreduce_s(topology, list(range(n)), param_bytes), "closed form"
-        step_s = compute_s + allreduce_s + optimizer_s
-    ring_bytes = {(i, (i - 1) % n): 2 * (n - 1) / n * param_bytes for i in range(n)} if n > 1 else {}
-    slow_bytes, slow_mbps = _slowest(topology, ring_bytes)
-    return _finish(
-        SystemResult(
-            name="ddp", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=n,
-            detail={
-                "compute_s": compute_s, "allreduce_s": allreduce_s, "optimizer_s": optimizer_s, "buckets": buckets, "allreduce_model": model,
-                "buffer_bytes": job.buffer_bytes,
-            },
-        ),
-        job,
-    )
-
-
-def gpipe_stages(job: JobCosts, num_stages: int) -> np.ndarray:
-    """Stage of every compute unit under the even block split (:mod:`testbeds.baselines.split`)."""
-    from testbeds.baselines.split import split_stages
-
-    paths = [node.module_path for node in job.dag.compute_nodes()]
-    return np.array(split_stages(job.blocks, paths, num_stages), dtype=np.int64)
-
-
-def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
-    """GPipe over the first ``min(N, blocks)`` hosts with the even split.
-
-    ``cores``: the ranks share that many cores (one-machine testbed). In GPipe's steady state
-    every stage computes at once, one micro-batch each, so with ``S`` ranks on fewer cores
-    every stage computes ``S / cores`` times slower. Not because waiting ranks spin: a rank
-    waiting in gloo's ``recv`` or a ``batch_isend_irecv`` handle uses under 1 % of a core
-    (measured here, 0.007 CPU-s per s). A rank emulating a slower device counts in full too,
-    which over-prices topologies where one waits on such a rank (volunteers: +6 to +25 %
-    over two sets of runs), while counting it by the share of a core it holds (as DDP's
-    :func:`shared_cores_factor` does) under-prices them (-18 to -39 %): the emulation
-    stretches whatever contention the slow rank's bursts meet, and how often they meet the
-    others' computations moves from run to run.
-    """
-    spec = job.spec
-    num_stages = min(len(topology), len(job.blocks))
-    if num_stages < 2:
-        return SystemResult(name="pipelining", step_s=None, note=f"n/a: the model has {len(job.blocks)} block(s), a pipeline needs 2")
-    unit_stage = gpipe_stages(job, num_stages)
-    wl = job.workload()
-    speed = np.array([topology.workers[s].effective_flops for s in range(num_stages)])
-    scale = job.reference_flops / speed
-    contention = max(1.0, num_stages / cores) if cores else 1.0
-    # From the node profile, each node's backward timed on its own autograd nodes: the GPipe
-    # program's own stages timed in isolation (testbeds.stage_profile) were the worse price
-    # in 8 of 12 full benchmark cells (testbeds/results/bench-notes.md).
-    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale * contention
-    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale * contention
-    act = np.zeros(num_stages - 1)
-    grad = np.zeros(num_stages - 1)
-    seen: set[tuple[int, int]] = set()
-    for src, dst, size, gsize in wl.edges:
-        a, c = int(unit_stage[src]), int(unit_stage[dst])
-        if a == c or (src, c) in seen:
-            continue
-        seen.add((src, c))
-        # A value that skips stages is relayed by every stage in between (a chain pipeline).
-        for k in range(a, c):
-            act[k] += size
-            grad[k] += gsize
-    x = np.array([topology.transfer_s(k, k + 1, act[k]) for k in range(num_stages - 1)])
-    g = np.array([topology.transfer_s(k + 1, k, grad[k]) for k in range(num_stages - 1)])
-    x_lat = np.array([topology.latency_s[k][k + 1] for k in range(num_stages - 1)])
-    g_lat = np.array([topology.latency_s[k + 1][k] for k in range(num_stages - 1)])
-    m = spec.train.micro_batches
-    step_s = gpipe_step_s(f, b, x, g, m, x_latency=x_lat, g_latency=g_lat, rendezvous=True)
-    stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
-    for u, unit in enumerate(wl.params):
-        for pid, size in unit:
-            stage_params[unit_stage[u]][pid] = size
-    param_bytes = np.array([sum(p.values()) for p in stage_params], dtype=np.float64)
-    raw = np.array([job.reference_flops / topology.workers[s].flops for s in range(num_stages)])  # optimizer: not emulated
-    step_s += wl.step.optimizer_s_per_byte * float((param_bytes * raw).max())
-    holders: dict[int, list[int]] = {}
-    for s, p in enumerate(stage_params):
-        for pid in p:
-            holders.setdefault(pid, []).append(s)
-    tied = {pid: ss for pid, ss in holders.items() if len(ss) > 1}
-    tied_s = sum(ring_allreduce_s(topology, ss, stage_params[ss[0]][pid]) for pid, ss in tied.items())
-    step_s += tied_s
-    link_bytes = {(k, k + 1): m * (act[k] + grad[k]) for k in range(num_stages - 1)}
-    slow_bytes, slow_mbps = _slowest(topology, link_bytes)
-    return _finish(
-        SystemResult(
-            name="pipelining", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=num_stages,
-            detail={"stages": topology.names()[:num_stages], "tied_sync_s": tied_s},
-        ),
-        job,
-    )
 
 
 def simulate(

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.fx
 
-from fusion.profiling import profile_graph
+from fusion.profiling import profile_graph, trimmed_mean
 
 
 @torch.fx.wrap
@@ -87,3 +87,10 @@ def test_backward_is_measured_per_node_not_spread_by_forward() -> None:
     assert profile["mean"]["bwd_time_s"] == 0.0
     assert profile["fc"]["bwd_time_s"] > 0.5 * graph_bwd
     assert sum(v["bwd_time_s"] for k, v in profile.items() if k != "__graph__") == pytest.approx(graph_bwd)
+
+
+def test_trimmed_mean_drops_each_tail() -> None:
+    # Ten samples, 10 % at each end: the 0.001 and the 0.5 (a preemption) go.
+    values = [0.001, 0.5] + [0.010] * 4 + [0.020] * 4
+    assert trimmed_mean(values) == pytest.approx(0.015)
+    assert trimmed_mean([0.3]) == 0.3

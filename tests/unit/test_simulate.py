@@ -16,6 +16,7 @@ from testbeds import gloo_model as gloo
 from testbeds import sim_topologies
 from testbeds import simulate as sim
 from testbeds.baselines.split import block_names, even_split_points
+from testbeds.sim_baselines import gpipe_stages
 
 REPO = Path(__file__).resolve().parents[2]
 MBPS = 1e6 / 8
@@ -216,7 +217,7 @@ def test_even_split_of_gpt2(tiny: sim.JobCosts) -> None:
     assert even_split_points(tiny.blocks, 2) == ["transformer.h.1"]
     with pytest.raises(ValueError):
         even_split_points(tiny.blocks, 3)
-    stage = sim.gpipe_stages(tiny, 2)
+    stage = gpipe_stages(tiny, 2)
     names = [n.name for n in tiny.dag.compute_nodes()]
     assert stage[names.index("transformer_h_0_ln_1")] == 0
     assert stage[names.index("transformer_h_1_ln_1")] == 1

@@ -48,10 +48,3 @@ def test_cli_prints_each_stage(capsys: pytest.CaptureFixture[str], tmp_path, mon
     assert stage_profile.main(["--job", str(job), "--stages", "2"]) == 0
     out = capsys.readouterr().out
     assert "stage 0: forward" in out and "stage 1: forward" in out
-
-
-def test_trimmed_mean_drops_each_tail() -> None:
-    # Ten samples, 10 % at each end: the 0.001 and the 0.5 (a preemption) go.
-    values = [0.001, 0.5] + [0.010] * 4 + [0.020] * 4
-    assert stage_profile.trimmed_mean(values) == pytest.approx(0.015)
-    assert stage_profile.trimmed_mean([0.3]) == 0.3
