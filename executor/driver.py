@@ -31,6 +31,7 @@ from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import CutSetting, RatioController
 from executor.runtime import TARGET_NAME
 from executor.status import POISONED_SENDER_METADATA
+from executor.trace import tracer
 from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
 from fusion.auth import new_key, wrap_job_key
 from fusion.checkpoint import stage_key
@@ -232,6 +233,7 @@ class PipelineDriver:
 
         With ``measure_memory`` each stage also counts its activation memory (slower).
         """
+        self._event("step", step)
         t0 = time.perf_counter()
         m = self.job.train.micro_batches
         schedule = _SCHEDULES[self.job.train.schedule]
@@ -244,6 +246,7 @@ class PipelineDriver:
             ],
             name="run-step",
         )
+        self._event("run_step", step)
         input_names = self.dag.input_names()
         if len(inputs) != len(input_names):
             raise ValueError(f"model takes {len(input_names)} inputs ({input_names}), got {len(inputs)}")
@@ -294,6 +297,7 @@ class PipelineDriver:
         run_parallel(calls, name=f"step{step}")
         if errors:
             raise self._root_cause(step, errors)
+        self._event("forward_backward", step)
         stats = StepStats(step=step, loss=results[self.loss_stage].loss, step_s=time.perf_counter() - t0)
         for s, r in results.items():
             stats.compute_s[s] = r.compute_s
@@ -351,6 +355,12 @@ class PipelineDriver:
             return RemoteError(f"step {step} failed on stage {stage_idx} ({self.addresses[stage_idx]}): {error}", code=error.code, peer=error.peer)
         return StageError(f"step {step} failed on stage {stage_idx}: {error}")
 
+    def _event(self, ev: str, step: int) -> None:
+        """One timeline event of the driver (:mod:`executor.trace`; nothing when off)."""
+        trace = tracer()
+        if trace.enabled:
+            trace.event(ev, job=self.job_id, stage=DRIVER, step=step)
+
     def _header(self, stage_idx: int, step: int, micro_batch_idx: int, kind: int) -> pb.TransferHeader:
         return pb.TransferHeader(
             job_id=self.job_id, stage_idx=stage_idx, src_stage_idx=DRIVER, step=step, micro_batch_idx=micro_batch_idx, kind=kind
@@ -389,6 +399,7 @@ class PipelineDriver:
             self.clients[s.stage_idx].apply_step(self.job_id, s.stage_idx, step, optimizer_step=optimizer_step, **kwargs)
 
         run_parallel([lambda s=s: one(s) for s in self.stages], name="apply")
+        self._event("applied", step)
 
     def train_step(
         self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *,

@@ -34,6 +34,7 @@ from executor.mailbox import Aborted, ExpectedValue, Mailbox, Payload
 from executor.memory_meter import MemoryMeter
 from executor.schedule import Action, stage_actions
 from executor.tied import TiedParam, TiedSet
+from executor.trace import tracer
 from executor.transport import Transfer, dtype_from_wire
 from fusion.checkpoint import (
     Snapshot,
@@ -146,6 +147,7 @@ class StageRuntime:
         self._weights_free = threading.Event()
         self._weights_free.set()
         self.tied = TiedSet(spec.stage_idx, dict(module.named_parameters(remove_duplicate=False)), tied)
+        self._trace = tracer()
 
     # ------------------------------------------------------------- receiving
     def check_transfer(self, header: pb.TransferHeader) -> None:
@@ -208,6 +210,7 @@ class StageRuntime:
                 raise
         payload: Payload = dict(tensors)
         payload.update(transfer.scalars(self.device))
+        self._event("arrive", h.step, kind=int(h.kind), mb=h.micro_batch_idx, src=h.src_stage_idx)
         self.mailbox.put((h.kind, h.micro_batch_idx, h.src_stage_idx), payload)
 
     # ------------------------------------------------------------- steps
@@ -257,6 +260,7 @@ class StageRuntime:
         self.mailbox.abort(reason)
 
     def _run(self, result: StepResult, actions: list[Action]) -> None:
+        self._event("start", result.step)
         pending: list[Future[tuple[int, float]]] = []
         current: Action | None = None
         try:
@@ -269,6 +273,7 @@ class StageRuntime:
             for f in pending:
                 f.result(timeout=self.step_timeout_s)
             result.peak_memory_bytes = self._peak_memory()
+            self._event("done", result.step)
         except Aborted as e:
             result.error = str(e)
         except Exception as e:
@@ -279,6 +284,11 @@ class StageRuntime:
         finally:
             self._kept.clear()
             result.done.set()
+
+    def _event(self, ev: str, step: int, **fields: Any) -> None:
+        """One timeline event of this stage (:mod:`executor.trace`; nothing when off)."""
+        if self._trace.enabled:
+            self._trace.event(ev, job=self.job_id, stage=self.spec.stage_idx, step=step, **fields)
 
     def _header(self, result: StepResult, kind: int, micro_batch_idx: int, dst: int) -> pb.TransferHeader:
         return pb.TransferHeader(
@@ -314,10 +324,13 @@ class StageRuntime:
         encoded: Mapping[str, tuple[pb.TensorMeta, bytes]],
         dense_bytes: int,
     ) -> Future[tuple[int, float]]:
+        where = {"kind": int(header.kind), "mb": header.micro_batch_idx, "dst": dst}
+        self._event("send", result.step, **where)
         fut = self._send(dst, header, tensors, scalars, encoded)
         result.dense_bytes[dst] = result.dense_bytes.get(dst, 0) + dense_bytes
 
         def account(f: Future[tuple[int, float]]) -> None:
+            self._event("answered", result.step, **where)
             if f.exception() is None:
                 size, seconds = f.result()
                 result.sent_bytes[dst] = result.sent_bytes.get(dst, 0) + size
@@ -349,6 +362,7 @@ class StageRuntime:
             )[TARGET_NAME].to(self.device, non_blocking=True)
         for leaf in leaves.values():
             self.meter.charge(m, leaf)
+        self._event("F0", result.step, mb=m)
         t0 = time.perf_counter()
         with self.meter.hooks(m):
             outs = self.module(*args)
@@ -359,6 +373,7 @@ class StageRuntime:
                 result.loss += float(loss.detach())
         self.slowdown.stretch(time.perf_counter() - t0)
         result.compute_s += time.perf_counter() - t0
+        self._event("F1", result.step, mb=m)
         for out in outs:
             if isinstance(out, torch.Tensor):
                 self.meter.charge(m, out)
@@ -405,11 +420,13 @@ class StageRuntime:
         if loss is not None and loss.requires_grad:
             tensors.append(loss)
             grad_tensors.append(None)
+        self._event("B0", result.step, mb=m)
         if tensors:
             t0 = time.perf_counter()
             torch.autograd.backward(tensors, grad_tensors)
             self.slowdown.stretch(time.perf_counter() - t0)
             result.compute_s += time.perf_counter() - t0
+        self._event("B1", result.step, mb=m)
         sends = []
         for src, names in self._inputs_from.items():
             if src == DRIVER:

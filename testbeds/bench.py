@@ -39,6 +39,10 @@ With ``--simulate`` the table also gets the simulator's prediction for each syst
 (:mod:`testbeds.simulate` in testbed mode: this machine's speed on every host, its own
 profile of the model, the coordinator's calibrated executor overheads) and its error.
 
+With ``FUSION_TRACE_DIR`` set, the coordinator and the workers inherit it and write an
+executor timeline of fusion's and uniform's runs (:mod:`executor.trace`; read it with
+``python -m testbeds.timeline DIR``).
+
 Latency: this kernel has no ``sch_netem``; the netns backend adds every link's latency to
 every packet with a TUN delay line per host (``latency_mode = "tun"``), so gloo's traffic
 (ddp, pipelining) is delayed as fusion's is. Where TUN devices are missing too, latency is
