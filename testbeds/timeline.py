@@ -4,7 +4,8 @@
     python -m testbeds.timeline /tmp/trace --skip 4
 
 For each step of the traced job (the one over the most stages with the most steps the
-driver finished, or ``--job``): the driver's ``RunStep`` (all stages answered), when each stage was done and how
+driver finished, or ``--job``): the driver's ``RunStep`` (all stages answered), when the
+last of the driver's inputs and targets reached each stage it feeds, when each stage was done and how
 long it computed (forwards and backwards, emulated sleeps included), when the driver had
 heard from all of them, and the end of the optimizer call, in milliseconds from the step's
 start. Then, for each ordered pair of stages, the transfers between them: from when the
@@ -45,6 +46,8 @@ class StepTimeline:
     forward_backward_s: float | None
     done_s: dict[int, float] = field(default_factory=dict)
     compute_s: dict[int, float] = field(default_factory=dict)
+    fed_s: dict[int, float] = field(default_factory=dict)
+    """Per stage the driver feeds, when the last of its inputs and targets arrived."""
 
 
 @dataclass
@@ -150,6 +153,8 @@ def step_timelines(events: Sequence[dict[str, Any]], job: str) -> list[StepTimel
         for e in evs:
             if e["ev"] == "done" and e.get("stage") != DRIVER:
                 timeline.done_s[e["stage"]] = e["t"] - t0
+            elif e["ev"] == "arrive" and e.get("src") == DRIVER:
+                timeline.fed_s[e["stage"]] = max(timeline.fed_s.get(e["stage"], 0.0), e["t"] - t0)
         for stage, spans in _compute_spans(evs).items():
             timeline.compute_s[stage] = sum(b - a for a, b in spans)
         out.append(timeline)
@@ -229,7 +234,8 @@ def summarize(directory: Path, *, job: str | None = None, skip: int = 0) -> dict
             {"step": s.step, "step_ms": round(s.step_s * 1e3, 1), "run_step_ms": _round_ms(s.run_step_s),
              "forward_backward_ms": _round_ms(s.forward_backward_s),
              "done_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.done_s.items())},
-             "compute_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.compute_s.items())}}
+             "compute_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.compute_s.items())},
+             "fed_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.fed_s.items())}}
             for s in steps
         ],
         "median_step_ms": round(statistics.median(s.step_s for s in steps) * 1e3, 1),
@@ -247,12 +253,15 @@ def render(doc: dict[str, Any]) -> str:
     lines = [
         f"Job `{doc['job']}`: {len(doc['steps'])} steps, median {doc['median_step_ms']} ms (ms from each step's start).",
         "",
-        "| step | step | RunStep | " + " | ".join(f"stage {k} done / computed" for k in stages) + " | all heard |",
-        "|---:|---:|---:|" + "---:|" * len(stages) + "---:|",
+        "| step | step | RunStep | fed (last input) | " + " | ".join(f"stage {k} done / computed" for k in stages) + " | all heard |",
+        "|---:|---:|---:|---|" + "---:|" * len(stages) + "---:|",
     ]
     for s in doc["steps"]:
         cells = [f"{s['done_ms'].get(str(k), '-')} / {s['compute_ms'].get(str(k), '-')}" for k in stages]
-        lines.append(f"| {s['step']} | {s['step_ms']} | {s['run_step_ms']} | " + " | ".join(cells) + f" | {s['forward_backward_ms']} |")
+        fed = ", ".join(f"{k}: {v}" for k, v in s["fed_ms"].items()) or "-"
+        lines.append(
+            f"| {s['step']} | {s['step_ms']} | {s['run_step_ms']} | {fed} | " + " | ".join(cells) + f" | {s['forward_backward_ms']} |"
+        )
     lines += [
         "",
         "Transfers, median ms from when each could leave to its arrival / to its answer (n):",

@@ -95,6 +95,7 @@ def test_a_step_is_lined_up_from_the_drivers_start(trace_dir: Path) -> None:
     assert s.forward_backward_s == pytest.approx(0.095)
     assert s.done_s == pytest.approx({0: 0.091, 1: 0.085})
     assert s.compute_s == pytest.approx({0: 0.044, 1: 0.040})
+    assert s.fed_s == pytest.approx({1: 0.008})  # the target; stage 0's own input is not traced here
 
 
 def test_a_transfer_leaves_once_the_one_before_it_on_the_pair_is_answered(trace_dir: Path) -> None:
