@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -59,6 +59,12 @@ class Replay:
     compute_s: tuple[float, ...] = ()
     """Each stage's forward and backward seconds over the step (emulated stretch and pause
     costs included): what its executor would report as ``compute_s``."""
+    finished_s: tuple[float, ...] = ()
+    """When each stage had computed and its sends were answered (before the driver hears)."""
+    run_step_s: float = 0.0
+    """When every stage had answered the driver's ``RunStep`` (the feed starts)."""
+    fed_s: dict[int, float] = field(default_factory=dict)
+    """Per stage the driver feeds: when the last of its inputs and targets arrived."""
 
 
 class _SendQueue:
@@ -204,13 +210,19 @@ def _replay_pass(
                 found[s].append((left, left + path_s / 2, interference.send(size)))
                 found[dst].append((arrived[key] - path_s / 2, arrived[key], interference.receive(size)))
     # A stage answers the driver's wait once its compute is done and its sends are answered.
-    done = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) + rtt[s] / 2 for s in range(n))
+    finished = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) for s in range(n))
+    done = tuple(f + rtt[s] / 2 for s, f in enumerate(finished))
     tied = tied_sync_s(workload, sg, w, topology)
     # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
     unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
     apply = max(rtt, default=0.0) + optimizer_s(workload, unemulated)
     step = max(done, default=0.0) + tied + apply + workload.step.control_s
-    return Replay(step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply, compute_s=tuple(computed)), found
+    fed = {s: max(feed_in[s]) for s in range(n) if sg.feed_bytes(s, workload.step.target_bytes) and topology.driver_links is not None}
+    replay = Replay(
+        step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply, compute_s=tuple(computed), finished_s=finished,
+        run_step_s=max(rtt, default=0.0), fed_s=fed,
+    )
+    return replay, found
 
 
 def _send(

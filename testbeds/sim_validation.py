@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +94,49 @@ def validate_doc(
     what a transfer costs a computation it overlaps in its process, which fusion's and
     uniform's computations then pay in the profiled prediction (like the pause cost, the
     compute a run measured includes it)."""
+    sims = simulate_doc(doc, cores=cores, links=links, pause=pause, transfer_path=transfer_path, interference=interference)
+    driver_links = measured_driver_links(doc, load_topology(doc["topology"]))
     rows = []
+    for name, step_s in ((n, r.get("step_s")) for n, r in doc["systems"].items()):
+        sim = sims.profiled.get(name, {}).get("step_s")
+        cal = sims.calibrated.get(name, {}).get("step_s")
+        rows.append({
+            "bench": label, "system": name, "measured_step_s": step_s, "simulated_step_s": sim,
+            "error": (sim - step_s) / step_s if sim and step_s else None,
+            "compute_factor": sims.compute_factor, "calibrated_step_s": cal,
+            "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
+            "links": "measured" if links else "configured",
+            "pause_cost": pause is not None and name in ("fusion", "uniform"),
+            "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
+            "interference": interference is not None and name in ("fusion", "uniform"),
+            "driver_links": "measured" if driver_links is not None and name in ("fusion", "uniform") else "configured",
+        })
+    return rows
+
+
+@dataclass(frozen=True)
+class SimulatedRun:
+    """Every system of one benchmark run as the simulator prices it (``SystemResult.to_dict()``
+    by name, ``detail`` included: the replay's per-stage figures for fusion and uniform)."""
+
+    profiled: dict[str, dict[str, Any]]
+    calibrated: dict[str, dict[str, Any]]
+    compute_factor: float
+    """The mean factor of the compute the run measured over the profile's (1.0: none measured)."""
+
+
+def simulate_doc(
+    doc: dict[str, Any], *, cores: int | None = None, links: dict[str, Any] | None = None, pause: PauseCost | None = None,
+    transfer_path: TransferPathCost | None = None, interference: TransferInterference | None = None,
+) -> SimulatedRun:
+    """The two predictions :func:`validate_doc` compares (its arguments, the same meaning)."""
     cores = cores or os.cpu_count() or 1
     spec = JobSpec.from_dict(doc["job"]).replace(train={"steps": doc["steps"]})
     step = StepCosts(**doc["step_costs"]) if doc.get("step_costs") else None
     job = job_costs(spec, step=step, profile=doc.get("profile"))
     topology = load_topology(doc["topology"])
     mode = doc["latency_mode"]
-    measured = {n: r.get("step_s") for n, r in doc["systems"].items()}
+    measured = set(doc["systems"])
     driver_links = measured_driver_links(doc, topology)
 
     def run_all(
@@ -144,21 +180,7 @@ def validate_doc(
         calibrated = run_all(job.reference_flops / factor, {n: {h: v / factor for h, v in f.items()} for n, f in host_factors.items()})
     else:  # nothing measured to calibrate on: the profile's compute, still without the pause cost
         calibrated = run_all(job.reference_flops) if pause is not None or interference is not None else raw
-    for name, step_s in measured.items():
-        sim = raw.get(name, {}).get("step_s")
-        cal = calibrated.get(name, {}).get("step_s")
-        rows.append({
-            "bench": label, "system": name, "measured_step_s": step_s, "simulated_step_s": sim,
-            "error": (sim - step_s) / step_s if sim and step_s else None,
-            "compute_factor": factor, "calibrated_step_s": cal,
-            "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
-            "links": "measured" if links else "configured",
-            "pause_cost": pause is not None and name in ("fusion", "uniform"),
-            "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
-            "interference": interference is not None and name in ("fusion", "uniform"),
-            "driver_links": "measured" if driver_links is not None and name in ("fusion", "uniform") else "configured",
-        })
-    return rows
+    return SimulatedRun(profiled=raw, calibrated=calibrated, compute_factor=factor)
 
 
 def measured_driver_links(doc: dict[str, Any], topology: Any) -> list[tuple[float, float]] | None:

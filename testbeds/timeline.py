@@ -14,7 +14,9 @@ answered: a sender sends one at a time, ``executor.server.PeerSender``) to its a
 (received and checked) and to the sender hearing the answer; the first transfer of a
 step apart from the rest, and the rest split by whether the sending stage was computing
 for most of the transfer (its compute thread and its sender share the interpreter). These
-are the quantities :mod:`testbeds.replay` prices; the bench notes compare them.
+are the quantities :mod:`testbeds.replay` prices. ``--replay BENCH_JSON`` sets the
+simulator's replay of the same run beside them (``RunStep``, the feed, each stage's finish
+and compute, the step), profiled and with the compute the run measured.
 
 The events of one host share its clock (``time.time()``); on a one-host testbed all do.
 """
@@ -243,6 +245,83 @@ def summarize(directory: Path, *, job: str | None = None, skip: int = 0) -> dict
     }
 
 
+def replay_comparison(doc: dict[str, Any], bench_json: Path, system: str | None = None) -> dict[str, Any]:
+    """The traced medians of :func:`summarize`'s ``doc`` next to the simulator's replay of
+    the same run (``bench_json``: its ``testbeds.bench --json`` result, priced with the
+    machine's costs beside it as ``--simulate`` prices it), profiled and with the compute
+    the run measured: ``RunStep``, each fed stage's last input, each stage's finish and
+    compute, when the driver had heard from all, and the step."""
+    from testbeds.interference import interference_beside
+    from testbeds.pause_cost import pause_cost_beside, transfer_path_beside
+    from testbeds.sim_validation import link_times_beside, simulate_doc
+
+    try:
+        bench = json.loads(bench_json.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FusionError(f"cannot read the bench result {bench_json}: {e}") from e
+    if not isinstance(bench, dict) or not isinstance(bench.get("systems"), dict):
+        raise FusionError(f"{bench_json} is not a testbeds.bench result (no systems)")
+    replayed = [n for n in ("uniform", "fusion") if n in bench["systems"]]
+    system = system or (replayed[0] if replayed else None)
+    if system not in replayed:
+        raise FusionError(f"{bench_json} has no fusion or uniform run to replay" if system is None else
+                          f"{system!r} is not a replayed system of {bench_json}: choose from {replayed}")
+    directory = bench_json.parent
+    sims = simulate_doc(
+        bench, links=link_times_beside(bench, directory), pause=pause_cost_beside(directory),
+        transfer_path=transfer_path_beside(directory), interference=interference_beside(directory),
+    )
+    steps = doc["steps"]
+
+    def traced(pick: Any) -> float | None:
+        values = [v for v in (pick(s) for s in steps) if v is not None]
+        return round(statistics.median(values), 1) if values else None
+
+    stages = sorted({int(k) for s in steps for k in s["done_ms"]})
+    rows: list[dict[str, Any]] = [{"what": "RunStep answered", "traced_ms": traced(lambda s: s["run_step_ms"]), "key": ("replay_run_step_s", None)}]
+    fed = sorted({int(k) for s in steps for k in s["fed_ms"]})
+    rows += [{"what": f"stage {k} fed", "traced_ms": traced(lambda s, k=k: s["fed_ms"].get(str(k))), "key": ("replay_fed_s", str(k))} for k in fed]
+    rows += [{"what": f"stage {k} finished", "traced_ms": traced(lambda s, k=k: s["done_ms"].get(str(k))), "key": ("replay_finished_s", k)} for k in stages]
+    rows += [{"what": f"stage {k} computed", "traced_ms": traced(lambda s, k=k: s["compute_ms"].get(str(k))), "key": ("replay_compute_s", k)} for k in stages]
+    rows.append({"what": "driver heard all", "traced_ms": traced(lambda s: s["forward_backward_ms"]), "key": ("replay_done_s", "max")})
+    rows.append({"what": "step", "traced_ms": traced(lambda s: s["step_ms"]), "key": ("step_s", None)})
+    for row in rows:
+        field_name, index = row.pop("key")
+        for label, result in (("profiled_ms", sims.profiled.get(system)), ("calibrated_ms", sims.calibrated.get(system))):
+            row[label] = _replayed_ms(result, field_name, index)
+    return {"bench": str(bench_json), "system": system, "measured_step_ms": round(float(bench["systems"][system]["step_s"]) * 1e3, 1), "rows": rows}
+
+
+def _replayed_ms(result: dict[str, Any] | None, field_name: str, index: Any) -> float | None:
+    if not result or result.get("step_s") is None:
+        return None
+    if field_name == "step_s":
+        return round(result["step_s"] * 1e3, 1)
+    value = result.get("detail", {}).get(field_name)
+    if index is None:
+        return None if value is None else round(value * 1e3, 1)
+    if index == "max":
+        return round(max(value) * 1e3, 1) if value else None
+    if isinstance(value, dict):
+        return round(value[index] * 1e3, 1) if index in value else None
+    return round(value[index] * 1e3, 1) if value is not None and index < len(value) else None
+
+
+def render_comparison(cmp: dict[str, Any]) -> str:
+    """Markdown of :func:`replay_comparison`."""
+    lines = [
+        f"The replay of `{cmp['bench']}` ({cmp['system']}, measured {cmp['measured_step_ms']} ms a step) against this trace's medians,"
+        " ms from the step's start:",
+        "",
+        "| event | traced | replayed (profiled) | replayed (measured compute) |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in cmp["rows"]:
+        cells = ["-" if r[k] is None else f"{r[k]}" for k in ("traced_ms", "profiled_ms", "calibrated_ms")]
+        lines.append(f"| {r['what']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _round_ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 1)
 
@@ -285,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("directory", type=Path, help="the FUSION_TRACE_DIR of a run")
     p.add_argument("--job", default=None, help="job id (default: the one with the most finished steps)")
     p.add_argument("--skip", type=int, default=0, help="first steps left out (warm-up; default: %(default)s)")
+    p.add_argument("--replay", type=Path, default=None, metavar="BENCH_JSON",
+                   help="also set the simulator's replay of the traced run (its testbeds.bench result) beside the trace")
+    p.add_argument("--system", default=None, help="with --replay: fusion or uniform (default: uniform if it ran)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the tables")
     p.add_argument("--out", default=None, help="also write OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -293,10 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         doc = summarize(args.directory, job=args.job, skip=args.skip)
+        if args.replay is not None:
+            doc["replay"] = replay_comparison(doc, args.replay, args.system)
     except FusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = render(doc)
+    if "replay" in doc:
+        text += "\n" + render_comparison(doc["replay"])
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
         Path(args.out + ".md").write_text(f"# Executor timeline\n\n`python -m testbeds.timeline {' '.join(sys.argv[1:])}`\n\n{text}")

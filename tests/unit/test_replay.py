@@ -69,6 +69,10 @@ def test_the_driver_feeds_one_send_after_another() -> None:
     assert replay.stages_done_s == pytest.approx((0.709,))
     assert replay.apply_s == pytest.approx(0.1)
     assert replay.step_s == pytest.approx(0.809)
+    # What testbeds.timeline sets beside a trace: RunStep, the last target, the stage's own end.
+    assert replay.run_step_s == pytest.approx(0.1)
+    assert replay.fed_s == pytest.approx({0: 0.656})
+    assert replay.finished_s == pytest.approx((0.659,))
 
 
 def test_stages_on_one_machine_take_turns_beyond_its_cores() -> None:
