@@ -93,10 +93,5 @@ def use_tracer(replacement: Tracer) -> Tracer:
     several); returns the one it replaces."""
     global _tracer
     with _tracer_lock:
-        previous, _tracer = tracer_or_off(), replacement
+        previous, _tracer = _tracer if _tracer is not None else Tracer(None), replacement
     return previous
-
-
-def tracer_or_off() -> Tracer:
-    """The current tracer without reading the environment (an off one if none yet)."""
-    return _tracer if _tracer is not None else Tracer(None)

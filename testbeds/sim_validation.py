@@ -95,7 +95,6 @@ def validate_doc(
     uniform's computations then pay in the profiled prediction (like the pause cost, the
     compute a run measured includes it)."""
     sims = simulate_doc(doc, cores=cores, links=links, pause=pause, transfer_path=transfer_path, interference=interference)
-    driver_links = measured_driver_links(doc, load_topology(doc["topology"]))
     rows = []
     for name, step_s in ((n, r.get("step_s")) for n, r in doc["systems"].items()):
         sim = sims.profiled.get(name, {}).get("step_s")
@@ -109,7 +108,7 @@ def validate_doc(
             "pause_cost": pause is not None and name in ("fusion", "uniform"),
             "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
             "interference": interference is not None and name in ("fusion", "uniform"),
-            "driver_links": "measured" if driver_links is not None and name in ("fusion", "uniform") else "configured",
+            "driver_links": "measured" if sims.driver_links_measured and name in ("fusion", "uniform") else "configured",
         })
     return rows
 
@@ -123,6 +122,9 @@ class SimulatedRun:
     calibrated: dict[str, dict[str, Any]]
     compute_factor: float
     """The mean factor of the compute the run measured over the profile's (1.0: none measured)."""
+    driver_links_measured: bool
+    """fusion's and uniform's driver calls took the round trips the run's coordinator measured
+    (:func:`measured_driver_links`), not the configured links alone."""
 
 
 def simulate_doc(
@@ -180,7 +182,7 @@ def simulate_doc(
         calibrated = run_all(job.reference_flops / factor, {n: {h: v / factor for h, v in f.items()} for n, f in host_factors.items()})
     else:  # nothing measured to calibrate on: the profile's compute, still without the pause cost
         calibrated = run_all(job.reference_flops) if pause is not None or interference is not None else raw
-    return SimulatedRun(profiled=raw, calibrated=calibrated, compute_factor=factor)
+    return SimulatedRun(profiled=raw, calibrated=calibrated, compute_factor=factor, driver_links_measured=driver_links is not None)
 
 
 def measured_driver_links(doc: dict[str, Any], topology: Any) -> list[tuple[float, float]] | None:

@@ -196,10 +196,6 @@ def transfers(events: Sequence[dict[str, Any]], job: str, steps: Iterable[int] |
     return out
 
 
-def _ms(values: Sequence[float]) -> str:
-    return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
-
-
 def link_summary(found: Sequence[Transfer]) -> list[dict[str, Any]]:
     """Per ordered stage pair: counts and median milliseconds (one way and to the answer) of
     the first transfer of each step, of the rest, and of the rest split by the sender computing."""
@@ -271,40 +267,49 @@ def replay_comparison(doc: dict[str, Any], bench_json: Path, system: str | None 
         bench, links=link_times_beside(bench, directory), pause=pause_cost_beside(directory),
         transfer_path=transfer_path_beside(directory), interference=interference_beside(directory),
     )
-    steps = doc["steps"]
-
-    def traced(pick: Any) -> float | None:
-        values = [v for v in (pick(s) for s in steps) if v is not None]
-        return round(statistics.median(values), 1) if values else None
-
-    stages = sorted({int(k) for s in steps for k in s["done_ms"]})
-    rows: list[dict[str, Any]] = [{"what": "RunStep answered", "traced_ms": traced(lambda s: s["run_step_ms"]), "key": ("replay_run_step_s", None)}]
-    fed = sorted({int(k) for s in steps for k in s["fed_ms"]})
-    rows += [{"what": f"stage {k} fed", "traced_ms": traced(lambda s, k=k: s["fed_ms"].get(str(k))), "key": ("replay_fed_s", str(k))} for k in fed]
-    rows += [{"what": f"stage {k} finished", "traced_ms": traced(lambda s, k=k: s["done_ms"].get(str(k))), "key": ("replay_finished_s", k)} for k in stages]
-    rows += [{"what": f"stage {k} computed", "traced_ms": traced(lambda s, k=k: s["compute_ms"].get(str(k))), "key": ("replay_compute_s", k)} for k in stages]
-    rows.append({"what": "driver heard all", "traced_ms": traced(lambda s: s["forward_backward_ms"]), "key": ("replay_done_s", "max")})
-    rows.append({"what": "step", "traced_ms": traced(lambda s: s["step_ms"]), "key": ("step_s", None)})
-    for row in rows:
-        field_name, index = row.pop("key")
-        for label, result in (("profiled_ms", sims.profiled.get(system)), ("calibrated_ms", sims.calibrated.get(system))):
-            row[label] = _replayed_ms(result, field_name, index)
+    traced: dict[str, list[float]] = {}
+    for step in doc["steps"]:
+        for name, ms in _traced_events(step).items():
+            traced.setdefault(name, []).append(ms)
+    profiled = _replayed_events(sims.profiled.get(system))
+    calibrated = _replayed_events(sims.calibrated.get(system))
+    rows = [
+        {"what": name, "traced_ms": round(statistics.median(values), 1), "profiled_ms": profiled.get(name), "calibrated_ms": calibrated.get(name)}
+        for name, values in traced.items()
+    ]
     return {"bench": str(bench_json), "system": system, "measured_step_ms": round(float(bench["systems"][system]["step_s"]) * 1e3, 1), "rows": rows}
 
 
-def _replayed_ms(result: dict[str, Any] | None, field_name: str, index: Any) -> float | None:
+def _events(run_step: float | None, fed: dict[Any, float], finished: dict[Any, float], computed: dict[Any, float],
+            heard: float | None, step: float | None) -> dict[str, float]:
+    """The compared events by name, in the table's order (milliseconds; absent ones left out)."""
+    out = {"RunStep answered": run_step}
+    out.update({f"stage {k} fed": v for k, v in fed.items()})
+    out.update({f"stage {k} finished": v for k, v in finished.items()})
+    out.update({f"stage {k} computed": v for k, v in computed.items()})
+    out.update({"driver heard all": heard, "step": step})
+    return {name: ms for name, ms in out.items() if ms is not None}
+
+
+def _traced_events(step: dict[str, Any]) -> dict[str, float]:
+    """One step of :func:`summarize`'s document as :func:`_events`."""
+    return _events(step["run_step_ms"], step["fed_ms"], step["done_ms"], step["compute_ms"], step["forward_backward_ms"], step["step_ms"])
+
+
+def _replayed_events(result: dict[str, Any] | None) -> dict[str, float]:
+    """A replayed system (``SystemResult.to_dict()``) as :func:`_events`."""
     if not result or result.get("step_s") is None:
-        return None
-    if field_name == "step_s":
-        return round(result["step_s"] * 1e3, 1)
-    value = result.get("detail", {}).get(field_name)
-    if index is None:
-        return None if value is None else round(value * 1e3, 1)
-    if index == "max":
-        return round(max(value) * 1e3, 1) if value else None
-    if isinstance(value, dict):
-        return round(value[index] * 1e3, 1) if index in value else None
-    return round(value[index] * 1e3, 1) if value is not None and index < len(value) else None
+        return {}
+    d = result.get("detail", {})
+
+    def per_stage(key: str) -> dict[str, float]:
+        return {str(k): round(v * 1e3, 1) for k, v in enumerate(d.get(key, []))}
+
+    return _events(
+        _round_ms(d.get("replay_run_step_s")), {k: round(v * 1e3, 1) for k, v in d.get("replay_fed_s", {}).items()},
+        per_stage("replay_finished_s"), per_stage("replay_compute_s"),
+        round(max(d["replay_done_s"]) * 1e3, 1) if d.get("replay_done_s") else None, _round_ms(result["step_s"]),
+    )
 
 
 def render_comparison(cmp: dict[str, Any]) -> str:

@@ -12,13 +12,14 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from executor.driver import StepStats
+from fusion.config import JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,27 @@ SUMMARY_FILE = "summary.json"
 # Read once at import (os.umask can only be read by setting it, which is not thread-safe).
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
+
+
+def job_summary(
+    job_id: str, spec: JobSpec, state: str, reason: str | None, losses: Sequence[float], *, wall_s: float, workers: Sequence[str],
+    recoveries: int,
+) -> dict[str, Any]:
+    """``summary.json``: how the job ended, its losses' ends and what it ran on."""
+    return {
+        "job_id": job_id,
+        "name": spec.name,
+        "state": state,
+        "reason": reason,
+        "steps_done": len(losses),
+        "steps": spec.train.steps,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "wall_s": round(wall_s, 3),
+        "workers": list(workers),
+        "recoveries": recoveries,
+        "spec": spec.to_dict(),
+    }
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:

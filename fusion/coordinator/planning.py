@@ -493,6 +493,16 @@ class LinkTable:
             observed = size_bytes / moving
             self._links[(a, b)] = (latency, (1 - REFRESH_WEIGHT) * bandwidth + REFRESH_WEIGHT * observed)
 
+    def observe_step(
+        self, sent_bytes: Mapping[tuple[int, int], int], sent_s: Mapping[tuple[int, int], float], addresses: Sequence[str], micro_batches: int
+    ) -> None:
+        """Fold one step's transfers between stages (bytes and seconds per stage pair, the
+        stages on ``addresses``) into the links, one message per micro-batch."""
+        for (s, d), size in sent_bytes.items():
+            seconds = sent_s.get((s, d), 0.0)
+            if seconds > 0 and size > 0:
+                self.observe(addresses[s], addresses[d], size // micro_batches, seconds / micro_batches)
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:
             return {f"{a}->{b}": {"latency_s": lat, "bandwidth_bytes_per_s": bw} for (a, b), (lat, bw) in self._links.items()}

@@ -19,8 +19,8 @@ placement must hold the state of one and the same step ``R`` before training res
 
 The rest of what the runner needs to survive failures, none of it tied to its state, is
 here too: which worker holds each stage's replica (:func:`choose_buddies`), what to
-snapshot after a step (:func:`snapshot_request`), and which workers still answer
-(:func:`answering`).
+snapshot after a step (:func:`snapshot_request`), which workers still answer
+(:func:`answering`), and why a job failed (:func:`diagnose`).
 """
 
 from __future__ import annotations
@@ -223,6 +223,23 @@ def snapshot_request(
     known = [f[1] for f in fits if f is not None]
     rate = ck.replicate_share * min(known) if known else 0.0
     return SnapshotRequest(buddies=dict(buddies) if done % ck.replicate_every == 0 else {}, rate_bytes_per_s=rate)
+
+
+def failure_reason(e: BaseException) -> str:
+    """A failure in one line: a :class:`FusionError`'s message, anything else with its type."""
+    text = str(e) or type(e).__name__
+    return text if isinstance(e, FusionError) else f"{type(e).__name__}: {text}"
+
+
+def diagnose(e: BaseException, workers: Sequence[tuple[str, str]], pool: ChannelPool) -> str:
+    """Why a job failed: :func:`failure_reason`, naming the ``(name, address)`` workers that
+    no longer answer when the failure is one of fusion's (a bug needs no ping round)."""
+    reason = failure_reason(e)
+    if not isinstance(e, FusionError):
+        return reason
+    alive = answering([address for _, address in workers], pool, (1.0,))
+    gone = [f"{name} ({address})" for (name, address), ok in zip(workers, alive) if not ok]
+    return f"worker {', '.join(gone)} stopped answering: {reason}" if gone else reason
 
 
 def answering(addresses: Sequence[str], pool: ChannelPool, timeouts_s: Sequence[float]) -> list[bool]:

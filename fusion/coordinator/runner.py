@@ -50,6 +50,7 @@ from fusion.coordinator.durable_writer import DurableWriter
 from fusion.coordinator.outputs import (
     METRICS_FILE,
     JobOutputs,
+    job_summary,
     metrics_record,
     read_history,
 )
@@ -69,6 +70,8 @@ from fusion.coordinator.recovery import (
     answering,
     choose_buddies,
     choose_restore_point,
+    diagnose,
+    failure_reason,
     restore_stages,
     snapshot_holdings,
     snapshot_request,
@@ -226,7 +229,7 @@ class JobRunner(threading.Thread):
             self.store.transition(self.job_id, "succeeded")
         except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
             stop = self._stopping()
-            state, reason = stop if stop is not None else ("failed", self._diagnose(e))
+            state, reason = stop if stop is not None else ("failed", diagnose(e, [(w.name, w.address) for w in self.workers], self.pool))
             if stop is None and not isinstance(e, FusionError):
                 logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
             # Record the end at once (the summary is quick); the plot and the clean-up after
@@ -251,7 +254,7 @@ class JobRunner(threading.Thread):
             self.on_done(self)
 
     def _after_step(self, stats: StepStats, x: Any, step: int) -> None:
-        self._refresh_links(stats)
+        self.links.observe_step(stats.sent_bytes, stats.sent_s, [w.address for w in self.stage_workers], self.spec.train.micro_batches)
         record = self._record(stats, x)
         assert self._outputs is not None
         self._outputs.append_metrics(record)
@@ -395,7 +398,7 @@ class JobRunner(threading.Thread):
         # so it gets a second, longer chance before the worker is dropped.
         for w, ok in zip(self.workers, answering([w.address for w in self.workers], self.pool, (2.0, 8.0))):
             if not ok:
-                lost.setdefault(w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {_reason(error)}", "gone"))
+                lost.setdefault(w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {failure_reason(error)}", "gone"))
         return lost
 
     def _recover(self, error: FusionError, failed_step: int) -> int:
@@ -407,7 +410,7 @@ class JobRunner(threading.Thread):
         t_found = time.perf_counter()
         self._recoveries += 1
         if self._recoveries > MAX_RECOVERIES:
-            raise StateError(f"gave up after {MAX_RECOVERIES} recoveries; last: {_reason(error)}")
+            raise StateError(f"gave up after {MAX_RECOVERIES} recoveries; last: {failure_reason(error)}")
         for wid, (reason, state) in lost.items():
             w = next((w for w in self.workers if w.worker_id == wid), None)
             if w is None:
@@ -567,27 +570,6 @@ class JobRunner(threading.Thread):
         self._event("resumed_at_step", f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)", step=step)
 
     # ------------------------------------------------------------- records
-    def _diagnose(self, e: BaseException) -> str:
-        """The failure reason; names the workers that no longer answer, if any."""
-        reason = _reason(e)
-        if not isinstance(e, FusionError):
-            return reason
-
-        alive = answering([w.address for w in self.workers], self.pool, (1.0,))
-        gone = [f"{w.name} ({w.address})" for w, ok in zip(self.workers, alive) if not ok]
-        if gone:
-            return f"worker {', '.join(gone)} stopped answering: {reason}"
-        return reason
-
-    def _refresh_links(self, stats: StepStats) -> None:
-        """Fold the step's transfers into the link estimates (one message per micro-batch)."""
-        m = self.spec.train.micro_batches
-        for (s, d), size in stats.sent_bytes.items():
-            seconds = stats.sent_s.get((s, d), 0.0)
-            a, b = self.stage_workers[s].address, self.stage_workers[d].address
-            if seconds > 0 and size > 0:
-                self.links.observe(a, b, size // m, seconds / m)
-
     def _record(self, stats: StepStats, x: Any) -> dict[str, Any]:
         workers = self.stage_workers
 
@@ -603,21 +585,10 @@ class JobRunner(threading.Thread):
         outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
 
     def _summary(self, state: str, reason: str | None, t_start: float) -> dict[str, Any]:
-        losses = [loss for _, loss in self._history]
-        return {
-            "job_id": self.job_id,
-            "name": self.spec.name,
-            "state": state,
-            "reason": reason,
-            "steps_done": len(self._history),
-            "steps": self.spec.train.steps,
-            "first_loss": losses[0] if losses else None,
-            "final_loss": losses[-1] if losses else None,
-            "wall_s": round(time.time() - t_start, 3),
-            "workers": [w.name for w in self.workers],
-            "recoveries": self._recoveries,
-            "spec": self.spec.to_dict(),
-        }
+        return job_summary(
+            self.job_id, self.spec, state, reason, [loss for _, loss in self._history], wall_s=time.time() - t_start,
+            workers=[w.name for w in self.workers], recoveries=self._recoveries,
+        )
 
 
 def _quiet(call: Callable[[], Any]) -> None:
@@ -626,7 +597,3 @@ def _quiet(call: Callable[[], Any]) -> None:
     except FusionError as e:
         logger.info("ignored during re-placement: %s", e)
 
-
-def _reason(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return text if isinstance(e, FusionError) else f"{type(e).__name__}: {text}"
