@@ -289,6 +289,6 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
     text = "\n".join(lines) + "\n"
     if out:
         Path(out + ".json").write_text(json.dumps(summary, indent=2) + "\n")
-        Path(out + ".md").write_text(f"# Simulator vs testbed\n\n`{' '.join(sys.argv)}`\n\n{text}")
+        Path(out + ".md").write_text(f"# Simulator vs testbed\n\n`python -m testbeds.simulate {' '.join(sys.argv[1:])}`\n\n{text}")
     print(json.dumps(summary, indent=2) if as_json else text)
     return 0

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
-        Path(args.out + ".md").write_text(f"# Simulated step times\n\n`{' '.join(sys.argv)}`\n\n{text}")
+        Path(args.out + ".md").write_text(f"# Simulated step times\n\n`python -m testbeds.simulate {' '.join(sys.argv[1:])}`\n\n{text}")
     print(json.dumps(doc, indent=2, default=float) if args.json else text)
     return 0
 

@@ -53,6 +53,7 @@ def test_main_writes_the_summary_with_notes(tmp_path: Path) -> None:
     assert summary.main([str(tmp_path)]) == 0
     text = (tmp_path / "bench-summary.md").read_text()
     assert "4 of 4 targets met." in text and text.rstrip().endswith("hand-written")
+    assert f"`python -m testbeds.summary {tmp_path.as_posix()}`" in text  # the folder it was run on
 
 
 def test_main_refuses_an_empty_folder(tmp_path: Path) -> None:
