@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,8 +239,9 @@ def add_simulation(doc: dict[str, Any], directory: Path) -> None:
             doc["sim_driver_links"] = v["driver_links"]
 
 
-def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_json: bool = False) -> int:
-    """Print (and with ``out``, write ``out.md`` and ``out.json``) the comparison and its summary."""
+def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_json: bool = False, command: str = "") -> int:
+    """Print (and with ``out``, write ``out.md``, headed by ``command``, and ``out.json``) the
+    comparison and its summary."""
     summary: dict[str, Any] = {"rows": rows}
     for key in ("error", "calibrated_error"):
         errors = [float(abs(r[key])) for r in rows if r[key] is not None]
@@ -289,6 +289,6 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
     text = "\n".join(lines) + "\n"
     if out:
         Path(out + ".json").write_text(json.dumps(summary, indent=2) + "\n")
-        Path(out + ".md").write_text(f"# Simulator vs testbed\n\n`python -m testbeds.simulate {' '.join(sys.argv[1:])}`\n\n{text}")
+        Path(out + ".md").write_text(f"# Simulator vs testbed\n\n`{command}`\n\n{text}")
     print(json.dumps(summary, indent=2) if as_json else text)
     return 0

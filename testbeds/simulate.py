@@ -294,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", default=None, help="also write PATH.md and PATH.json")
     args = p.parse_args(argv)
+    command = "python -m testbeds.simulate " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     if args.validate:
         from testbeds.sim_validation import print_validation, validate
 
-        return print_validation(validate([Path(v) for v in args.validate]), out=args.out, as_json=args.json)
+        return print_validation(validate([Path(v) for v in args.validate]), out=args.out, as_json=args.json, command=command)
     if not args.job or not args.topology:
         p.error("give --job and at least one --topology (or --validate)")
     try:
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
-        Path(args.out + ".md").write_text(f"# Simulated step times\n\n`python -m testbeds.simulate {' '.join(sys.argv[1:])}`\n\n{text}")
+        Path(args.out + ".md").write_text(f"# Simulated step times\n\n`{command}`\n\n{text}")
     print(json.dumps(doc, indent=2, default=float) if args.json else text)
     return 0
 

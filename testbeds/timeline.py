@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         text += "\n" + render_comparison(doc["replay"])
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
-        Path(args.out + ".md").write_text(f"# Executor timeline\n\n`python -m testbeds.timeline {' '.join(sys.argv[1:])}`\n\n{text}")
+        Path(args.out + ".md").write_text(f"# Executor timeline\n\n`python -m testbeds.timeline {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}")
     print(json.dumps(doc, indent=2) if args.json else text)
     return 0
 
