@@ -4,10 +4,10 @@ Every call must carry a ``fusion-auth`` credential (:mod:`fusion.auth`) proving 
 
 - the worker's **control key** (only the coordinator, or whoever started a bare executor,
   holds it): every RPC;
-- the **job key** of the job the request names: ``Send`` (peers deliver activations and
-  gradients) and RPCs this table does not list (new job-scoped RPCs: the request's
+- the **job key** of the job the request names: ``Send`` and ``SendWhole`` (peers deliver
+  activations and gradients) and RPCs this table does not list (new job-scoped RPCs: the request's
   ``job_id`` must match the key's job);
-- a **probe key** the coordinator handed out for this worker: ``Probe`` only.
+- a **probe key** the coordinator handed out for this worker: ``Probe`` and ``ProbeWhole`` only.
 
 Before the credential is even parsed, a peer whose failed attempts exhausted its budget
 (:class:`~fusion.auth.RateLimiter`, per IP) is refused with ``RESOURCE_EXHAUSTED``. A
@@ -32,6 +32,8 @@ from fusion.auth import (
     SCHEME_CONTROL,
     SCHEME_JOB,
     SCHEME_PROBE,
+    PROBE_METHODS,
+    SEND_METHODS,
     Claim,
     KeyRing,
     NonceCache,
@@ -59,8 +61,8 @@ POLICY: dict[str, frozenset[str]] = {
             "Ping", "ProfileModel", "ProbeLinks", "AdmitJob",
         )
     },
-    "Send": frozenset({SCHEME_JOB, SCHEME_CONTROL}),
-    "Probe": frozenset({SCHEME_PROBE, SCHEME_CONTROL}),
+    **{m: frozenset({SCHEME_JOB, SCHEME_CONTROL}) for m in SEND_METHODS},
+    **{m: frozenset({SCHEME_PROBE, SCHEME_CONTROL}) for m in PROBE_METHODS},
 }
 DEFAULT_POLICY = frozenset({SCHEME_CONTROL, SCHEME_JOB})
 

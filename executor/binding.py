@@ -69,7 +69,8 @@ class ExecutorStub:
     """Client stub with the same method names as the generated one, tensor streams as bytes.
 
     ``Send``/``SetState``/``Probe`` take an iterator of serialised chunks
-    (:func:`executor.transport.encode_transfer_wire`); ``GetState`` yields
+    (:func:`executor.transport.encode_transfer_wire`), ``SendWhole``/``ProbeWhole`` one
+    serialised chunk; ``GetState`` yields
     :class:`~executor.transport.RawChunk` objects.
     """
 
@@ -118,6 +119,8 @@ def _with_job_id(request: Any) -> tuple[Any, str]:
     """(the request, unchanged in content, and the job id it names or ``""``)."""
     if hasattr(request, "DESCRIPTOR"):
         return request, job_id_of(request) or ""
+    if isinstance(request, (bytes, bytearray, memoryview)):  # one serialised TensorChunk
+        return request, job_id_of(parse_chunk(request)) or ""
     it = iter(request)
     first = next(it, None)
     if first is None:

@@ -264,6 +264,14 @@ class ExecutorService:
 
     @rpc_errors
     def Send(self, request_iterator: Iterator[RawChunk], context: grpc.ServicerContext) -> epb.SendResponse:
+        return self._receive(request_iterator)
+
+    @rpc_errors
+    def SendWhole(self, request: RawChunk, context: grpc.ServicerContext) -> epb.SendResponse:
+        return self._receive(iter((request,)))
+
+    def _receive(self, chunks: Iterator[RawChunk]) -> epb.SendResponse:
+        """Validate one transfer against the stage it names and deliver it to that stage."""
         holder: dict[str, StageRuntime] = {}
 
         def check(header: pb.TransferHeader) -> None:
@@ -271,7 +279,7 @@ class ExecutorService:
             runtime.check_transfer(header)
             holder["rt"] = runtime
 
-        transfer = decode_transfer(request_iterator, max_bytes=MAX_TRANSFER_BYTES, check=check)
+        transfer = decode_transfer(chunks, max_bytes=MAX_TRANSFER_BYTES, check=check)
         holder["rt"].deliver(transfer, transfer.tensors(decode=decode_tensor))
         return epb.SendResponse(received_bytes=transfer.size_bytes)
 
@@ -394,6 +402,15 @@ class ExecutorService:
 
     @rpc_errors
     def Probe(self, request_iterator: Iterator[RawChunk], context: grpc.ServicerContext) -> epb.ProbeResponse:
+        return self._drop_probe(request_iterator)
+
+    @rpc_errors
+    def ProbeWhole(self, request: RawChunk, context: grpc.ServicerContext) -> epb.ProbeResponse:
+        return self._drop_probe(iter((request,)))
+
+    @staticmethod
+    def _drop_probe(chunks: Iterator[RawChunk]) -> epb.ProbeResponse:
+        """Read a probe transfer through the tensor path, drop it, say how long it took."""
         t0: list[float] = []
 
         def check(header: pb.TransferHeader) -> None:
@@ -401,7 +418,7 @@ class ExecutorService:
             if header.kind != pb.TRANSFER_KIND_PROBE:
                 raise WireError("Probe takes only TRANSFER_KIND_PROBE transfers")
 
-        transfer = decode_transfer(request_iterator, max_bytes=MAX_PROBE_BYTES, check=check)
+        transfer = decode_transfer(chunks, max_bytes=MAX_PROBE_BYTES, check=check)
         return epb.ProbeResponse(received_bytes=transfer.size_bytes, receive_s=time.perf_counter() - t0[0])
 
     @rpc_errors

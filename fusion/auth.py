@@ -52,6 +52,10 @@ SCHEME_CONTROL = "control"
 SCHEME_JOB = "job"
 SCHEME_PROBE = "probe"
 SCHEMES = frozenset({SCHEME_CONTROL, SCHEME_JOB, SCHEME_PROBE})
+#: RPCs by which peers deliver a job's activations and gradients (a stream, or one message).
+SEND_METHODS = frozenset({"Send", "SendWhole"})
+#: RPCs a probe key may call (a stream, or one message).
+PROBE_METHODS = frozenset({"Probe", "ProbeWhole"})
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -245,17 +249,17 @@ class KeyRing:
     def metadata(self, address: str, method: str, job_id: str = "") -> Metadata:
         """The ``fusion-auth`` metadata for one call (a fresh nonce each time).
 
-        ``Send`` proves the job key when this process holds it (peers hold nothing else),
-        ``Probe`` a probe key; every other call the callee's control key, falling back to
+        ``Send`` (and ``SendWhole``) proves the job key when this process holds it (peers hold
+        nothing else), ``Probe`` (and ``ProbeWhole``) a probe key; every other call the callee's control key, falling back to
         the job key. No key at all: no metadata, and the callee refuses with a clear error.
         """
         control = self.control(address)
         job = self.job(job_id) if job_id else None
         with self._lock:
             probe = self._probe.get(address)
-        if method == "Probe" and probe is not None and probe[0] > time.time() + 5:
+        if method in PROBE_METHODS and probe is not None and probe[0] > time.time() + 5:
             return ((AUTH_METADATA, sign(probe[1], scheme=SCHEME_PROBE, method=method, scope=str(probe[0]))),)
-        if job is not None and (method == "Send" or control is None):
+        if job is not None and (method in SEND_METHODS or control is None):
             return ((AUTH_METADATA, sign(job, scheme=SCHEME_JOB, method=method, scope=job_id)),)
         if control is not None:
             return ((AUTH_METADATA, sign(control, scheme=SCHEME_CONTROL, method=method)),)

@@ -191,6 +191,39 @@ def test_malformed_bytes(driver: PipelineDriver) -> None:
     assert "declared" in info.value.details()
 
 
+def test_bad_single_messages(driver: PipelineDriver) -> None:
+    """The unary paths (a transfer in one message) refuse what the streams refuse."""
+    channel = driver.pool.get(driver.addresses[1])
+    for method in ("SendWhole", "ProbeWhole"):
+        raw = channel.unary_unary(f"/fusion.wire.Executor/{method}", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            raw(b"\x0a\xff\xff\xff\xff", timeout=30, metadata=auth(driver, method))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "malformed" in info.value.details()
+    send = channel.unary_unary("/fusion.wire.Executor/SendWhole", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
+    header = activation_header(driver)
+    header.tensors.extend(tensor_meta(n, t) for n, t in full_activation(driver).items())
+    with pytest.raises(grpc.RpcError) as info:  # the header promises more bytes than the message has
+        send(pb.TensorChunk(header=header, data=b"\0" * 3), timeout=30, metadata=auth(driver, "SendWhole"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "declared" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:  # over the message size limit
+        send(pb.TensorChunk(header=header, data=b"\0" * (CHUNK_BYTES + HEADER_ALLOWANCE_BYTES + 1)), timeout=30, metadata=auth(driver, "SendWhole"))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    other = activation_header(driver, job_id="another-job")
+    with pytest.raises(grpc.RpcError) as info:  # a job's key reaches only its own job
+        send(pb.TensorChunk(header=other), timeout=30, metadata=auth(driver, "SendWhole"))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:  # a Send credential is not a SendWhole one (replay)
+        send(pb.TensorChunk(header=header), timeout=30, metadata=auth(driver, "Send"))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_transfer_over_one_chunk_streams_and_is_checked(driver: PipelineDriver) -> None:
+    """Past the chunk size a transfer goes as a stream; it is validated the same way."""
+    big = torch.zeros(CHUNK_BYTES // 4 + 1)
+    expect_code(lambda: driver.clients[1].send(activation_header(driver), full_activation(driver, nonsense=big)), grpc.StatusCode.INVALID_ARGUMENT, "nonsense")
+
+
 def test_malformed_compressed_tensor(driver: PipelineDriver) -> None:
     """Garbage under a top-k codec is refused as a compression error; nothing crashes."""
     channel = driver.pool.get(driver.addresses[1])
