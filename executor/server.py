@@ -227,7 +227,7 @@ class ExecutorService:
             self._stages[key] = runtime
             self._senders[key] = sender
         if old is not None:
-            old.abort("stage reloaded")
+            old.close("stage reloaded")
         if old_sender is not None:
             old_sender.close()
         state = built.module.state_dict()
@@ -482,7 +482,7 @@ class ExecutorService:
             runtimes = [self._stages.pop(k) for k in keys]
             senders = [self._senders.pop(k) for k in keys if k in self._senders]
         for rt in runtimes:
-            rt.abort("job unloaded")
+            rt.close("job unloaded")
         for s in senders:
             s.close()
 

@@ -49,3 +49,7 @@ def test_a_traced_two_stage_run_matches_pytorch_and_its_timeline_is_complete(tmp
         (step, src, 1 - src, mb) for step in (0, 1) for src in (0, 1) for mb in (0, 1)
     )
     assert all(x.sent <= x.start < x.arrived <= x.answered for x in found)
+    # Every step of a stage runs on its one compute thread: a fresh thread per step paid
+    # torch's first-call cost (~13 ms for a ResNet) at the start of every step.
+    threads = {(e["stage"], e["thread"]) for e in events if e.get("job") == job and e["ev"] == "start"}
+    assert sorted(threads) == [(0, "stage0-compute"), (1, "stage1-compute")], threads
