@@ -43,8 +43,8 @@ def _codecs(method: Any) -> tuple[Callable[[bytes], Any], Callable[[Any], bytes]
 def executor_handler(servicer: Any) -> grpc.GenericRpcHandler:
     """A generic handler serving ``servicer``'s methods under ``fusion.wire.Executor``.
 
-    Tensor-stream handlers receive :class:`~executor.transport.RawChunk` objects and
-    GetState yields pre-serialised chunk bytes. Every method is wrapped by the access
+    Handlers of tensor chunks (streams, and the unary ``SendWhole``/``ProbeWhole``) receive
+    :class:`~executor.transport.RawChunk` objects and GetState yields pre-serialised chunk bytes. Every method is wrapped by the access
     checks of ``servicer.access`` (:mod:`executor.access`): credential, deadline, per-peer
     limits, and requests that do not parse answered ``INVALID_ARGUMENT``.
     """

@@ -102,6 +102,8 @@ class ChannelPool:
         #: CA bundle for TLS channels (default: the process's, :func:`fusion.tls.set_client_ca`).
         self.tls_ca = tls_ca
         self._channels: dict[str, grpc.Channel] = {}
+        #: Peers that answered a one-message transfer UNIMPLEMENTED (an older release).
+        self.stream_only: set[str] = set()
         self._lock = threading.Lock()
         self._peer_map = PeerMap.from_env()
 
@@ -165,8 +167,16 @@ class ExecutorClient:
         thread hand-off per message on each side, which a loaded machine delays (a 32 KB
         transfer took 1.9 ms as a stream, 0.5 ms as one message, beside two busy cores)."""
         timeout_s = transfer_timeout_s(size_bytes)
-        if size_bytes <= self.pool.chunk_bytes:  # encode_transfer_wire then yields exactly one chunk
-            return self._call(whole, lambda: next(chunks()), what, timeout_s, attempts=attempts)
+        # encode_transfer_wire yields exactly one chunk up to chunk_bytes
+        if size_bytes <= self.pool.chunk_bytes and self.address not in self.pool.stream_only:
+            try:
+                return self._call(whole, lambda: next(chunks()), what, timeout_s, attempts=attempts)
+            except RemoteError as e:
+                if e.code != "UNIMPLEMENTED":
+                    raise
+                # A worker of an older release serves only the stream: use it from now on.
+                logger.info("%s serves no one-message transfers; streaming to it", self.address)
+                self.pool.stream_only.add(self.address)
         return self._call(stream, chunks, what, timeout_s, attempts=attempts)
 
     def probe(self, size_bytes: int, *, attempts: int = 4) -> tuple[float, epb.ProbeResponse]:

@@ -88,7 +88,11 @@ SendFn = Callable[
 
 
 class StageRuntime:
-    """Runs one stage of a job: forward/backward per micro-batch, optimizer, state."""
+    """Runs one stage of a job: forward/backward per micro-batch, optimizer, state.
+
+    It owns a compute thread that lives until :meth:`close` (which its owner must call when
+    it drops the stage: the thread holds the runtime, module and optimizer alive).
+    """
 
     def __init__(
         self,
@@ -155,6 +159,7 @@ class StageRuntime:
         # A daemon thread (not a ThreadPoolExecutor's, which the interpreter joins at exit):
         # a step blocked on a vanished peer must not hold up the process's exit.
         self._steps: queue.SimpleQueue[tuple[StepResult, list[Action]] | None] = queue.SimpleQueue()
+        self._closed = False
         threading.Thread(target=self._compute_loop, name=f"stage{spec.stage_idx}-compute", daemon=True).start()
 
     # ------------------------------------------------------------- receiving
@@ -231,13 +236,15 @@ class StageRuntime:
         measure_memory: bool = False,
         keep_ratios: Mapping[tuple[int, int], float] | None = None,
     ) -> None:
-        """Begin ``step``: reset the mailbox and run the schedule on a compute thread."""
+        """Begin ``step``: reset the mailbox and hand the schedule to the stage's compute thread."""
         if num_micro_batches != len(self.micro_batch_weights):
             raise WireError(
                 f"step has {num_micro_batches} micro-batches but the stage was loaded for {len(self.micro_batch_weights)}"
             )
         actions = stage_actions(schedule, num_micro_batches=num_micro_batches, depth=self.spec.depth)
         with self._lock:
+            if self._closed:
+                raise StateError(f"stage {self.spec.stage_idx} of job {self.job_id!r} was unloaded or reloaded; load it again")
             if self._step is not None and not self._step.done.is_set():
                 raise StateError(f"stage {self.spec.stage_idx} is still running step {self._step.step}")
             self.mailbox.reset()
@@ -251,7 +258,7 @@ class StageRuntime:
             self._num_micro_batches = num_micro_batches
             result = StepResult(step=step)
             self._step = result
-        self._steps.put((result, actions))
+            self._steps.put((result, actions))  # under the lock: never behind close()'s sentinel
 
     def wait_step(self, step: int, timeout_s: float) -> StepResult | None:
         """The step's result once done, or ``None`` if still running after ``timeout_s``."""
@@ -265,13 +272,23 @@ class StageRuntime:
         self.mailbox.abort(reason)
 
     def close(self, reason: str) -> None:
-        """Abort a running step and let the compute thread end once it has (unload)."""
+        """Abort a running step and let the compute thread end once it has (unload, reload);
+        a later :meth:`start_step` is refused."""
+        with self._lock:
+            self._closed = True
+            self._steps.put(None)
         self.abort(reason)
-        self._steps.put(None)
 
     def _compute_loop(self) -> None:
+        """The stage's compute thread: runs each step handed to it, until :meth:`close`."""
         while (item := self._steps.get()) is not None:
-            self._run(*item)
+            result, actions = item
+            try:
+                self._run(result, actions)
+            except BaseException as e:  # _run reports its own failures; this is a last resort
+                logger.exception("stage %d: step %d escaped its handler", self.spec.stage_idx, result.step)
+                result.error = result.error or f"stage {self.spec.stage_idx} step {result.step}: {type(e).__name__}: {e}"
+                result.done.set()
 
     def _run(self, result: StepResult, actions: list[Action]) -> None:
         self._event("start", result.step, thread=threading.current_thread().name)

@@ -249,9 +249,10 @@ class KeyRing:
     def metadata(self, address: str, method: str, job_id: str = "") -> Metadata:
         """The ``fusion-auth`` metadata for one call (a fresh nonce each time).
 
-        ``Send`` (and ``SendWhole``) proves the job key when this process holds it (peers hold
-        nothing else), ``Probe`` (and ``ProbeWhole``) a probe key; every other call the callee's control key, falling back to
-        the job key. No key at all: no metadata, and the callee refuses with a clear error.
+        ``Send`` (and ``SendWhole``) proves the job key when this process holds it (peers
+        hold nothing else), ``Probe`` (and ``ProbeWhole``) a probe key; every other call the
+        callee's control key, falling back to the job key. No key at all: no metadata, and
+        the callee refuses with a clear error.
         """
         control = self.control(address)
         job = self.job(job_id) if job_id else None

@@ -8,7 +8,8 @@ Both parts interleave the systems they compare and report medians, because these
 are noisy and absolute numbers drift between runs; the ratios are the result.
 
 - **Transport**: one executor process receives tensors through the full tensor path
-  (``Probe``: chunked protobuf stream, header validation, reassembly into one buffer); a
+  (``ProbeWhole``, or the chunked ``Probe`` stream past one chunk: header validation,
+  reassembly into one buffer); a
   second process receives the same number of bytes over a raw TCP socket into a
   preallocated buffer. MB/s for each size, and gRPC as a fraction of the socket.
 - **Step time**: GPT-2 trained on one process, then split evenly over K local worker

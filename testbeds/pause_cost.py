@@ -110,7 +110,7 @@ class PauseCost:
 
 @dataclass(frozen=True)
 class TransferPathCost:
-    """Seconds a transfer spends in the executors (encoding, the gRPC stream, checks,
+    """Seconds a transfer spends in the executors (encoding, the gRPC call, checks,
     reassembly, the answer) beyond the wire, by size and by how long the pair was quiet
     before it: ``seconds[i][j]`` for ``pauses_s[i]`` (the first 0: back to back) and
     ``sizes_bytes[j]``. Linear in size (beyond the largest, at the last step's rate per byte),
@@ -222,8 +222,9 @@ def measure_transfer_path(
     sizes: Sequence[int] = TRANSFER_SIZES_BYTES, pauses: Sequence[float] = TRANSFER_PAUSES_S, *, trials: int = TRIALS,
     rounds: int = TRANSFER_ROUNDS, echo: Callable[[str], None] = print,
 ) -> tuple[TransferPathCost, TransferPathCost, TransferPathCost]:
-    """Time the executors' tensor path (``Probe``: the chunked stream, header checks and
-    reassembly every transfer takes, to the answer) on loopback, where the wire costs
+    """Time the executors' tensor path (``Probe``, or ``ProbeWhole`` for a transfer of one
+    chunk, as ``Send`` and ``SendWhole``: header checks and reassembly every transfer takes,
+    to the answer) on loopback, where the wire costs
     next to nothing, from this process to one executor process (stopped by its pid).
 
     The figure moves by up to 2x from one minute to the next on this VM (128 KB after 30 ms

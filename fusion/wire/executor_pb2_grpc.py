@@ -182,6 +182,8 @@ class ExecutorServicer:
         """Send for a transfer that fits in one chunk, as one unary message. A request stream
         costs a thread hand-off per message on each side, which a loaded machine delays: a
         32 KB transfer took 1.9 ms as a stream and 0.5 ms as one message beside two busy cores.
+        It answers with Send's message: the two are one RPC to every caller but the client
+        that picks the path.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

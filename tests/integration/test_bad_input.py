@@ -152,8 +152,14 @@ def test_wrong_source_and_kind(driver: PipelineDriver) -> None:
     expect_code(lambda: driver.clients[0].send(activation_header(driver, stage_idx=0, kind=pb.TRANSFER_KIND_TARGET, src_stage_idx=-1), {"@target": torch.zeros(2, 16, dtype=torch.int64)}), grpc.StatusCode.INVALID_ARGUMENT, "loss")
 
 
+def unlimited_channel(driver: PipelineDriver) -> grpc.Channel:
+    """A channel to stage 1's worker that sends messages of any size (the pool's own channels
+    refuse to send past the limit, so only this one reaches the server's)."""
+    return grpc.insecure_channel(driver.addresses[1], options=[("grpc.max_send_message_length", -1)])
+
+
 def test_oversized_message(driver: PipelineDriver) -> None:
-    channel = driver.pool.get(driver.addresses[1])
+    channel = unlimited_channel(driver)
     send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
     header = activation_header(driver)
     name, _ = stage1_input(driver)
@@ -169,6 +175,7 @@ def test_oversized_message(driver: PipelineDriver) -> None:
         send(iter([pb.TensorChunk(header=huge)]), timeout=30, metadata=auth(driver, "Send"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "limit" in info.value.details()
+    channel.close()
 
 
 def test_malformed_bytes(driver: PipelineDriver) -> None:
@@ -206,14 +213,15 @@ def test_bad_single_messages(driver: PipelineDriver) -> None:
     with pytest.raises(grpc.RpcError) as info:  # the header promises more bytes than the message has
         send(pb.TensorChunk(header=header, data=b"\0" * 3), timeout=30, metadata=auth(driver, "SendWhole"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "declared" in info.value.details()
-    with pytest.raises(grpc.RpcError) as info:  # over the message size limit
-        send(pb.TensorChunk(header=header, data=b"\0" * (CHUNK_BYTES + HEADER_ALLOWANCE_BYTES + 1)), timeout=30, metadata=auth(driver, "SendWhole"))
+    with unlimited_channel(driver) as unlimited, pytest.raises(grpc.RpcError) as info:  # over the server's message limit
+        big = unlimited.unary_unary("/fusion.wire.Executor/SendWhole", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
+        big(pb.TensorChunk(header=header, data=b"\0" * (CHUNK_BYTES + HEADER_ALLOWANCE_BYTES + 1)), timeout=30, metadata=auth(driver, "SendWhole"))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     other = activation_header(driver, job_id="another-job")
     with pytest.raises(grpc.RpcError) as info:  # a job's key reaches only its own job
         send(pb.TensorChunk(header=other), timeout=30, metadata=auth(driver, "SendWhole"))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.RpcError) as info:  # a Send credential is not a SendWhole one (replay)
+    with pytest.raises(grpc.RpcError) as info:  # a credential signed for Send does not open SendWhole
         send(pb.TensorChunk(header=header), timeout=30, metadata=auth(driver, "Send"))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 

@@ -201,8 +201,9 @@ def test_fuzz_executor(executor: LocalCluster) -> None:
     client = ExecutorClient(address, pool)
     assert client.ping().worker_name == "local-0"
     # The tensor path still works: a correct probe goes through.
-    seconds, response = client.probe(1 << 20)
-    assert response.received_bytes == 1 << 20
+    for size in (1 << 20, pool.chunk_bytes + 1):  # one message (ProbeWhole), then a stream (Probe)
+        seconds, response = client.probe(size)
+        assert response.received_bytes == size
     pool.close()
 
 

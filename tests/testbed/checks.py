@@ -69,7 +69,7 @@ def _cpu_steal_share() -> Callable[[], float]:
 
     def read() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return (fields[7] if len(fields) > 7 else 0), sum(fields)
+        return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])  # guest time is inside user
 
     steal0, total0 = read()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -77,3 +78,28 @@ def test_probes_take_the_path_their_size_would(client: ExecutorClient) -> None:
     client.probe(CHUNK_BYTES)
     client.probe(CHUNK_BYTES + 1)
     assert [(m, len(c)) for m, c in client.stub.calls] == [("ProbeWhole", 1), ("Probe", 2)]  # type: ignore[attr-defined]
+
+
+class Unimplemented(grpc.RpcError):
+    """What a worker of an older release answers to a method it does not know."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNIMPLEMENTED
+
+    def details(self) -> str:
+        return "Method not found!"
+
+
+def test_a_peer_without_one_message_transfers_gets_the_stream(client: ExecutorClient) -> None:
+    stub = client.stub
+
+    def old_worker(request: bytes, timeout: float) -> Any:
+        stub.calls.append(("SendWhole", [request]))  # type: ignore[attr-defined]
+        raise Unimplemented()
+
+    stub.SendWhole = old_worker  # type: ignore[attr-defined]
+    header = pb.TransferHeader(job_id="j", stage_idx=1, kind=pb.TRANSFER_KIND_ACTIVATION)
+    client.send(header, {"x": torch.ones(3)})
+    client.send(header, {"x": torch.ones(3)})  # remembered: straight to the stream
+    assert [m for m, _ in stub.calls] == ["SendWhole", "Send", "Send"]  # type: ignore[attr-defined]
+    assert client.address in client.pool.stream_only
