@@ -20,11 +20,12 @@ computation, penalty included, ``slowdown`` times, and sleeps before each next o
 long its process has been off the core and whether another core of its machine is busy
 when it starts.
 
-The same holds for the executors' own work on a transfer (encoding, the chunked gRPC
-stream, checks, reassembly, the answer), which the replay had priced at nothing beyond the
-wire: timed on loopback to a real executor process, 1.8 ms for 16 KB and 3.7-4.0 ms for
-1 MB back to back, 3.2-5.0 ms after 30 ms or more of quiet on the pair (medians of four rounds;
-in some minutes the same transfers take up to twice as long).
+The same holds for the executors' own work on a transfer (encoding, the gRPC call, checks,
+reassembly, the answer), which the replay had priced at nothing beyond the wire: timed on
+loopback to a real executor process, 1.0 ms for 16 KB and 3.0-3.1 ms for 1 MB back to back,
+2.2-5.9 ms after 30 ms or more of quiet on the pair (medians of four rounds, with a transfer
+of one chunk sent as one message; as a request stream it was 1.8 and 3.7-4.0 ms back to
+back; in some minutes the same transfers take up to twice as long).
 :class:`TransferPathCost` holds that grid, and the replay adds it to each transfer between
 stages by how long its pair was quiet. One run per machine (about 3 minutes):
 
