@@ -23,7 +23,7 @@ when it starts.
 The same holds for the executors' own work on a transfer (encoding, the gRPC call, checks,
 reassembly, the answer), which the replay had priced at nothing beyond the wire: timed on
 loopback to a real executor process, 1.0 ms for 16 KB and 3.0-3.1 ms for 1 MB back to back,
-2.2-5.9 ms after 30 ms or more of quiet on the pair (medians of four rounds, with a transfer
+2.2-5.7 ms after 30 ms or more of quiet on the pair (medians of four rounds, with a transfer
 of one chunk sent as one message; as a request stream it was 1.8 and 3.7-4.0 ms back to
 back; in some minutes the same transfers take up to twice as long).
 :class:`TransferPathCost` holds that grid, and the replay adds it to each transfer between
