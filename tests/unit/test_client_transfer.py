@@ -55,21 +55,20 @@ def client() -> Iterator[ExecutorClient]:
     pool.close()
 
 
-@pytest.mark.parametrize("numel", [0, 1, CHUNK_BYTES // 4])
-def test_a_transfer_that_fits_one_chunk_is_one_message(client: ExecutorClient, numel: int) -> None:
+@pytest.mark.parametrize(
+    ("numel", "method", "num_chunks"),
+    [
+        (0, "SendWhole", 1),
+        (1, "SendWhole", 1),
+        (CHUNK_BYTES // 4, "SendWhole", 1),  # exactly one chunk
+        (CHUNK_BYTES // 4 + 1, "Send", 2),  # one element over
+    ],
+)
+def test_one_message_up_to_a_chunk_then_a_stream(client: ExecutorClient, numel: int, method: str, num_chunks: int) -> None:
     t = torch.arange(numel, dtype=torch.float32)
     client.send(pb.TransferHeader(job_id="j", stage_idx=1, kind=pb.TRANSFER_KIND_ACTIVATION), {"x": t})
-    [(method, chunks)] = client.stub.calls  # type: ignore[attr-defined]
-    assert method == "SendWhole" and len(chunks) == 1
-    got = decode_transfer([parse_chunk(c) for c in chunks], max_bytes=1 << 20).tensors()
-    torch.testing.assert_close(got["x"], t)
-
-
-def test_a_larger_transfer_is_a_stream_of_chunks(client: ExecutorClient) -> None:
-    t = torch.arange(CHUNK_BYTES // 4 + 1, dtype=torch.float32)  # one element over a chunk
-    client.send(pb.TransferHeader(job_id="j", stage_idx=1, kind=pb.TRANSFER_KIND_ACTIVATION), {"x": t})
-    [(method, chunks)] = client.stub.calls  # type: ignore[attr-defined]
-    assert method == "Send" and len(chunks) == 2
+    [(called, chunks)] = client.stub.calls  # type: ignore[attr-defined]
+    assert (called, len(chunks)) == (method, num_chunks)
     got = decode_transfer([parse_chunk(c) for c in chunks], max_bytes=1 << 20).tensors()
     torch.testing.assert_close(got["x"], t)
 
