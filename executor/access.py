@@ -5,8 +5,8 @@ Every call must carry a ``fusion-auth`` credential (:mod:`fusion.auth`) proving 
 - the worker's **control key** (only the coordinator, or whoever started a bare executor,
   holds it): every RPC;
 - the **job key** of the job the request names: ``Send`` and ``SendWhole`` (peers deliver
-  activations and gradients) and RPCs this table does not list (new job-scoped RPCs: the request's
-  ``job_id`` must match the key's job);
+  activations and gradients) and RPCs this table does not list (new job-scoped RPCs: the
+  request's ``job_id`` must match the key's job);
 - a **probe key** the coordinator handed out for this worker: ``Probe`` and ``ProbeWhole`` only.
 
 Before the credential is even parsed, a peer whose failed attempts exhausted its budget

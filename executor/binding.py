@@ -44,9 +44,10 @@ def executor_handler(servicer: Any) -> grpc.GenericRpcHandler:
     """A generic handler serving ``servicer``'s methods under ``fusion.wire.Executor``.
 
     Handlers of tensor chunks (streams, and the unary ``SendWhole``/``ProbeWhole``) receive
-    :class:`~executor.transport.RawChunk` objects and GetState yields pre-serialised chunk bytes. Every method is wrapped by the access
-    checks of ``servicer.access`` (:mod:`executor.access`): credential, deadline, per-peer
-    limits, and requests that do not parse answered ``INVALID_ARGUMENT``.
+    :class:`~executor.transport.RawChunk` objects and GetState yields pre-serialised chunk
+    bytes. Every method is wrapped by the access checks of ``servicer.access``
+    (:mod:`executor.access`): credential, deadline, per-peer limits, and requests that do
+    not parse answered ``INVALID_ARGUMENT``.
     """
     handlers = {}
     for method in SERVICE.methods:
@@ -70,8 +71,7 @@ class ExecutorStub:
 
     ``Send``/``SetState``/``Probe`` take an iterator of serialised chunks
     (:func:`executor.transport.encode_transfer_wire`), ``SendWhole``/``ProbeWhole`` one
-    serialised chunk; ``GetState`` yields
-    :class:`~executor.transport.RawChunk` objects.
+    serialised chunk; ``GetState`` yields :class:`~executor.transport.RawChunk` objects.
     """
 
     def __init__(self, channel: grpc.Channel, *, sign: Signer | None = None) -> None:

@@ -11,8 +11,8 @@ the micro-batches of a step; each micro-batch's loss is scaled by its share of t
 so the accumulated gradient is that of the mean loss over the whole batch.
 
 Threads: gRPC handler threads only validate and deposit transfers into the
-:class:`Mailbox`; every step runs on the stage's one long-lived compute thread; sends go through one
-ordered background sender per destination, so transfers overlap compute.
+:class:`Mailbox`; every step runs on the stage's one long-lived compute thread; sends go
+through one ordered background sender per destination, so transfers overlap compute.
 """
 
 from __future__ import annotations

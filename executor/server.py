@@ -1,9 +1,9 @@
 """The Executor gRPC service: hosts stages on a worker and serves the remote backward pass.
 
 Handler threads never compute: they validate a request, deposit tensors into a stage's
-mailbox, or hand a step to / await the stage's compute thread. Every handler maps fusion errors to
-status codes (:func:`executor.status.rpc_errors`), so a malformed or unexpected request is
-answered with a clear error and the worker keeps serving.
+mailbox, or hand a step to (or await) the stage's compute thread. Every handler maps fusion
+errors to status codes (:func:`executor.status.rpc_errors`), so a malformed or unexpected
+request is answered with a clear error and the worker keeps serving.
 
 Run a bare executor (what ``fusion-worker`` wraps, and what the local driver starts)::
 

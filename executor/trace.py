@@ -9,11 +9,11 @@ driver) appends one JSON object per event to ``$FUSION_TRACE_DIR/trace-<pid>.jso
 - the driver: ``step`` (the step starts), ``run_step`` (every stage has answered
   ``RunStep``), ``forward_backward`` (every stage is done), ``applied`` (every stage ran
   the optimizer);
-- a stage: ``start`` (with the ``thread`` that computes it) and ``done`` of its step, ``F0``/``F1`` and ``B0``/``B1`` around
-  each micro-batch's forward and backward (the emulated sleep included), ``send`` when a
-  transfer is handed to the sender, ``answered`` when the receiver's answer is in,
-  ``arrive`` when a transfer from another stage (or the driver: ``src`` -1) has been
-  received and checked.
+- a stage: ``start`` (with the ``thread`` that computes it) and ``done`` of its step,
+  ``F0``/``F1`` and ``B0``/``B1`` around each micro-batch's forward and backward (the
+  emulated sleep included), ``send`` when a transfer is handed to the sender, ``answered``
+  when the receiver's answer is in, ``arrive`` when a transfer from another stage (or the
+  driver: ``src`` -1) has been received and checked.
 
 Each event carries ``t`` (``time.time()``: the processes of one testbed host share its
 clock), the job id, the step, and the stage, micro-batch, peer and transfer kind where

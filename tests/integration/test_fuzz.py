@@ -202,7 +202,7 @@ def test_fuzz_executor(executor: LocalCluster) -> None:
     assert client.ping().worker_name == "local-0"
     # The tensor path still works: a correct probe goes through.
     for size in (1 << 20, pool.chunk_bytes + 1):  # one message (ProbeWhole), then a stream (Probe)
-        seconds, response = client.probe(size)
+        _, response = client.probe(size)
         assert response.received_bytes == size
     pool.close()
 
