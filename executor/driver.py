@@ -127,6 +127,7 @@ class PipelineDriver:
         step_timeout_s: float = 600.0,
         cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
         ratio_controller: RatioController | None = None,
+        link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
     ) -> None:
         if len(addresses) != len(stages):
             raise ValueError(f"need one worker address per stage: {len(stages)} stages, {len(addresses)} addresses")
@@ -150,6 +151,9 @@ class PipelineDriver:
         self._tied = tied_holders(self.stages, self.dag.tied_params)
         self.cut_settings = {k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()}
         self.ratio_controller = ratio_controller
+        #: Measured bandwidth between the workers of two stages, ``(src, dst) -> bytes/s``:
+        #: each stage paces its sends to ``dst`` at it (:mod:`executor.sender`).
+        self.link_bytes_per_s = {k: float(v) for k, v in (link_bytes_per_s or {}).items() if v > 0}
         # A fresh key per job: stages prove it to each other on Send; it reaches each worker
         # wrapped under that worker's control key (LoadStage.auth), never in clear.
         self.job_key = new_key()
@@ -190,6 +194,7 @@ class PipelineDriver:
             chunk_bytes=self.pool.chunk_bytes,
             micro_batch_weights=[1.0 / m] * m,
             cut_codecs=self._cut_codecs(spec.stage_idx),
+            link_bytes_per_s={dst: bw for (src, dst), bw in self.link_bytes_per_s.items() if src == spec.stage_idx},
             auth=self._wrapped_job_key(self.addresses[spec.stage_idx]),
             tied=[
                 epb.TiedParameter(name=name, canonical=canonical, holder_stage_idx=[h for h, _ in holders])

@@ -174,6 +174,7 @@ def train_distributed(
     on_step: Callable[[StepStats], None] | None = None,
     cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
     ratio_controller: RatioController | None = None,
+    link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
 ) -> DistributedResult:
     """Train ``job`` with its model split over the executors at ``addresses``.
 
@@ -191,6 +192,9 @@ def train_distributed(
         on_step: called after every step with its statistics.
         cut_settings: codecs of compressed cuts, by (src stage, dst stage).
         ratio_controller: AdaTopK's per-step ratio updates for those cuts.
+        link_bytes_per_s: bandwidth between the workers of two stages, by (src, dst) stage:
+            the stages pace their sends at it (:mod:`executor.sender`); unlisted pairs send
+            one transfer at a time.
     """
     model = build_job_model(job)
     dataset = build_job_dataset(job)
@@ -215,6 +219,7 @@ def train_distributed(
         pool=pool,
         cut_settings=cut_settings,
         ratio_controller=ratio_controller,
+        link_bytes_per_s=link_bytes_per_s,
     )
     result = DistributedResult(dag=captured.dag, stages=stages)
     try:

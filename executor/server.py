@@ -20,10 +20,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 import torch
@@ -36,6 +35,7 @@ from executor.compression import CutCompression, CutSetting, decode_tensor
 from executor.emulation import Slowdown, check_factor
 from executor.guard import FAULT_HELP, Fault
 from executor.runtime import StageRuntime
+from executor.sender import PeerSender
 from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
 from executor.status import rpc_errors
 from executor.tied import TiedParam
@@ -105,48 +105,6 @@ def parse_probe_keys(text: str) -> dict[str, tuple[int, bytes]]:
     return keys
 
 
-class PeerSender:
-    """Ordered, asynchronous sends from one stage to each destination stage."""
-
-    def __init__(self, job_id: str, addresses: Mapping[int, str], pool: ChannelPool) -> None:
-        self.job_id = job_id
-        self.addresses = dict(addresses)
-        self.pool = pool
-        self._queues: dict[int, ThreadPoolExecutor] = {}
-        self._lock = threading.Lock()
-
-    def __call__(
-        self,
-        dst: int,
-        header: pb.TransferHeader,
-        tensors: Mapping[str, torch.Tensor],
-        scalars: Mapping[str, Any],
-        encoded: Mapping[str, tuple[pb.TensorMeta, bytes]],
-    ) -> Future[tuple[int, float]]:
-        address = self.addresses.get(dst)
-        if address is None:
-            raise NotFoundError(f"no address known for stage {dst}")
-        with self._lock:
-            queue = self._queues.get(dst)
-            if queue is None:
-                queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"send-to-stage{dst}")
-                self._queues[dst] = queue
-        client = ExecutorClient(address, self.pool)
-
-        def timed() -> tuple[int, float]:
-            t0 = time.perf_counter()
-            size = client.send(header, tensors, scalars, encoded=encoded)
-            return size, time.perf_counter() - t0
-
-        return queue.submit(timed)
-
-    def close(self) -> None:
-        with self._lock:
-            for q in self._queues.values():
-                q.shutdown(wait=False, cancel_futures=True)
-            self._queues.clear()
-
-
 class ExecutorService:
     """Hosts any number of stages, keyed by (job id, stage index)."""
 
@@ -194,7 +152,7 @@ class ExecutorService:
         loss_fn = get_loss(request.loss or "cross_entropy") if built.spec.is_loss_stage else None
         params = list(built.module.parameters())
         optimizer = build_optimizer(built.train, params)
-        sender = PeerSender(request.job_id, dict(request.stage_addresses), self.pool)
+        sender = PeerSender(request.job_id, dict(request.stage_addresses), self.pool, link_bytes_per_s=dict(request.link_bytes_per_s))
         weights = list(request.micro_batch_weights) or [1.0]
         compression = CutCompression(
             request.stage_idx,

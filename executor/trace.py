@@ -11,8 +11,9 @@ driver) appends one JSON object per event to ``$FUSION_TRACE_DIR/trace-<pid>.jso
   the optimizer);
 - a stage: ``start`` (with the ``thread`` that computes it) and ``done`` of its step,
   ``F0``/``F1`` and ``B0``/``B1`` around each micro-batch's forward and backward (the
-  emulated sleep included), ``send`` when a transfer is handed to the sender, ``answered``
-  when the receiver's answer is in, ``arrive`` when a transfer from another stage (or the
+  emulated sleep included), ``send`` when a transfer is handed to the sender, ``leave`` when
+  the sender starts it (after pacing, :mod:`executor.sender`), ``answered`` when the
+  receiver's answer is in, ``arrive`` when a transfer from another stage (or the
   driver: ``src`` -1) has been received and checked.
 
 Each event carries ``t`` (``time.time()``: the processes of one testbed host share its

@@ -12,11 +12,13 @@ backward seconds per micro-batch (profiled node times scaled by
 the critical path ``P`` of the stage graph: forward along the longest path of
 ``f`` and ``x``, backward along the longest path of ``b`` and ``g``. With ``M``
 micro-batches the pipeline then emits one micro-batch per bottleneck period
-``B = max(max_s (f_s + b_s), max_ab max(x_ab + lat_ba, g_ab + lat_ab))`` (every stage does
-one forward and one backward per micro-batch; each link carries one activation each way
-per micro-batch and is full duplex; and a stage sends to one destination one transfer at a
-time, each until the receiver's answer is back, so a link is busy a round trip plus the
-bytes per transfer). Hence
+``B = max(max_s (f_s + b_s), max_ab max(act_bytes_ab / bw_ab, grad_bytes_ab / bw_ba))``
+(every stage does one forward and one backward per micro-batch; each link carries one
+activation each way per micro-batch and is full duplex; and a stage paces its sends to a
+destination at the link's bandwidth, :mod:`executor.sender`, so the link is busy for the
+bytes while the latencies overlap; where a stage sends one transfer at a time instead,
+each until its answer, :attr:`~scheduler.topology.Topology.paced_sends` false, a link is
+busy a round trip plus the bytes per transfer: :func:`link_busy_s`). Hence
 
     T = P + (M - 1) * B + t_step,
 
@@ -346,11 +348,8 @@ def estimate(
         start = max((bwd_done[c] + g[(a, c)] for (a, c) in act if a == s), default=0.0)
         bwd_done[s] = max(start, fwd_done[s]) + b[s]
     critical = float(bwd_done.max()) if num_stages else 0.0
-    # A sender's transfers to one stage go one after another, each waiting for the answer.
-    link = {
-        (a, c): max(x[(a, c)] + answer_s(topology, stage_workers[c], stage_workers[a]), g[(a, c)] + answer_s(topology, stage_workers[a], stage_workers[c]))
-        for (a, c) in act
-    }
+    link = {(a, c): max(link_busy_s(topology, stage_workers[a], stage_workers[c], v), link_busy_s(topology, stage_workers[c], stage_workers[a], grad[(a, c)]))
+            for (a, c), v in act.items()}
     period = max(
         float((f + b).max()) if num_stages else 0.0,
         max(link.values(), default=0.0),
@@ -387,9 +386,20 @@ def estimate(
 
 def answer_s(topology: Topology, i: int, j: int) -> float:
     """Seconds until a sender hears that its transfer to ``i`` arrived (the answer from
-    ``i`` back to ``j``): a stage's sends to one destination go one after another, each
-    waiting for that answer, so a link is busy a round trip plus the bytes per transfer."""
+    ``i`` back to ``j``)."""
     return 0.0 if i == j else float(topology.latency_s[i][j])
+
+
+def link_busy_s(topology: Topology, i: int, j: int, size_bytes: float) -> float:
+    """Seconds one transfer of ``size_bytes`` holds the link ``i -> j`` before the next may
+    start. Paced sends (:attr:`Topology.paced_sends`, :mod:`executor.sender`): its bytes, the
+    next starting as they leave, the latencies overlapping. Otherwise the transfer and its
+    answer: a round trip plus the bytes."""
+    if i == j or not size_bytes:
+        return 0.0
+    if topology.paced_sends:
+        return float(size_bytes / topology.bandwidth_bytes_per_s[i][j])
+    return topology.transfer_s(i, j, size_bytes) + answer_s(topology, j, i)
 
 
 def _shared_machine_s(compute: np.ndarray, stage_workers: Sequence[int], topology: Topology) -> float:

@@ -131,6 +131,11 @@ class Topology:
     coordinator starts every step, feeds inputs and targets, waits and applies over these);
     ``None`` when unknown, and the estimator then leaves the driver's links out. The
     bandwidth is ``math.inf`` for a worker on the driver's own host."""
+    paced_sends: bool = True
+    """How a stage sends to another over these links: paced at the link's bandwidth, without
+    waiting for answers (:mod:`executor.sender`, what a coordinator's job does); ``False``:
+    one transfer at a time, each until its answer (a bare executor without link figures,
+    and every run recorded before pacing)."""
     machine_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """Per worker, the index of the machine it computes on: workers whose
     :attr:`WorkerSpec.machine` is the same share one; a worker naming none has its own."""
@@ -229,6 +234,7 @@ class Topology:
             bandwidth_bytes_per_s=tuple(tuple(self.bandwidth_bytes_per_s[i][j] for j in idx) for i in idx),
             latency_s=tuple(tuple(self.latency_s[i][j] for j in idx) for i in idx),
             driver_links=None if self.driver_links is None else tuple(self.driver_links[i] for i in idx),
+            paced_sends=self.paced_sends,
         )
 
     def with_driver_links(self, links: Sequence[tuple[float, float]] | None) -> Topology:
@@ -267,6 +273,7 @@ class Topology:
             "bandwidth_bytes_per_s": [[None if math.isinf(x) else x for x in row] for row in self.bandwidth_bytes_per_s],
             "latency_s": [list(row) for row in self.latency_s],
             **({} if self.driver_links is None else {"driver_links": [[rtt, None if math.isinf(bw) else bw] for rtt, bw in self.driver_links]}),
+            **({} if self.paced_sends else {"paced_sends": False}),
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -278,15 +285,19 @@ class Topology:
         """Read :meth:`to_dict` output back."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a topology document must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"workers", "bandwidth_bytes_per_s", "latency_s", "driver_links"})
+        allowed = ("workers", "bandwidth_bytes_per_s", "latency_s", "driver_links", "paced_sends")
+        unknown = sorted(set(d) - set(allowed))
         if unknown:
-            raise PlanError(f"topology document has unknown key(s) {unknown}; allowed: workers, bandwidth_bytes_per_s, latency_s, driver_links")
+            raise PlanError(f"topology document has unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
         try:
             workers = tuple(WorkerSpec(**w) for w in d["workers"])
             bandwidth = [[math.inf if x is None else x for x in row] for row in d["bandwidth_bytes_per_s"]]
             driver = d.get("driver_links")
             links = None if driver is None else tuple((rtt, math.inf if bw is None else bw) for rtt, bw in driver)
-            return Topology(workers=workers, bandwidth_bytes_per_s=bandwidth, latency_s=d["latency_s"], driver_links=links)
+            paced = d.get("paced_sends", True)
+            if not isinstance(paced, bool):
+                raise PlanError(f"paced_sends must be true or false, got {paced!r}")
+            return Topology(workers=workers, bandwidth_bytes_per_s=bandwidth, latency_s=d["latency_s"], driver_links=links, paced_sends=paced)
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a valid topology document: {e!r}") from e
 

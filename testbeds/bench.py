@@ -72,7 +72,7 @@ from fusion.profiling import trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench_report import markdown, write_chart
 from testbeds.run import slowdown_args
-from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
+from testbeds.sim_topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
 
 logger = logging.getLogger(__name__)
 
@@ -447,7 +447,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
     meta = {
         "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
-        "latency_mode": latency_mode, "step_statistic": "trimmed-mean", "emulated_slowdown": slowdowns, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
+        "latency_mode": latency_mode, "step_statistic": "trimmed-mean", "sends": PACED_SENDS, "emulated_slowdown": slowdowns, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},

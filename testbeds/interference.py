@@ -1,7 +1,7 @@
 """What a transfer costs the computation it overlaps in the same executor process.
 
 An executor computes on one thread and moves tensors on others (gRPC handlers receive and
-check a transfer, a :class:`~executor.server.PeerSender` encodes and sends one out). They
+check a transfer, a :class:`~executor.sender.PeerSender` encodes and sends one out). They
 share the process's interpreter lock and caches, so a computation that a transfer overlaps
 takes longer: on loopback a 22 ms computation ran about 1.5 ms longer for each 256 KB
 transfer wholly inside it, received or sent, about what the executor spends on the

@@ -7,10 +7,12 @@ executor decide its step instead (each seen in a traced two-sites run):
 - **the schedule's fixed order**: a stage runs its action list (``executor.schedule``)
   strictly in order, so under 1F1B a backward whose gradient has arrived still waits for
   the forward before it, whose input may be on the slow link;
-- **one send at a time per destination**: a stage's transfers to one stage go one after
-  another, each waiting for the receiver's answer (``executor.server.PeerSender``), so a
-  link is busy a round trip plus the bytes per transfer, while the data arrives after the
-  one-way latency plus the bytes;
+- **paced sends per destination**: a stage's transfers to one stage start in order, each
+  once the bytes of the one before it have left at the link's bandwidth
+  (``executor.sender.PeerSender``), without waiting for answers; the data arrives after the
+  executors' path, the one-way latency and the bytes, and the stage is done once its last
+  send is answered (with :attr:`~scheduler.topology.Topology.paced_sends` false, as runs
+  before pacing sent, each transfer waits for the answer of the one before it);
 - **the driver's path**: ``RunStep`` reaches every stage first (the feed starts when all
   have answered), the feed to each stage is one synchronous send after another, the driver
   hears a stage is done half a round trip after it is (and after its last send was
@@ -38,6 +40,7 @@ from scheduler.estimator import (
     StageGraph,
     Workload,
     answer_s,
+    link_busy_s,
     optimizer_s,
     stage_graph,
     tied_sync_s,
@@ -68,15 +71,22 @@ class Replay:
 
 
 class _SendQueue:
-    """One sender's transfers to one destination: one at a time, each until its answer."""
+    """One sender's transfers to one destination, in order: each starts once the one before
+    it has released the link (paced: its bytes have left; else: its answer is back)."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
+        """When the last transfer started releases the link."""
+        self.answered_at = 0.0
+        """When the last answer of the transfers so far is back."""
 
-    def send(self, ready: float, one_way_s: float, back_s: float) -> float:
-        """Start a transfer no earlier than ``ready``; returns when its data arrives."""
+    def send(self, ready: float, one_way_s: float, busy_s: float, back_s: float) -> float:
+        """Start a transfer no earlier than ``ready``; ``one_way_s`` until its data arrives
+        (its bytes included), ``busy_s`` holding the link, ``back_s`` more for its answer;
+        returns when it arrives."""
         start = max(ready, self.free_at)
-        self.free_at = start + one_way_s + back_s
+        self.free_at = start + busy_s
+        self.answered_at = max(self.answered_at, start + one_way_s + back_s)
         return start + one_way_s
 
 
@@ -210,7 +220,7 @@ def _replay_pass(
                 found[s].append((left, left + path_s / 2, interference.send(size)))
                 found[dst].append((arrived[key] - path_s / 2, arrived[key], interference.receive(size)))
     # A stage answers the driver's wait once its compute is done and its sends are answered.
-    finished = tuple(max([free[s], *(q.free_at for (a, _), q in queues.items() if a == s)]) for s in range(n))
+    finished = tuple(max([free[s], *(q.answered_at for (a, _), q in queues.items() if a == s)]) for s in range(n))
     done = tuple(f + rtt[s] / 2 for s, f in enumerate(finished))
     tied = tied_sync_s(workload, sg, w, topology)
     # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
@@ -234,9 +244,12 @@ def _send(
     Returns when it leaves, that path time, and when its data arrives."""
     if src == dst:
         return ready, 0.0, ready
-    path_s = path_cost(size, max(ready - queue.free_at, 0.0)) if path_cost is not None else 0.0
+    path_s = path_cost(size, max(ready - queue.answered_at, 0.0)) if path_cost is not None else 0.0
     left = max(ready, queue.free_at)
-    return left, path_s, queue.send(ready, path_s + topology.transfer_s(src, dst, size), answer_s(topology, dst, src))
+    one_way, back = path_s + topology.transfer_s(src, dst, size), answer_s(topology, dst, src)
+    # Paced: the link is held for the bytes; one at a time: until the answer is back.
+    busy = link_busy_s(topology, src, dst, size) if topology.paced_sends else one_way + back
+    return left, path_s, queue.send(ready, one_way, busy, back)
 
 
 def _feed(sg: StageGraph, workers: list[int], topology: Topology, target_bytes: int, m: int, *, start: float) -> list[list[float]]:

@@ -98,9 +98,15 @@ def slowdowns_label(slowdowns: Mapping[str, float]) -> str:
     return ", ".join(f"{h} {f:.3g}x" for h, f in slowdowns.items())
 
 
+#: A bench result's ``sends`` when fusion's and uniform's stages paced their sends at the
+#: links' bandwidth (:mod:`executor.sender`); a result without it was recorded when each
+#: stage sent one transfer at a time, each until its answer, and is replayed so.
+PACED_SENDS = "paced"
+
+
 def testbed_topology(
     topology: Topology, reference_flops: float | None, *, latency: bool = True, payload_share: float = 1.0,
-    emulated: Mapping[str, float] | None = None, compute_factors: Mapping[str, float] | None = None,
+    emulated: Mapping[str, float] | None = None, compute_factors: Mapping[str, float] | None = None, paced_sends: bool = True,
 ) -> Topology:
     """Every host at this machine's speed and on this machine (the workers share its CPU, as
     their coordinator sees from the boot id they report), as one-host testbeds run them;
@@ -109,7 +115,8 @@ def testbed_topology(
     ``latency=False`` zeroes every latency, and every link carries ``payload_share`` of its
     rate (:data:`TCP_PAYLOAD_SHARE` on the netns backend, whose ``htb`` counts frames; 1 on
     the proxy backend, which paces payload). ``compute_factors``: hosts that computed that
-    many times slower than ``reference_flops`` (a run's measured compute over the profile's)."""
+    many times slower than ``reference_flops`` (a run's measured compute over the profile's).
+    ``paced_sends``: :attr:`Topology.paced_sends`."""
     workers = topology.workers
     emulated = emulated or {}
     factors = compute_factors or {}
@@ -122,7 +129,7 @@ def testbed_topology(
         )
     lat = topology.latency_s if latency else tuple(tuple(0.0 for _ in row) for row in topology.latency_s)
     bw = tuple(tuple(b * payload_share for b in row) for row in topology.bandwidth_bytes_per_s)
-    return Topology(workers=workers, bandwidth_bytes_per_s=bw, latency_s=lat)
+    return Topology(workers=workers, bandwidth_bytes_per_s=bw, latency_s=lat, paced_sends=paced_sends)
 
 
 def shared_cores_factor(workers: Sequence[WorkerSpec], cores: int | None) -> float:

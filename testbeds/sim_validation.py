@@ -21,7 +21,7 @@ from testbeds.pause_cost import (
     pause_cost_beside,
     transfer_path_beside,
 )
-from testbeds.sim_topologies import TCP_PAYLOAD_SHARE, load_topology, testbed_topology
+from testbeds.sim_topologies import PACED_SENDS, TCP_PAYLOAD_SHARE, load_topology, testbed_topology
 from testbeds.simulate import job_costs, simulate, simulate_plan
 
 
@@ -153,7 +153,8 @@ def simulate_doc(
 
         def topo(with_latency: bool, name: str = "") -> Any:
             return testbed_topology(
-                topology, speed, latency=with_latency, payload_share=share, emulated=emulated, compute_factors=host_factors.get(name)
+                topology, speed, latency=with_latency, payload_share=share, emulated=emulated, compute_factors=host_factors.get(name),
+                paced_sends=doc.get("sends") == PACED_SENDS,
             )
 
         # The measured message times are gloo's pattern (a receiver silent until the whole

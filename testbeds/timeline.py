@@ -9,8 +9,8 @@ last of the driver's inputs and targets reached each stage it feeds, when each s
 long it computed (forwards and backwards, emulated sleeps included), when the driver had
 heard from all of them, and the end of the optimizer call, in milliseconds from the step's
 start. Then, for each ordered pair of stages, the transfers between them: from when the
-transfer could leave (handed to the sender, and the one before it to the same stage
-answered: a sender sends one at a time, ``executor.server.PeerSender``) to its arrival
+transfer left (the sender's ``leave`` event, after its pacing wait,
+``executor.sender.PeerSender``) to its arrival
 (received and checked) and to the sender hearing the answer; the first transfer of a
 step apart from the rest, and the rest split by whether the sending stage was computing
 for most of the transfer (its compute thread and its sender share the interpreter). These
@@ -63,7 +63,8 @@ class Transfer:
     micro_batch: int
     sent: float
     start: float
-    """When it could leave: handed over, and the previous transfer on the pair answered."""
+    """When it left: the sender's ``leave`` event (after the pacing wait); in older traces,
+    when it could leave: handed over, and the previous transfer on the pair answered."""
     arrived: float
     answered: float
     first: bool
@@ -172,11 +173,13 @@ def transfers(events: Sequence[dict[str, Any]], job: str, steps: Iterable[int] |
         if keep is not None and step not in keep:
             continue
         spans = _compute_spans(evs)
-        sent, answered, arrived = {}, {}, {}
+        sent, left, answered, arrived = {}, {}, {}, {}
         for e in evs:
             ev = e["ev"]
             if ev == "send":
                 sent[(e["stage"], e["dst"], e["kind"], e["mb"])] = e["t"]
+            elif ev == "leave":
+                left[(e["stage"], e["dst"], e["kind"], e["mb"])] = e["t"]
             elif ev == "answered":
                 answered[(e["stage"], e["dst"], e["kind"], e["mb"])] = e["t"]
             elif ev == "arrive" and e.get("src") != DRIVER:
@@ -187,7 +190,9 @@ def transfers(events: Sequence[dict[str, Any]], job: str, steps: Iterable[int] |
                 continue
             src, dst, kind, mb = key
             pair = (src, dst)
-            start = max(sent[key], free_at.get(pair, 0.0))
+            # The sender's own record of the start where it wrote one (paced sends); else, in
+            # traces of one-at-a-time senders, the hand-over or the last answer on the pair.
+            start = left.get(key, max(sent[key], free_at.get(pair, 0.0)))
             first = pair not in free_at
             free_at[pair] = answered[key]
             busy = sum(max(0.0, min(b, arrived[key]) - max(a, start)) for a, b in spans.get(src, []))

@@ -34,6 +34,7 @@ from fusion.training import (
     job_batch,
 )
 from scheduler.plan import Plan
+from scheduler.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +83,23 @@ class CheckRow:
         }
 
 
-def run_plan(spec: JobSpec, model: Any, captured: Any, dataset: Any, plan: Plan, workers: dict[str, str], pool: ChannelPool, *, steps: int, device: str) -> tuple[float, list[int]]:
+def run_plan(
+    spec: JobSpec, model: Any, captured: Any, dataset: Any, plan: Plan, workers: dict[str, str], pool: ChannelPool, *, steps: int, device: str,
+    topology: Topology | None = None,
+) -> tuple[float, list[int]]:
     """Run ``plan`` for ``steps`` timed steps after a warm-up step, then one more step that
     counts memory (its hooks would slow the timed steps); median step seconds and the peak
-    memory per stage."""
+    memory per stage. With the measured ``topology`` the stages pace their sends at its
+    links' bandwidth, as in a job."""
     stages = split_stages(captured.dag, plan.assignment())
     _, example_y = example_micro_batch(spec, dataset)
+    links: dict[tuple[int, int], float] = {}
+    if topology is not None:
+        idx = [topology.names().index(s.worker) for s in plan.stages]
+        links = {(a, b): topology.bandwidth_bytes_per_s[idx[a]][idx[b]] for a in range(len(idx)) for b in range(len(idx)) if idx[a] != idx[b]}
     driver = PipelineDriver(
         job_id=f"check-{uuid.uuid4().hex[:8]}", job=spec, model=model, captured=captured, stages=stages,
-        addresses=[workers[s.worker] for s in plan.stages], example_target=example_y, device=device, pool=pool,
+        addresses=[workers[s.worker] for s in plan.stages], example_target=example_y, device=device, pool=pool, link_bytes_per_s=links,
     )
     times: list[float] = []
     peaks = [0] * len(stages)
@@ -136,7 +145,7 @@ def check_estimator(
     rows = []
     for label, meas in configs:
         plan = plan_job(spec, meas, strategy=label.split("/")[0])
-        measured_s, measured_mem = run_plan(spec, model, captured, dataset, plan, by_name, pool, steps=steps, device=device)
+        measured_s, measured_mem = run_plan(spec, model, captured, dataset, plan, by_name, pool, steps=steps, device=device, topology=meas.topology)
         row = CheckRow(
             label=label,
             stages=len(plan.stages),

@@ -370,9 +370,11 @@ class JobRunner(threading.Thread):
                 AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
                 link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
             )
+        links = {(a, b): link[1] for a in range(len(addresses)) for b in range(len(addresses)) if a != b and (link := self.links.get(addresses[a], addresses[b]))}
         return PipelineDriver(
             job_id=self.job_id, job=spec, model=self.model, captured=self.captured, stages=stages, addresses=addresses,
             example_target=self.example_y, device=self.device, pool=self.pool, cut_settings=settings, ratio_controller=controller,
+            link_bytes_per_s=links,
         )
 
     def _name_of(self, address: str) -> str:

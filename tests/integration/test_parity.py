@@ -65,6 +65,18 @@ def test_five_steps_parameters_match(cluster: LocalCluster, device: str, family:
     assert_parity(job, cluster.addresses, steps=5, assignment=assignment, device=device)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+def test_paced_sends_change_nothing_computed(cluster: LocalCluster, device: str, family: str) -> None:
+    """Stages that pace their sends at a link's bandwidth (several transfers in flight, none
+    waiting for the answer before) train exactly as one process: 4 stages with a skip, 1F1B,
+    4 micro-batches, every pair paced at 20 MB/s (a few ms per transfer here)."""
+    base = GPT2 if family == "gpt2" else RESNET
+    job = make_job(base, steps=2, micro_batches=4, schedule="1f1b")
+    links = {(a, b): 20e6 for a in range(4) for b in range(4) if a != b}
+    assignment = skip_assignment(dag_of(job), BRANCH[family], 4)
+    assert_parity(job, cluster.addresses, steps=2, assignment=assignment, accumulate=family == "resnet", device=device, link_bytes_per_s=links)
+
+
 def test_tied_embeddings_on_different_stages(cluster: LocalCluster, device: str) -> None:
     job = make_job(GPT2, steps=3, micro_batches=2)
     result = assert_parity(job, cluster.addresses[:3], steps=3, device=device)

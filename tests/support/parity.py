@@ -39,12 +39,14 @@ def assert_parity(
     accumulate: bool = False,
     stage_workers: Sequence[int] | None = None,
     device: str = "cpu",
+    link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
 ) -> DistributedResult:
     """Run ``job`` distributed and in one process, both on ``device``; assert they agree;
     return the distributed run."""
     ref = train_reference(job, steps=steps, accumulate=accumulate, device=device)
     got = train_distributed(
-        job, addresses, steps=steps, assignment=assignment, collect_gradients=True, stage_workers=stage_workers, device=device
+        job, addresses, steps=steps, assignment=assignment, collect_gradients=True, stage_workers=stage_workers, device=device,
+        link_bytes_per_s=link_bytes_per_s,
     )
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=RTOL, atol=ATOL)
     assert set(got.gradients) == set(ref.gradients), set(got.gradients) ^ set(ref.gradients)

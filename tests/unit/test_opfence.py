@@ -423,14 +423,29 @@ def test_two_stage_chain_matches_the_hand_computed_step_time(act_bytes: int, gra
     x = 0.01 + act_bytes / 1e8  # activation forward on 0 -> 1
     g = 0.02 + grad_bytes / 5e7  # gradient back on 1 -> 0
     critical = 0.01 + x + 0.03 + 0.05 + g + 0.02
-    # Each sender waits for the answer before its next transfer: the link is busy a round trip.
-    busy = max(x + 0.02, g + 0.01)
+    # Sends are paced at the link's bandwidth: per micro-batch the link is busy for the bytes.
+    busy = max(act_bytes / 1e8, grad_bytes / 5e7)
     period = max(0.01 + 0.02, 0.03 + 0.05, busy)
     assert (period == busy) == (bound == "link")
     assert est.link_s == {(0, 1): pytest.approx(busy)}
     assert est.link_bytes == {(0, 1): act_bytes}
     assert est.bottleneck_s == pytest.approx(period)
     assert est.step_s == pytest.approx(critical + (micro_batches - 1) * period)
+
+
+def test_a_sender_that_waits_for_each_answer_holds_the_link_a_round_trip() -> None:
+    """Where stages send one transfer at a time (``paced_sends`` false), each until its
+    answer, a link is busy the transfer plus the answer's way back."""
+    import dataclasses
+
+    wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[10_000_000], grad_bytes=[10_000_000])
+    bw = np.array([[np.inf, 1e8], [5e7, np.inf]])
+    lat = np.array([[0.0, 0.01], [0.02, 0.0]])
+    paced = make_topology(bw, latency_s=lat)
+    est = estimate(wl, [0, 1], [0, 1], dataclasses.replace(paced, paced_sends=False), micro_batches=4)
+    x, g = 0.01 + 0.1, 0.02 + 0.2
+    assert est.link_s == {(0, 1): pytest.approx(max(x + 0.02, g + 0.01))}
+    assert est.step_s > estimate(wl, [0, 1], [0, 1], paced, micro_batches=4).step_s
 
 
 def test_gpipe_stashes_every_micro_batch_and_1f1b_only_depth_plus_one() -> None:
@@ -477,8 +492,8 @@ def test_a_cut_without_gradient_bytes_costs_nothing_backward() -> None:
     lat = np.array([[0.0, 0.01], [0.02, 0.0]])
     est = estimate(wl, [0, 1], [0, 1], make_topology(bw, latency_s=lat), micro_batches=2)
     x = 0.01 + 1_000_000 / 1e8
-    assert est.link_s == {(0, 1): pytest.approx(x + 0.02)}  # only the send's answer comes back
-    assert est.step_s == pytest.approx((0.01 + x + 0.03 + 0.05 + 0.02) + max(0.03, 0.08, x + 0.02))
+    assert est.link_s == {(0, 1): pytest.approx(1_000_000 / 1e8)}  # the activation's bytes only
+    assert est.step_s == pytest.approx((0.01 + x + 0.03 + 0.05 + 0.02) + max(0.03, 0.08))
 
 
 def test_a_cyclic_stage_graph_is_refused() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -22,14 +24,15 @@ def test_one_stage_without_a_driver_equals_the_closed_form() -> None:
 def test_two_stages_over_a_latency_link_by_hand() -> None:
     """f0=10 b0=20, f1=30 b1=50 ms; 0->1 10 ms + 1 MB at 100 MB/s, 1->0 20 ms + 1 MB at 50 MB/s.
 
-    Stage 0 (depth 1) runs F0 F1 B0 B1, stage 1 runs F0 B0 F1 B1. Each sender waits for the
-    answer of one transfer before the next: activations arrive 20 ms after they leave and
-    keep the link 40 ms; gradients arrive after 40 ms and keep it 50 ms.
+    Stage 0 (depth 1) runs F0 F1 B0 B1, stage 1 runs F0 B0 F1 B1. Sends are paced at the
+    link's bandwidth: activations arrive 20 ms after they leave and keep the link 10 ms (their
+    bytes), answered 20 ms after arriving; gradients arrive after 40 ms and keep it 20 ms.
 
-    s0 F0 0-10, act0 sent 10 (arrives 30, link free 50); s0 F1 10-20, act1 sent 50 (arr 70);
-    s1 F0 30-60, B0 60-110, grad0 sent 110 (arr 150, free 160); s1 F1 110-140, B1 140-190,
-    grad1 sent 190 (arr 230, free 240); s0 B0 150-170, B1 230-250. Stage 1 is done when its
-    last send is answered (240), stage 0 at 250.
+    s0 F0 0-10, act0 sent 10 (arrives 30, answered 50); s0 F1 10-20, act1 sent 20 (arr 40,
+    answered 60); s1 F0 30-60, B0 60-110, grad0 sent 110 (arr 150, answered 160); s1 F1
+    110-140, B1 140-190, grad1 sent 190 (arr 230, answered 240); s0 B0 150-170, B1 230-250.
+    Stage 1 is done when its last send is answered (240), stage 0 at 250. (Waiting for each
+    answer would have sent act1 at 50 instead: stage 1 was busy until 110 anyway.)
     """
     wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[1_000_000])
     bw = np.array([[np.inf, 1e8], [5e7, np.inf]])
@@ -42,15 +45,22 @@ def test_two_stages_over_a_latency_link_by_hand() -> None:
 
 
 def test_gpipe_runs_every_forward_first() -> None:
-    """Same stages, GPipe: stage 1 runs F0 F1 B0 B1, so B0 waits for F1 (input at 70 ms).
+    """Same stages, GPipe: stage 1 runs F0 F1 B0 B1, so B0 waits for F1 (input at 40 ms).
 
-    s1 F0 30-60, F1 70-100, B0 100-150, grad0 sent 150 (arr 190, free 200), B1 150-200, grad1
-    sent 200 (arr 240, free 250); s0 B0 190-210, B1 240-260.
+    s1 F0 30-60, F1 60-90, B0 90-140, grad0 sent 140 (arr 180, link free 160), B1 140-190,
+    grad1 sent 190 (arr 230, answered 240); s0 B0 180-200, B1 230-250. Waiting for each
+    answer, act1 would have left at 50 (arriving at 70) and everything ended 10 ms later.
     """
     wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[1_000_000])
     bw = np.array([[np.inf, 1e8], [5e7, np.inf]])
     lat = np.array([[0.0, 0.01], [0.02, 0.0]])
     replay = replay_step(wl, [0, 1], [0, 1], make_topology(bw, latency_s=lat), micro_batches=2, schedule="gpipe")
+    assert replay.stages_done_s == pytest.approx((0.25, 0.24))
+    # One at a time (paced_sends false): act1 left at 50, once act0's answer was back; s1 F1
+    # 70-100, B0 100-150, grad0 sent 150 (arr 190, free 200), B1 150-200, grad1 sent 200 (arr
+    # 240, answered 250); s0 B0 190-210, B1 240-260.
+    unpaced = dataclasses.replace(make_topology(bw, latency_s=lat), paced_sends=False)
+    replay = replay_step(wl, [0, 1], [0, 1], unpaced, micro_batches=2, schedule="gpipe")
     assert replay.stages_done_s == pytest.approx((0.26, 0.25))
 
 

@@ -189,3 +189,15 @@ def test_driver_links_for_another_number_of_hosts_are_refused(doc: dict) -> None
     topology = sim_topologies.testbed_topology(sim_topologies.load_topology(doc["topology"]), job.reference_flops)
     with pytest.raises(FusionError, match="3 driver links for 4 hosts"):
         simulate_plan(job, topology, strategy="uniform", compression="none", driver_links=[(0.001, 1e9)] * 3)
+
+
+def test_a_run_is_replayed_with_the_sends_it_made(doc: dict) -> None:
+    """A result recorded before pacing (no ``sends``) is replayed one transfer at a time; a
+    paced one as paced: on two-sites' 20 ms link uniform is quicker paced, and the baselines,
+    which send through gloo, are priced the same either way."""
+    assert "sends" not in doc
+    waited = {r["system"]: r for r in validate_doc(doc, "two-sites")}
+    paced = {r["system"]: r for r in validate_doc(doc | {"sends": sim_topologies.PACED_SENDS}, "two-sites")}
+    assert paced["uniform"]["simulated_step_s"] < waited["uniform"]["simulated_step_s"]
+    for name in ("ddp", "pipelining"):
+        assert paced[name]["simulated_step_s"] == pytest.approx(waited[name]["simulated_step_s"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import subprocess
@@ -322,6 +324,11 @@ def test_json_round_trip(name: str) -> None:
     assert doc["bandwidth_bytes_per_s"][0][0] is None, "inf is encoded as null"
     assert Topology.from_json(text) == t
     assert Topology.from_dict(t.to_dict()) == t
+    unpaced = dataclasses.replace(t, paced_sends=False)
+    assert Topology.from_dict(unpaced.to_dict()) == unpaced != t
+    assert unpaced.subset(range(len(t))).paced_sends is False
+    with pytest.raises(PlanError, match="paced_sends must be true or false"):
+        Topology.from_dict(unpaced.to_dict() | {"paced_sends": "no"})
 
 
 def test_from_json_rejects_bad_documents() -> None:
