@@ -13,6 +13,12 @@ gRPC multiplexes concurrent calls on one HTTP/2 connection, and large messages s
 together share the link, so each arrives late (four 256 KB messages started at once on an
 8 Mbps link all arrived at the end: the second after 1.13 s instead of 0.55 s).
 
+The schedule follows the transfers' real starts, and a paced transfer also starts once
+the one before it is answered, if that comes first: an answer back means its bytes have
+left. So a bandwidth measured too low (a probe taken while the link was congested, a
+volunteer's line that got faster since) never makes a stage slower than one transfer at a
+time would be.
+
 Where no bandwidth is known (a bare executor, the local test cluster), a destination gets
 one transfer at a time, each until its answer: the safe order on any link.
 """
@@ -23,7 +29,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -38,6 +45,17 @@ logger = logging.getLogger(__name__)
 #: Most transfers in flight to one destination over a paced link (each holds a thread
 #: until its answer: a 150 ms link at 10 Gbps moves many small transfers per round trip).
 SEND_WINDOW = 16
+
+
+@dataclass
+class _Paced:
+    """One transfer on a paced link, for the one after it to start by."""
+
+    size: int
+    left: threading.Event = field(default_factory=threading.Event)
+    left_at: float = 0.0
+    """When it started (monotonic), once ``left`` is set."""
+    answered: Future[tuple[int, float]] | None = None
 
 
 class PeerSender:
@@ -59,7 +77,7 @@ class PeerSender:
         self.pool = pool
         self.link_bytes_per_s = {d: float(bw) for d, bw in (link_bytes_per_s or {}).items() if bw > 0}
         self._queues: dict[int, ThreadPoolExecutor] = {}
-        self._next_start: dict[int, float] = {}  # paced destinations: when the next transfer may start (monotonic)
+        self._last: dict[int, _Paced] = {}  # paced destinations: the transfer queued last
         self._lock = threading.Lock()
 
     def __call__(
@@ -82,26 +100,36 @@ class PeerSender:
                 workers = SEND_WINDOW if bandwidth is not None else 1
                 queue = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"send-to-stage{dst}")
                 self._queues[dst] = queue
-            start_at = 0.0
+            before, this = None, None
             if bandwidth is not None:
                 size = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(len(b) for _, b in encoded.values())
-                start_at = max(time.monotonic(), self._next_start.get(dst, 0.0))
-                self._next_start[dst] = start_at + size / bandwidth
-        client = ExecutorClient(address, self.pool)
-        trace = tracer()
+                before, this = self._last.get(dst), _Paced(size)
+                self._last[dst] = this
+            client = ExecutorClient(address, self.pool)
+            trace = tracer()
 
-        def timed() -> tuple[int, float]:
-            wait_s = start_at - time.monotonic()
-            if wait_s > 0:
-                time.sleep(wait_s)
-            if trace.enabled:
-                trace.event("leave", job=header.job_id, stage=header.src_stage_idx, step=header.step, kind=int(header.kind),
-                            mb=header.micro_batch_idx, dst=dst)
-            t0 = time.perf_counter()
-            sent = client.send(header, tensors, scalars, encoded=encoded)
-            return sent, time.perf_counter() - t0
+            def timed() -> tuple[int, float]:
+                try:
+                    if before is not None and bandwidth is not None:
+                        before.left.wait()  # in order: after the one before has started
+                        wait_s = before.left_at + before.size / bandwidth - time.monotonic()
+                        if wait_s > 0 and before.answered is not None:  # its bytes gone, or its answer back
+                            wait([before.answered], timeout=wait_s)
+                finally:  # set even if the wait fails, so the one after never waits on this one forever
+                    if this is not None:
+                        this.left_at = time.monotonic()
+                        this.left.set()
+                if trace.enabled:
+                    trace.event("leave", job=header.job_id, stage=header.src_stage_idx, step=header.step, kind=int(header.kind),
+                                mb=header.micro_batch_idx, dst=dst)
+                t0 = time.perf_counter()
+                sent = client.send(header, tensors, scalars, encoded=encoded)
+                return sent, time.perf_counter() - t0
 
-        return queue.submit(timed)
+            future = queue.submit(timed)
+            if this is not None:
+                this.answered = future  # under the lock: set before the next transfer can look
+            return future
 
     def close(self) -> None:
         with self._lock:

@@ -57,8 +57,8 @@ def test_a_paced_link_starts_each_transfer_as_the_last_ones_bytes_leave(starts: 
     assert [m for m, _ in starts] == [0, 1, 2]  # in order
     t = [at for _, at in starts]
     gaps = [b - a for a, b in zip(t, t[1:])]
-    # Paced on a schedule (each slot a transfer's bytes at the link's rate), so never faster
-    # than the link; a thread that starts late takes a few ms off the next gap.
+    # Each starts a transfer's bytes at the link's rate after the one before really started
+    # (or at its answer, which comes later here), so never faster than the link.
     assert all(g >= SIZE_BYTES / BANDWIDTH - 0.02 for g in gaps), gaps
     assert t[2] - t[0] >= 2 * SIZE_BYTES / BANDWIDTH - 0.02, gaps
     assert t[2] - t[0] < ANSWER_S, gaps  # and not waiting for answers: the third starts before the first is answered
@@ -71,6 +71,14 @@ def test_an_unknown_link_gets_one_transfer_at_a_time(starts: list[tuple[int, flo
     t = [at for _, at in starts]
     assert [m for m, _ in starts] == [0, 1, 2]
     assert all(b - a >= ANSWER_S - 0.005 for a, b in zip(t, t[1:])), t  # each after the last one's answer
+
+
+def test_a_bandwidth_measured_too_low_is_never_slower_than_one_at_a_time(starts: list[tuple[int, float]]) -> None:
+    send_three({1: 1.0})  # 100,000 s per transfer at this rate: each starts at the last one's answer instead
+    t = [at for _, at in starts]
+    assert [m for m, _ in starts] == [0, 1, 2]
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert all(ANSWER_S - 0.005 <= g < ANSWER_S + 0.2 for g in gaps), gaps
 
 
 def test_an_unknown_stage_is_refused() -> None:
