@@ -72,11 +72,15 @@ class Replay:
 
 class _SendQueue:
     """One sender's transfers to one destination, in order: each starts once the one before
-    it has released the link (paced: its bytes have left; else: its answer is back)."""
+    it has released the link (paced: its bytes have left; else: its answer is back) or, as
+    :class:`executor.sender.PeerSender` does, its answer is back if that is sooner (only
+    when a link is slower than its bytes: not with the topology's own bandwidths)."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
         """When the last transfer started releases the link."""
+        self.last_answer_at = 0.0
+        """When the answer to the last transfer started is back."""
         self.answered_at = 0.0
         """When the last answer of the transfers so far is back."""
 
@@ -84,9 +88,10 @@ class _SendQueue:
         """Start a transfer no earlier than ``ready``; ``one_way_s`` until its data arrives
         (its bytes included), ``busy_s`` holding the link, ``back_s`` more for its answer;
         returns when it arrives."""
-        start = max(ready, self.free_at)
+        start = max(ready, min(self.free_at, self.last_answer_at))
         self.free_at = start + busy_s
-        self.answered_at = max(self.answered_at, start + one_way_s + back_s)
+        self.last_answer_at = start + one_way_s + back_s
+        self.answered_at = max(self.answered_at, self.last_answer_at)
         return start + one_way_s
 
 
