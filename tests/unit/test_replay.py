@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from scheduler.estimator import StepCosts, estimate
-from testbeds.replay import replay_step
+from testbeds.replay import _SendQueue, replay_step
 from tests.unit.test_opfence import MB, chain_workload, make_topology
 
 
@@ -134,3 +134,15 @@ def test_an_emulated_device_runs_its_optimizer_at_the_machines_speed() -> None:
     real = replay_step(wl, [0], [0], with_worker(flops=0.5e12), micro_batches=2)
     assert emulated.apply_s == pytest.approx(plain.apply_s) and real.apply_s == pytest.approx(2 * plain.apply_s)
     assert emulated.step_s == pytest.approx(real.step_s - plain.apply_s)  # compute stretched alike
+
+
+def test_a_send_starts_at_the_answer_to_the_one_before_if_that_is_sooner_than_its_bytes() -> None:
+    """As ``executor.sender.PeerSender``: a link held longer than the answer takes (a
+    bandwidth below the real one) is never slower than one transfer at a time."""
+    q = _SendQueue()
+    assert q.send(0.0, one_way_s=1.0, busy_s=0.5, back_s=0.5) == 1.0  # paced: the next may start at 0.5
+    assert q.send(0.0, one_way_s=1.0, busy_s=0.5, back_s=0.5) == 1.5  # started at 0.5, its bytes gone at 1.0
+    slow = _SendQueue()
+    slow.send(0.0, one_way_s=1.0, busy_s=10.0, back_s=0.5)  # bytes "gone" at 10 s, answered at 1.5 s
+    assert slow.send(0.0, one_way_s=1.0, busy_s=10.0, back_s=0.5) == 2.5  # started at the answer
+    assert slow.answered_at == 3.0
