@@ -71,12 +71,15 @@ def _interrupt_the_build() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _wait_for_signal() -> None:
+def _catch_stop_signals() -> threading.Event:
+    """An event that SIGINT or SIGTERM sets from now on. Installed before ``up`` says it is
+    ready: an interrupt sent as soon as the ready line is read (as a script or test does)
+    then stops the wait, instead of landing between the line and the handlers as a
+    ``KeyboardInterrupt`` that tore the testbed down but exited as interrupted."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(3600):
-        pass
+    return stop
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -87,8 +90,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             host, _, port = spec.rpartition(":")
             routes = tb.expose(host, int(port))
             print(f"{host}:{port} is reached as: " + ", ".join(f"{src} -> {via}" for src, via in routes.items()), flush=True)
+        stop = _catch_stop_signals()
         print(f"{UP_READY}: {tb.prefix} (Ctrl-C tears it down)", flush=True)
-        _wait_for_signal()
+        while not stop.wait(3600):
+            pass
         print("tearing down", flush=True)
     print("testbed removed", flush=True)
     return 0
