@@ -34,9 +34,10 @@ from executor.guard import Fault, InputGuard
 from executor.mailbox import Aborted, ExpectedValue, Mailbox, Payload
 from executor.memory_meter import MemoryMeter
 from executor.schedule import Action, stage_actions
+from executor.stage_state import check_state_header, read_state, write_state
 from executor.tied import TiedParam, TiedSet
 from executor.trace import tracer
-from executor.transport import Transfer, dtype_from_wire
+from executor.transport import Transfer
 from fusion.checkpoint import (
     Snapshot,
     capture_volatile,
@@ -579,53 +580,15 @@ class StageRuntime:
 
     # ------------------------------------------------------------- state
     def get_state(self, kind: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """Parameters and buffers (``STATE_KIND_PARAMETERS``) or parameter gradients, by name."""
-        from fusion.wire import executor_pb2 as epb
-
-        if kind == epb.STATE_KIND_PARAMETERS:
-            available = {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
-        elif kind == epb.STATE_KIND_GRADIENTS:
-            available = {
-                k: p.grad.detach() for k, p in self.module.named_parameters(remove_duplicate=False) if p.grad is not None
-            }
-        elif kind == epb.STATE_KIND_RESIDUALS:
-            available = self.compression.feedback.state_dict()
-        else:
-            raise WireError(f"unknown state kind {kind}")
-        if not names:
-            return {k: v.cpu() for k, v in available.items()}
-        missing = [n for n in names if n not in available]
-        if missing and kind == epb.STATE_KIND_PARAMETERS:
-            raise NotFoundError(f"stage {self.spec.stage_idx} holds no tensor named {missing[:5]}")
-        return {n: available[n].cpu() for n in names if n in available}
+        """The stage's tensors of ``kind`` by name (:func:`executor.stage_state.read_state`)."""
+        return read_state(self.module, self.compression.feedback.state_dict(), self.spec.stage_idx, kind, names)
 
     def check_state(self, kind: int, header: pb.TransferHeader) -> None:
         """Validate a SetState header: known names, matching dtypes and shapes."""
-        params = dict(self.module.state_dict(keep_vars=True))
-        if kind == pb.TRANSFER_KIND_PARAMETER_GRADIENT:
-            params = dict(self.module.named_parameters(remove_duplicate=False))
-        elif kind != pb.TRANSFER_KIND_PARAMETER:
-            raise WireError(f"transfer kind {kind} cannot set stage state")
-        for meta in header.tensors:
-            target = params.get(meta.name)
-            if target is None:
-                raise NotFoundError(f"stage {self.spec.stage_idx} holds no tensor named {meta.name!r}")
-            dtype = dtype_from_wire(meta.dtype)
-            if dtype != target.dtype or tuple(meta.shape) != tuple(target.shape):
-                raise WireError(
-                    f"tensor {meta.name!r} is {dtype}{list(meta.shape)}, the stage holds {target.dtype}{list(target.shape)}"
-                )
+        check_state_header(self.module, self.spec.stage_idx, kind, header)
 
     def set_state(self, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy parameters/buffers in, or set parameter gradients."""
+        """Copy parameters/buffers in, or set parameter gradients, between steps."""
         if self._step is not None and not self._step.done.is_set():
             raise StateError(f"stage {self.spec.stage_idx} is running step {self._step.step}; state cannot change now")
-        with torch.no_grad():
-            if kind == pb.TRANSFER_KIND_PARAMETER:
-                sd = self.module.state_dict(keep_vars=True)
-                for name, t in tensors.items():
-                    sd[name].copy_(t)
-            else:
-                params = dict(self.module.named_parameters(remove_duplicate=False))
-                for name, t in tensors.items():
-                    params[name].grad = t.to(self.device).clone()
+        write_state(self.module, self.device, kind, tensors)

@@ -25,12 +25,11 @@ one transfer at a time, each until its answer: the safe order on any link.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,8 +38,6 @@ from executor.client import ChannelPool, ExecutorClient
 from executor.trace import tracer
 from fusion.errors import NotFoundError
 from fusion.wire import tensor_pb2 as pb
-
-logger = logging.getLogger(__name__)
 
 #: Most transfers in flight to one destination over a paced link (each holds a thread
 #: until its answer: a 150 ms link at 10 Gbps moves many small transfers per round trip).
@@ -136,3 +133,4 @@ class PeerSender:
             for q in self._queues.values():
                 q.shutdown(wait=False, cancel_futures=True)
             self._queues.clear()
+            self._last.clear()

@@ -480,6 +480,13 @@ class LinkTable:
         with self._lock:
             return self._links.get((a, b))
 
+    def bandwidths(self, addresses: Sequence[str]) -> dict[tuple[int, int], float]:
+        """Measured bandwidth between each ordered pair of ``addresses`` by index (a job's
+        stages, on those workers); unmeasured pairs and a stage with itself left out."""
+        with self._lock:
+            fits = {(i, j): self._links.get((a, b)) for i, a in enumerate(addresses) for j, b in enumerate(addresses) if i != j}
+        return {pair: fit[1] for pair, fit in fits.items() if fit is not None}
+
     def observe(self, a: str, b: str, size_bytes: int, seconds: float) -> None:
         """Fold one observed transfer into the link's bandwidth (exponential average)."""
         with self._lock:

@@ -370,11 +370,10 @@ class JobRunner(threading.Thread):
                 AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
                 link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
             )
-        links = {(a, b): link[1] for a in range(len(addresses)) for b in range(len(addresses)) if a != b and (link := self.links.get(addresses[a], addresses[b]))}
         return PipelineDriver(
             job_id=self.job_id, job=spec, model=self.model, captured=self.captured, stages=stages, addresses=addresses,
             example_target=self.example_y, device=self.device, pool=self.pool, cut_settings=settings, ratio_controller=controller,
-            link_bytes_per_s=links,
+            link_bytes_per_s=self.links.bandwidths(addresses),
         )
 
     def _name_of(self, address: str) -> str:
@@ -574,12 +573,8 @@ class JobRunner(threading.Thread):
     # ------------------------------------------------------------- records
     def _record(self, stats: StepStats, x: Any) -> dict[str, Any]:
         workers = self.stage_workers
-
-        def bandwidth(s: int, d: int) -> float | None:
-            fit = self.links.get(workers[s].address, workers[d].address)
-            return None if fit is None else fit[1]
-
-        return metrics_record(stats, x, [w.name for w in workers], bandwidth, self.plan.predicted_step_s)
+        bandwidth = self.links.bandwidths([w.address for w in workers])
+        return metrics_record(stats, x, [w.name for w in workers], lambda s, d: bandwidth.get((s, d)), self.plan.predicted_step_s)
 
     def _plot(self, outputs: JobOutputs) -> None:
         steps = [s for s, _ in self._history]
