@@ -97,7 +97,7 @@ class TestbedRun:
                 "--log-level", "INFO", *slowdown_args(self.slowdowns.get(host)),
             ])
             started.append((name, proc, log))
-        for name, proc, log in started:
+        for _name, proc, log in started:
             wait_for_line(log, r"fusion-worker ready", proc, READY_TIMEOUT_S)
         self.echo(f"{len(started)} worker(s) joined: {', '.join(n for n, _, _ in started)}")
 

@@ -52,7 +52,7 @@ def reference_gradients_with_sparse_cut(job: JobSpec) -> dict[str, torch.Tensor]
     modules = [build_stage_module(captured.graph_module, s) for s in specs]
     # Share parameters with `model` so the gradients land in one place.
     for mod in modules:
-        for name, p in list(mod.named_parameters(remove_duplicate=False)):
+        for name, _p in list(mod.named_parameters(remove_duplicate=False)):
             owner, _, attr = name.rpartition(".")
             setattr(mod.get_submodule(owner) if owner else mod, attr, model.get_parameter(name))
     codec = get_compressor(pb.CODEC_TOPK)
