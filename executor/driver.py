@@ -128,6 +128,7 @@ class PipelineDriver:
         cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
         ratio_controller: RatioController | None = None,
         link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
+        profiled_s: Mapping[int, tuple[float, float]] | None = None,
     ) -> None:
         if len(addresses) != len(stages):
             raise ValueError(f"need one worker address per stage: {len(stages)} stages, {len(addresses)} addresses")
@@ -154,6 +155,9 @@ class PipelineDriver:
         #: Measured bandwidth between the workers of two stages, ``(src, dst) -> bytes/s``:
         #: each stage paces its sends to ``dst`` at it (:mod:`executor.sender`).
         self.link_bytes_per_s = {k: float(v) for k, v in (link_bytes_per_s or {}).items() if v > 0}
+        #: Each stage's profiled (forward, backward) seconds per micro-batch, for workers that
+        #: emulate a slower device by the profile (:mod:`executor.emulation`).
+        self.profiled_s = dict(profiled_s or {})
         # A fresh key per job: stages prove it to each other on Send; it reaches each worker
         # wrapped under that worker's control key (LoadStage.auth), never in clear.
         self.job_key = new_key()
@@ -195,6 +199,8 @@ class PipelineDriver:
             micro_batch_weights=[1.0 / m] * m,
             cut_codecs=self._cut_codecs(spec.stage_idx),
             link_bytes_per_s={dst: bw for (src, dst), bw in self.link_bytes_per_s.items() if src == spec.stage_idx},
+            profiled_forward_s=self.profiled_s.get(spec.stage_idx, (0.0, 0.0))[0],
+            profiled_backward_s=self.profiled_s.get(spec.stage_idx, (0.0, 0.0))[1],
             auth=self._wrapped_job_key(self.addresses[spec.stage_idx]),
             tied=[
                 epb.TiedParameter(name=name, canonical=canonical, holder_stage_idx=[h for h, _ in holders])

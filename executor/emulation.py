@@ -11,6 +11,20 @@ loaded CPU, so stretching the wall time keeps the topology's speed ratio between
 price is that contention a slow host meets while computing is stretched ``factor`` times too
 (what the simulator's shared-core model does not follow; ``testbeds/results/bench-notes.md``).
 
+Two ways to measure the stretch (:data:`EMULATIONS`, ``--emulation``):
+
+- ``wall`` (the default): ``factor - 1`` times each computation's wall time here. Whatever
+  this machine adds to a computation is then multiplied by the factor too: the cost of
+  computing after a sleep (``testbeds/pause_cost.py``), the transfers its process handles
+  meanwhile, waiting for a shared core. On volunteers' 25.4x host the computations took
+  2.6x their profile on the core, so the host ran as a device about 65x slower than its
+  profile (``testbeds/results/reference-emulation-2026-12-02/``).
+- ``profile``: ``factor - 1`` times the computation's reference seconds, the coordinator's
+  calibrated node profile for it. What this machine adds is paid once, and the device
+  computes at the topology's speed over the profile, which is what the planner and the
+  simulator assume. fusion's executor gets its stage's seconds in ``LoadStage``; the
+  baselines get theirs from the benchmark.
+
 This is emulation and is labelled as such wherever it is used (``fusion-worker
 --emulate-slowdown``, the baselines' ``--slowdown``, ``testbeds.bench --emulate-speeds``);
 it has no place on a real deployment.
@@ -51,6 +65,10 @@ from fusion.errors import ConfigError
 MIN_PIECE_S = 0.002
 
 
+#: How an emulated device's extra time is measured (module docstring).
+EMULATIONS = ("wall", "profile")
+
+
 def check_factor(factor: float) -> float:
     """``factor`` as a float, or ``ConfigError``: a slowdown is a finite number >= 1."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1.0:
@@ -59,29 +77,51 @@ def check_factor(factor: float) -> float:
 
 
 class Slowdown:
-    """Stretch computations to ``factor`` times their wall time (1: leave them alone)."""
+    """Stretch computations to ``factor`` times their wall time, or (``emulation=
+    "profile"``) to their wall time plus ``factor - 1`` times their reference seconds
+    (1: leave them alone)."""
 
-    def __init__(self, factor: float = 1.0, *, min_piece_s: float = MIN_PIECE_S) -> None:
+    def __init__(self, factor: float = 1.0, *, min_piece_s: float = MIN_PIECE_S, emulation: str = "wall") -> None:
         self.factor = check_factor(factor)
+        if emulation not in EMULATIONS:
+            raise ConfigError(f"unknown emulation {emulation!r}; choose from {', '.join(EMULATIONS)}")
+        self.emulation = emulation
         #: :meth:`attach`'s shortest backward piece (:data:`MIN_PIECE_S`; 0: every gradient).
         self.min_piece_s = min_piece_s
         self._lock = threading.Lock()
         #: When the backward's last stretched piece ended (``None``: no backward yet).
         self._mark: float | None = None
+        #: ``profile`` emulation: reference seconds of the backward stretched so far.
+        self._done_s = 0.0
+        self._backward_s = 0.0
+        self._ready_s: dict[int, float] = {}
 
     @property
     def active(self) -> bool:
         return self.factor > 1.0
 
-    def stretch(self, seconds: float) -> float:
-        """Sleep for the rest of a computation that took ``seconds`` on this machine; the
+    @property
+    def by_profile(self) -> bool:
+        """Whether stretches are ``factor - 1`` times reference seconds (``profile``)."""
+        return self.active and self.emulation == "profile"
+
+    def stretch(self, seconds: float, reference_s: float | None = None) -> float:
+        """Sleep for the rest of a computation that took ``seconds`` on this machine and
+        ``reference_s`` in the profile (``profile`` emulation, where it is required); the
         seconds slept."""
+        if self.by_profile:
+            if reference_s is None or not math.isfinite(reference_s) or reference_s < 0:
+                raise ConfigError(f"profile emulation needs the computation's profiled seconds, got {reference_s!r}")
+            seconds = reference_s
         extra = (self.factor - 1.0) * max(0.0, seconds)
         if extra > 0.0:
             time.sleep(extra)
         return extra
 
-    def attach(self, module: torch.nn.Module) -> None:
+    def attach(
+        self, module: torch.nn.Module, *, forward_s: float | None = None, backward_s: float | None = None,
+        ready_s: dict[str, float] | None = None,
+    ) -> None:
         """Stretch every forward and backward of ``module`` (no-op for factor 1).
 
         The backward is stretched piece by piece: a parameter's gradient accumulation
@@ -89,9 +129,24 @@ class Slowdown:
         module's output) once it is ``min_piece_s`` or more, and the end of the backward
         pass stretches what is left; a forward whose output needs no gradient is stretched
         alone.
+
+        ``profile`` emulation prices the same pieces from the profile: each forward
+        ``forward_s``, and the backward ``backward_s`` in all, cut where a parameter named
+        in ``ready_s`` (seconds into the backward at which its gradient is ready) gets its
+        gradient, ``min_piece_s`` or more after the last cut. Without ``ready_s`` the whole
+        backward is stretched when the pass ends.
         """
         if not self.active:
             return
+        if self.by_profile:
+            if forward_s is None or backward_s is None:
+                raise ConfigError("profile emulation needs the module's profiled forward and backward seconds")
+            named = dict(module.named_parameters())
+            unknown = sorted(set(ready_s or {}) - set(named))
+            if unknown:
+                raise ConfigError(f"profile emulation: no parameter {unknown[0]!r} in the module ({len(unknown)} unknown)")
+            self._backward_s = float(backward_s)
+            self._ready_s = {id(named[n]): float(s) for n, s in (ready_s or {}).items()}
         params = [p for p in module.parameters() if p.requires_grad]
         state: dict[str, float] = {}
 
@@ -99,7 +154,7 @@ class Slowdown:
             state["t0"] = time.perf_counter()
 
         def after_forward(_m: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            self.stretch(time.perf_counter() - state.pop("t0", time.perf_counter()))
+            self.stretch(time.perf_counter() - state.pop("t0", time.perf_counter()), forward_s)
             first = next((t for t in _tensors(output) if t.requires_grad), None)
             if first is not None and params:
                 first.register_hook(self._backward_started)
@@ -112,16 +167,35 @@ class Slowdown:
     def _backward_started(self, grad: torch.Tensor) -> torch.Tensor:
         with self._lock:
             self._mark = time.perf_counter()
+            self._done_s = 0.0
         # What is left of the backward after its last stretched piece is stretched when the
         # pass ends (the autograd engine runs queued callbacks then, as DDP's reducer uses).
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         return grad
 
-    def _gradient_ready(self, _param: torch.Tensor) -> None:
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if self.by_profile:
+            ready = self._ready_s.get(id(param))
+            if ready is not None:
+                self._stretch_profiled(ready, self.min_piece_s)
+            return
         self._stretch_piece(self.min_piece_s)
 
     def _backward_ended(self) -> None:
+        if self.by_profile:
+            self._stretch_profiled(self._backward_s, 0.0)
+            return
         self._stretch_piece(0.0)
+
+    def _stretch_profiled(self, until_s: float, at_least: float) -> None:
+        """``profile`` emulation: stretch the backward's reference seconds up to ``until_s``
+        once that is ``at_least`` past the last piece."""
+        with self._lock:
+            piece = until_s - self._done_s
+            if piece <= 0.0 or piece < at_least:
+                return
+            self._done_s = until_s
+        self.stretch(piece, piece)
 
     def _stretch_piece(self, at_least: float) -> None:
         """Stretch the backward since the last piece once it has computed ``at_least``."""

@@ -114,6 +114,7 @@ class StageRuntime:
         fault: Fault | None = None,
         tied: Sequence[TiedParam] = (),
         slowdown: Slowdown | None = None,
+        profiled_s: tuple[float, float] | None = None,
     ) -> None:
         self.job_id = job_id
         self.stage_key = stage_key
@@ -124,6 +125,9 @@ class StageRuntime:
         #: Testbed emulation of a slower device (``--emulate-slowdown``): each computation
         #: is stretched, and its stretched time is what ``compute_s`` reports.
         self.slowdown = slowdown if slowdown is not None else Slowdown()
+        #: The coordinator's profiled (forward, backward) seconds per micro-batch, which a
+        #: ``profile`` emulation stretches by instead of the wall time.
+        self.profiled_s = profiled_s or (None, None)
         self.spec = spec
         self.module = module
         self.expected = dict(expected)
@@ -403,7 +407,7 @@ class StageRuntime:
                 assert self.loss_fn is not None
                 loss = self.loss_fn(outs[-1], target) * self.micro_batch_weights[m]
                 result.loss += float(loss.detach())
-        self.slowdown.stretch(time.perf_counter() - t0)
+        self.slowdown.stretch(time.perf_counter() - t0, self.profiled_s[0])
         result.compute_s += time.perf_counter() - t0
         self._event("F1", result.step, mb=m)
         for out in outs:
@@ -456,7 +460,7 @@ class StageRuntime:
         if tensors:
             t0 = time.perf_counter()
             torch.autograd.backward(tensors, grad_tensors)
-            self.slowdown.stretch(time.perf_counter() - t0)
+            self.slowdown.stretch(time.perf_counter() - t0, self.profiled_s[1])
             result.compute_s += time.perf_counter() - t0
         self._event("B1", result.step, mb=m)
         sends = []

@@ -32,7 +32,7 @@ from executor.binding import executor_handler
 from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, CutSetting, decode_tensor
-from executor.emulation import Slowdown, check_factor
+from executor.emulation import EMULATIONS, Slowdown, check_factor
 from executor.guard import FAULT_HELP, Fault
 from executor.runtime import StageRuntime
 from executor.sender import PeerSender
@@ -48,7 +48,7 @@ from executor.transport import (
 )
 from fusion.checkpoint import Snapshot, SnapshotStore, stage_key
 from fusion.config import TrainSpec
-from fusion.errors import FusionError, NotFoundError, StateError, WireError
+from fusion.errors import ConfigError, FusionError, NotFoundError, StateError, WireError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.tls import ServerTls, add_port, set_client_ca, warn_if_exposed
@@ -110,7 +110,7 @@ class ExecutorService:
 
     def __init__(
         self, *, worker_name: str = "", allow_code: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        access: ExecutorAccess | None = None, fault: Fault | None = None, slowdown: float = 1.0,
+        access: ExecutorAccess | None = None, fault: Fault | None = None, slowdown: float = 1.0, emulation: str = "wall",
     ) -> None:
         self.worker_name = worker_name
         self.allow_code = allow_code
@@ -121,6 +121,8 @@ class ExecutorService:
         self.fault = fault
         #: Testbed emulation of a slower device, applied to every stage loaded here.
         self.slowdown = check_factor(slowdown)
+        #: How that slowdown is measured (:data:`executor.emulation.EMULATIONS`).
+        self.emulation = Slowdown(self.slowdown, emulation=emulation).emulation
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._lock = threading.Lock()
@@ -147,6 +149,12 @@ class ExecutorService:
     def LoadStage(self, request: epb.LoadStageRequest, context: grpc.ServicerContext) -> epb.LoadStageResponse:
         if not request.job_id:
             raise WireError("LoadStage needs a job_id")
+        slowdown = Slowdown(self.slowdown, emulation=self.emulation)
+        if slowdown.by_profile and request.profiled_forward_s <= 0 and request.profiled_backward_s <= 0:
+            raise ConfigError(
+                f"worker {self.worker_name or '?'} emulates a slower device by the profile (--emulation profile), but LoadStage for "
+                f"stage {request.stage_idx} of job {request.job_id} carries no profiled seconds (a coordinator older than this worker?)"
+            )
         built = build_stage(request, allow_code=self.allow_code, graphs=self.graphs)
         self.access.add_job(request.job_id, request.auth)  # peers prove this job key to Send
         loss_fn = get_loss(request.loss or "cross_entropy") if built.spec.is_loss_stage else None
@@ -175,7 +183,8 @@ class ExecutorService:
             compression=compression,
             stage_key=stage_key(list(request.nodes), request.graph_fingerprint),
             fault=self.fault,
-            slowdown=Slowdown(self.slowdown),
+            slowdown=slowdown,
+            profiled_s=(request.profiled_forward_s, request.profiled_backward_s),
             tied=[TiedParam(t.name, t.canonical, tuple(t.holder_stage_idx)) for t in request.tied],
         )
         key = (request.job_id, request.stage_idx)
@@ -507,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
     parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="FACTOR",
                         help="testbed emulation: compute as a device FACTOR times slower (default: %(default)s, none)")
+    parser.add_argument("--emulation", choices=EMULATIONS, default="wall",
+                        help="how --emulate-slowdown measures a computation: its wall time here, or the coordinator's profile of it "
+                             "(default: %(default)s; executor.emulation)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.torch_threads > 0:
@@ -517,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     warn_if_exposed(args.listen.rpartition(":")[0], tls, "the executor")
     control = bytes.fromhex(Path(args.control_key_file).read_text().strip()) if args.control_key_file else None
     service = ExecutorService(worker_name=args.name, allow_code=args.allow_code, chunk_bytes=args.chunk_bytes, fault=Fault.parse(args.inject_fault),
-                              slowdown=args.emulate_slowdown)
+                              slowdown=args.emulate_slowdown, emulation=args.emulation)
     service.access = ExecutorAccess(keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst)
     server, port = start_server(service, args.listen, tls=tls)
     stop = threading.Event()

@@ -78,6 +78,7 @@ class Worker:
         fault: Fault | None = None,
         machine: str | None = None,
         slowdown: float = 1.0,
+        emulation: str = "wall",
     ) -> None:
         self.coordinator = coordinator
         self.name = name
@@ -91,7 +92,7 @@ class Worker:
         self.tls = tls
         #: Testbed emulation: compute as a device this many times slower (1: this one's speed).
         self.slowdown = slowdown
-        self.service = ExecutorService(worker_name=name, allow_code=allow_code, fault=fault, slowdown=slowdown)
+        self.service = ExecutorService(worker_name=name, allow_code=allow_code, fault=fault, slowdown=slowdown, emulation=emulation)
         self.server: grpc.Server | None = None
         self.address = ""
         self.worker_id = ""

@@ -13,6 +13,7 @@ import threading
 import torch
 
 from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
+from executor.emulation import EMULATIONS
 from executor.guard import FAULT_HELP, Fault
 from fusion.errors import AuthError
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="FACTOR",
                    help="testbed emulation: behave as a device FACTOR times slower (each computation is followed by a sleep "
                         "of FACTOR - 1 times its length; the reported speed is divided by FACTOR). Default: %(default)s, none")
+    p.add_argument("--emulation", choices=EMULATIONS, default="wall",
+                   help="what --emulate-slowdown multiplies: each computation's wall time here, or the coordinator's profile of it, "
+                        "so that what this machine adds to a computation is paid once (default: %(default)s)")
     add_log_arg(p)
     return p
 
@@ -63,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             coordinator=args.coordinator, token=token, name=args.name, listen=args.listen,
             advertise=args.advertise, device=args.device, allow_code=args.allow_code,
             tls=tls, fault=Fault.parse(args.inject_fault), machine=args.machine, slowdown=args.emulate_slowdown,
+            emulation=args.emulation,
         )
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -176,6 +176,18 @@ def costed_dag(dag: OpDag, profile: ModelProfile) -> OpDag:
     return dag.with_profile(scale_node_times(profile.nodes, profile.compute_factor or 1.0), reference_flops=profile.matmul_flops)
 
 
+def stage_profiled_s(profile: ModelProfile, stages: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:
+    """Each stage's (forward, backward) seconds for one micro-batch in the calibrated node
+    profile (as :func:`costed_dag` prices them), by stage index: what a worker emulating a
+    slower device by the profile stretches by (:mod:`executor.emulation`)."""
+    factor = profile.compute_factor or 1.0
+    out = {}
+    for i, nodes in enumerate(stages):
+        costs = [profile.nodes.get(n, {}) for n in nodes]
+        out[i] = (factor * sum(c.get("fwd_time_s", 0.0) for c in costs), factor * sum(c.get("bwd_time_s", 0.0) for c in costs))
+    return out
+
+
 def probe_keys_for(addresses: Sequence[str], pool: ChannelPool) -> str:
     """``ProbeLinks.auth``: a short-lived probe key for each target whose control key this
     process holds, so the prober may call the target's ``Probe`` and nothing else."""

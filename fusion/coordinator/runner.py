@@ -62,6 +62,7 @@ from fusion.coordinator.planning import (
     ProfileCache,
     measure,
     plan_job,
+    stage_profiled_s,
 )
 from fusion.coordinator.recovery import (
     Holdings,
@@ -374,6 +375,7 @@ class JobRunner(threading.Thread):
             job_id=self.job_id, job=spec, model=self.model, captured=self.captured, stages=stages, addresses=addresses,
             example_target=self.example_y, device=self.device, pool=self.pool, cut_settings=settings, ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
+            profiled_s=stage_profiled_s(self._measurements.profile, [s.nodes for s in stages]) if self._measurements is not None else None,
         )
 
     def _name_of(self, address: str) -> str:

@@ -28,7 +28,10 @@ class RecordingSlowdown(Slowdown):
         super().__init__(factor, min_piece_s=min_piece_s)
         self.stretched: list[float] = []
 
-    def stretch(self, seconds: float) -> float:
+    def stretch(self, seconds: float, reference_s: float | None = None) -> float:
+        if self.by_profile:
+            assert reference_s is not None
+            seconds = reference_s
         self.stretched.append(seconds)
         return (self.factor - 1.0) * seconds
 
@@ -189,3 +192,51 @@ def test_a_testbed_emulates_the_slowdowns_or_with_speeds_the_flops_ratios() -> N
     topology = Topology.from_measurements(workers, [[0.0] * 3] * 3, [[1e9] * 3] * 3)
     assert emulated_slowdowns(topology) == {"hot": 1.5}
     assert emulated_slowdowns(topology, speeds=True) == {"old": pytest.approx(3.182), "hot": 1.5}
+
+
+# ------------------------------------------------------------------ profile emulation
+def test_profile_emulation_sleeps_the_reference_not_the_wall_time() -> None:
+    slow = Slowdown(3.0, emulation="profile")
+    t0 = time.perf_counter()
+    assert slow.stretch(10.0, 0.02) == pytest.approx(0.04)  # (3 - 1) x the profiled 0.02 s, whatever the computation took
+    assert 0.04 <= time.perf_counter() - t0 < 1.0
+    with pytest.raises(ConfigError, match="profiled seconds"):
+        slow.stretch(0.01)
+    assert Slowdown(1.0, emulation="profile").stretch(0.01) == 0.0  # no emulation needs no reference
+    with pytest.raises(ConfigError, match="unknown emulation 'cpu'"):
+        Slowdown(2.0, emulation="cpu")
+
+
+def test_profile_attach_cuts_the_profiled_backward_where_the_named_gradients_are_ready() -> None:
+    model, slow = _mlp(), RecordingSlowdown(2.0, min_piece_s=0.0)
+    slow.emulation = "profile"
+    # the last layer's gradients are ready first; the backward takes 0.010 s in all
+    slow.attach(model, forward_s=0.004, backward_s=0.010, ready_s={"2.weight": 0.003, "2.bias": 0.003, "0.weight": 0.009})
+    for _ in range(2):
+        model(torch.randn(5, 8)).sum().backward()
+    # per micro-batch: the forward, pieces up to 0.003 and 0.009 s, and the rest at the end of the pass
+    assert slow.stretched == pytest.approx([0.004, 0.003, 0.006, 0.001] * 2)
+
+
+def test_profile_attach_without_cuts_stretches_the_whole_backward_at_the_end() -> None:
+    model, slow = _mlp(), RecordingSlowdown(2.0, min_piece_s=0.0)
+    slow.emulation = "profile"
+    slow.attach(model, forward_s=0.004, backward_s=0.010)
+    model(torch.randn(5, 8)).sum().backward()
+    assert slow.stretched == pytest.approx([0.004, 0.010])
+
+
+def test_profile_attach_needs_the_profile_and_known_parameters() -> None:
+    with pytest.raises(ConfigError, match="forward and backward seconds"):
+        Slowdown(2.0, emulation="profile").attach(_mlp())
+    with pytest.raises(ConfigError, match="no parameter 'fc.weight'"):
+        Slowdown(2.0, emulation="profile").attach(_mlp(), forward_s=0.1, backward_s=0.1, ready_s={"fc.weight": 0.05})
+
+
+def test_the_coordinator_sends_each_stage_its_calibrated_profile() -> None:
+    from fusion.coordinator.planning import ModelProfile, stage_profiled_s
+
+    nodes = {"a": {"fwd_time_s": 0.001, "bwd_time_s": 0.002}, "b": {"fwd_time_s": 0.003, "bwd_time_s": 0.004}, "c": {"fwd_time_s": 0.01, "bwd_time_s": 0.02}}
+    profile = ModelProfile(nodes=nodes, matmul_flops=1e9, optimizer_s_per_byte=0.0, device_name="cpu", compute_factor=2.0)
+    got = stage_profiled_s(profile, [["a", "b", "x"], ["c"]])  # "x": a node the profile has no cost for (input, output)
+    assert got[0] == pytest.approx((0.008, 0.012)) and got[1] == pytest.approx((0.02, 0.04))
