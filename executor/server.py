@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -150,7 +151,10 @@ class ExecutorService:
         if not request.job_id:
             raise WireError("LoadStage needs a job_id")
         slowdown = Slowdown(self.slowdown, emulation=self.emulation)
-        if slowdown.by_profile and request.profiled_forward_s <= 0 and request.profiled_backward_s <= 0:
+        profiled = (request.profiled_forward_s, request.profiled_backward_s)
+        if not all(math.isfinite(v) and 0 <= v < 3600 for v in profiled):
+            raise WireError(f"LoadStage: profiled seconds must be finite, 0 to 3600, got {profiled}")
+        if slowdown.by_profile and not any(profiled):
             raise ConfigError(
                 f"worker {self.worker_name or '?'} emulates a slower device by the profile (--emulation profile), but LoadStage for "
                 f"stage {request.stage_idx} of job {request.job_id} carries no profiled seconds (a coordinator older than this worker?)"
@@ -184,7 +188,7 @@ class ExecutorService:
             stage_key=stage_key(list(request.nodes), request.graph_fingerprint),
             fault=self.fault,
             slowdown=slowdown,
-            profiled_s=(request.profiled_forward_s, request.profiled_backward_s),
+            profiled_s=profiled,
             tied=[TiedParam(t.name, t.canonical, tuple(t.holder_stage_idx)) for t in request.tied],
         )
         key = (request.job_id, request.stage_idx)

@@ -50,3 +50,10 @@ def test_a_stage_without_profiled_seconds_is_refused_with_the_reason(workers: Lo
     with pytest.raises(FusionError, match=r"--emulation profile.*no profiled seconds"):
         train_distributed(JOB, workers.addresses, steps=1)
     train_distributed(JOB, workers.addresses, steps=1, profiled_s=PROFILED_S)  # still serving
+
+
+def test_malformed_profiled_seconds_are_refused_by_name(workers: LocalCluster) -> None:
+    with pytest.raises(FusionError, match="profiled seconds must be finite"):
+        train_distributed(JOB, workers.addresses, steps=1, profiled_s={0: (float("nan"), 0.01), 1: (0.01, 0.01)})
+    with pytest.raises(FusionError, match="profiled seconds must be finite"):
+        train_distributed(JOB, workers.addresses, steps=1, profiled_s={0: (0.01, 0.01), 1: (-1.0, 0.01)})
