@@ -71,6 +71,7 @@ from fusion.errors import FusionError
 from fusion.profiling import trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench_report import markdown, write_chart
+from executor.emulation import EMULATIONS
 from testbeds.run import slowdown_args
 from testbeds.sim_topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
 
@@ -146,7 +147,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 class FusionFleet:
     """A coordinator on the first host and a worker on every host of a testbed."""
 
-    def __init__(self, tb: Any, workdir: Path, *, torch_threads: int = 1, slowdowns: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self, tb: Any, workdir: Path, *, torch_threads: int = 1, slowdowns: Mapping[str, float] | None = None, emulation: str = "wall",
+    ) -> None:
         self.tb = tb
         self.workdir = workdir
         self.token = secrets.token_hex(16)
@@ -175,7 +178,7 @@ class FusionFleet:
                 host,
                 [sys.executable, "-m", "fusion.cli.worker", "--coordinator", self.coordinator, "--token-file", str(workdir / "token"),
                  "--name", host, "--listen", f"{tb.address(host)}:{wport}", "--torch-threads", str(torch_threads), "--log-level", "INFO",
-                 *slowdown_args((slowdowns or {}).get(host))],
+                 *slowdown_args((slowdowns or {}).get(host), emulation=emulation)],
                 stdout=open(wlog, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
             )
             wait_for_line(wlog, r"fusion-worker ready", p, 120.0)
@@ -244,11 +247,33 @@ class FusionFleet:
         return {"control_s": p["overhead_step_s"], "micro_batch_s": p["overhead_micro_batch_s"], "optimizer_s_per_byte": p["optimizer_s_per_byte"]}
 
 
+def write_profiled(fleet: FusionFleet, spec: JobSpec, num_hosts: int, path: Path) -> Path:
+    """The baselines' profiled seconds (:mod:`testbeds.baselines.profiled`) from the profile
+    the fleet's coordinator measured, written to ``path``."""
+    from fusion.training import build_job_model
+    from scheduler.estimator import StepCosts
+    from testbeds.baselines.profiled import reference_document
+    from testbeds.baselines.split import num_pipeline_stages
+    from testbeds.sim_costs import job_costs
+
+    profile, costs = fleet.model_profile(), fleet.step_costs()
+    if profile is None or costs is None:
+        raise FusionError("profile emulation: fusion's coordinator has no profile yet for the baselines to stretch by")
+    job = job_costs(spec, step=StepCosts(**costs), profile=profile)
+    doc = reference_document(job, num_pipeline_stages(build_job_model(spec), num_hosts))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def run_ranks(
     tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps: int, workdir: Path, timeout_s: float,
-    slowdowns: Mapping[str, float] | None = None,
+    slowdowns: Mapping[str, float] | None = None, emulation: str = "wall", profiled: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Start one ``module`` rank per host (rank 0 on the first) and return rank 0's records."""
+    """Start one ``module`` rank per host (rank 0 on the first) and return rank 0's records;
+    ``profiled``: the seconds ranks emulating by the profile stretch by
+    (:mod:`testbeds.baselines.profiled`)."""
     master = f"{tb.address(hosts[0])}:{tb.free_port(hosts[0])}"
     metrics = workdir / f"{module.rsplit('.', 1)[-1]}-{time.monotonic_ns()}.jsonl"
     procs = []
@@ -258,7 +283,7 @@ def run_ranks(
             host,
             [sys.executable, "-m", module, "--job", str(spec_file), "--rank", str(rank), "--world-size", str(len(hosts)),
              "--master", master, "--address", tb.address(host), "--steps", str(steps), "--metrics", str(metrics),
-             *slowdown_args((slowdowns or {}).get(host), "--slowdown")],
+             *_rank_emulation_args((slowdowns or {}).get(host), emulation, profiled)],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         ))
     deadline = time.monotonic() + timeout_s
@@ -280,6 +305,15 @@ def run_ranks(
     return _read_jsonl(metrics)
 
 
+def _rank_emulation_args(factor: float | None, emulation: str, profiled: Path | None) -> list[str]:
+    args = slowdown_args(factor, "--slowdown", emulation)
+    if args and emulation == "profile":
+        if profiled is None:
+            raise FusionError("profile emulation: no profiled seconds for the baselines' ranks")
+        args += ["--profiled", str(profiled)]
+    return args
+
+
 class RankCrashed(FusionError):
     """A baseline rank was killed by a signal, not by its own error (on this VM gloo aborts
     a rank with SIGABRT now and then: "terminate called without an active exception")."""
@@ -297,6 +331,7 @@ def _run_ranks_retrying(tb: Any, module: str, spec_file: Path, hosts: list[str],
 
 def run_baseline(
     tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Path, timeout_s: float, slowdowns: Mapping[str, float] | None = None,
+    emulation: str = "wall", profiled: Path | None = None,
 ) -> Run:
     """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not
     apply, or when a crashed rank made it run again)."""
@@ -304,7 +339,9 @@ def run_baseline(
     spec_file.write_text(job_toml(spec))
     hosts = list(tb.hosts)
     t0 = time.monotonic()
-    rank_args: dict[str, Any] = {"steps": steps, "workdir": workdir, "timeout_s": timeout_s, "slowdowns": slowdowns}
+    rank_args: dict[str, Any] = {
+        "steps": steps, "workdir": workdir, "timeout_s": timeout_s, "slowdowns": slowdowns, "emulation": emulation, "profiled": profiled,
+    }
     if system == "ddp":
         if spec.data.batch_size < len(hosts):
             return Run(system=system, note=f"n/a: batch {spec.data.batch_size} < {len(hosts)} ranks")
@@ -420,14 +457,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     topology, label = resolve_topology(args.topology)
     slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
+    emulation = args.emulation
     if slowdowns:
-        print(f"emulating slower devices: {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
+        print(f"emulating slower devices ({emulation}): {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
+    if slowdowns and emulation == "profile":
+        first = next((s for s in systems if s in ("fusion", "uniform")), None)
+        if first is None or systems.index(first) > min(systems.index(s) for s in systems if s in (first, "ddp", "pipelining")):
+            raise FusionError("--emulation profile prices the emulated computations from fusion's coordinator profile: list fusion or "
+                              "uniform before ddp and pipelining in --systems")
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
-        fleet = FusionFleet(tb, workdir, slowdowns=slowdowns) if {"fusion", "uniform"} & set(systems) else None
+        fleet = FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation) if {"fusion", "uniform"} & set(systems) else None
+        profiled: Path | None = None
         for round_idx in range(args.repeats):
             for system in systems:
                 logger.info("round %d: %s", round_idx + 1, system)
@@ -437,7 +481,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     run = fleet.run(job, system, timeout_s=args.timeout)
                 else:
                     job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
-                    run = run_baseline(tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout, slowdowns=slowdowns)
+                    if slowdowns and emulation == "profile" and profiled is None:
+                        assert fleet is not None
+                        profiled = write_profiled(fleet, spec, len(tb.hosts), workdir / "profiled.json")
+                    run = run_baseline(
+                        tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout, slowdowns=slowdowns, emulation=emulation,
+                        profiled=profiled,
+                    )
                 print(f"  round {round_idx + 1} {system}: {len(run.records)} steps in {time.monotonic() - t0:.1f}s {run.note}", file=sys.stderr, flush=True)
                 runs[system].append(run)
         if fleet is not None:
@@ -447,7 +497,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
     meta = {
         "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
-        "latency_mode": latency_mode, "step_statistic": "trimmed-mean", "sends": PACED_SENDS, "emulated_slowdown": slowdowns, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
+        "latency_mode": latency_mode, "step_statistic": "trimmed-mean", "sends": PACED_SENDS, "emulated_slowdown": slowdowns, "emulation": emulation, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
@@ -476,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
                         "times slower, in every system (each computation is followed by a sleep; labelled in the output). "
                         "Without it, only hosts with a slowdown are emulated")
+    p.add_argument("--emulation", choices=EMULATIONS, default="wall",
+                   help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
+                        "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
+                        "times (default: %(default)s; executor.emulation)")
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")

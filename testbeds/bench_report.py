@@ -79,9 +79,12 @@ def emulation_lines(doc: dict[str, Any]) -> list[str]:
         return []
     hosts = slowdowns_label(slowdowns)
     why = "the topology's device speed ratios, `--emulate-speeds`" if doc.get("emulate_speeds") else "the hosts' `slowdown`"
+    measure = (
+        "their seconds in fusion's coordinator profile (`--emulation profile`)" if doc.get("emulation") == "profile" else "their length"
+    )
     return [
         f"**Emulated slower devices** ({why}): {hosts}; every system's computations there are followed by a sleep of "
-        "(factor - 1) times their length (`executor.emulation`).",
+        f"(factor - 1) times {measure} (`executor.emulation`).",
         "",
     ]
 

@@ -157,10 +157,13 @@ class TestbedRun:
             time.sleep(1.0)
 
 
-def slowdown_args(factor: float | None, flag: str = "--emulate-slowdown") -> list[str]:
+def slowdown_args(factor: float | None, flag: str = "--emulate-slowdown", emulation: str = "wall") -> list[str]:
     """Arguments for a process on a host emulated ``factor`` times slower (none at 1):
-    ``fusion-worker``'s flag by default, the baselines' ``--slowdown``."""
-    return [flag, str(factor)] if factor and factor > 1.0 else []
+    ``fusion-worker``'s flag by default, the baselines' ``--slowdown``; ``emulation``: what
+    the factor multiplies (:data:`executor.emulation.EMULATIONS`)."""
+    if not factor or factor <= 1.0:
+        return []
+    return [flag, str(factor), *(["--emulation", emulation] if emulation != "wall" else [])]
 
 
 def summary_lines(status: dict[str, Any]) -> list[str]:

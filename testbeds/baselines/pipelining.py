@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
-from executor.emulation import Slowdown
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.training import (
@@ -36,6 +35,7 @@ from fusion.training import (
     example_micro_batch,
     job_batch,
 )
+from testbeds.baselines.profiled import gpipe_attach_args, read_reference
 from testbeds.baselines.rank import (
     MetricsWriter,
     StepTimer,
@@ -92,7 +92,12 @@ def run(argv: list[str] | None = None) -> int:
                     sync.append((pg, sorted(group & stages[args.rank])))
         stage = pipe.build_stage(args.rank, torch.device("cpu"))
         module = stage.submod
-        Slowdown(args.slowdown).attach(module)  # testbed emulation of a slower device (1: none)
+        slowdown = args.slowdown_for()  # testbed emulation of a slower device (1: none)
+        if slowdown.by_profile:
+            assert args.profiled is not None
+            slowdown.attach(module, **gpipe_attach_args(read_reference(args.profiled), args.rank))
+        else:
+            slowdown.attach(module)
         received = [0]
         if args.rank > 0:
             module.register_forward_pre_hook(lambda _m, inputs: received.__setitem__(0, received[0] + _tensor_bytes(inputs)))

@@ -20,7 +20,7 @@ from typing import Any, Self
 import psutil
 import torch
 
-from executor.emulation import check_factor
+from executor.emulation import EMULATIONS, Slowdown, check_factor
 from fusion.config import JobSpec, load_job
 from testbeds.netns import DELAY_TUN
 
@@ -45,6 +45,14 @@ class RankArgs:
     slowdown: float = 1.0
     """Testbed emulation: this rank computes as a device this many times slower
     (:class:`executor.emulation.Slowdown`)."""
+    emulation: str = "wall"
+    """What the slowdown multiplies (:data:`executor.emulation.EMULATIONS`)."""
+    profiled: Path | None = None
+    """``profile`` emulation: the benchmark's profiled seconds (:mod:`testbeds.baselines.profiled`)."""
+
+    def slowdown_for(self) -> Slowdown:
+        """This rank's :class:`~executor.emulation.Slowdown`."""
+        return Slowdown(self.slowdown, emulation=self.emulation)
 
 
 def parse_args(prog: str, description: str, argv: list[str] | None = None) -> RankArgs:
@@ -58,12 +66,18 @@ def parse_args(prog: str, description: str, argv: list[str] | None = None) -> Ra
     p.add_argument("--metrics", default=None, help="rank 0 writes JSON lines here")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--slowdown", type=float, default=1.0, help="emulate a device this many times slower (default: %(default)s, none)")
+    p.add_argument("--emulation", choices=EMULATIONS, default="wall", help="what --slowdown multiplies: each computation's wall time, "
+                   "or its profiled seconds from --profiled (default: %(default)s)")
+    p.add_argument("--profiled", default=None, help="with --emulation profile: the benchmark's profiled seconds (JSON)")
     a = p.parse_args(argv)
     job = load_job(a.job)
+    if a.emulation == "profile" and a.slowdown > 1.0 and not a.profiled:
+        p.error("--emulation profile needs --profiled FILE")
     return RankArgs(
         job=job, rank=a.rank, world_size=a.world_size, master=a.master, address=a.address,
         steps=a.steps if a.steps is not None else job.train.steps, metrics=Path(a.metrics) if a.metrics else None,
-        torch_threads=a.torch_threads, slowdown=check_factor(a.slowdown),
+        torch_threads=a.torch_threads, slowdown=check_factor(a.slowdown), emulation=a.emulation,
+        profiled=Path(a.profiled) if a.profiled else None,
     )
 
 

@@ -101,3 +101,29 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     assert "Emulated slower devices" in Path(f"{out}.md").read_text()
     for suffix in (".md", ".json", ".png"):
         assert Path(f"{out}{suffix}").stat().st_size > 0
+
+
+def test_profile_emulation_reaches_every_system(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--emulation profile``: fusion's workers and the baselines' ranks on the emulated host
+    stretch by the coordinator's profile, and the result says so."""
+    from testbeds.bench import main
+    from testbeds.net import netns_available
+
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    (tmp_path / "pair.toml").write_text(TOPOLOGY)
+    (tmp_path / "job.toml").write_text(JOB)
+    out = tmp_path / "result"
+    args = ["--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--steps", "2", "--warmup", "1", "--json",
+            "--timeout", "240", "--emulate-speeds", "--emulation", "profile"]
+    assert main([*args, "--systems", "ddp,fusion"]) == 2  # the baselines need fusion's profile first
+    assert "list fusion or uniform before ddp" in capsys.readouterr().err
+    assert main([*args, "--systems", "fusion,uniform,ddp,pipelining", "--out", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["emulation"] == "profile" and doc["emulated_slowdown"] == {"far": 2.0}
+    for name, row in doc["systems"].items():
+        assert row["step_s"] is not None and row["step_s"] > 0 and math.isfinite(row["final_loss"]), (name, row.get("note"))
+    losses = [row["final_loss"] for row in doc["systems"].values()]
+    assert max(losses) - min(losses) < 0.05 * abs(losses[0])
+    assert "times their seconds in fusion's coordinator profile" in Path(f"{out}.md").read_text()
