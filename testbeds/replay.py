@@ -107,6 +107,7 @@ def replay_step(
     pause_cost: Callable[[float, bool], float] | None = None,
     transfer_cost: Callable[[float, float], float] | None = None,
     interference: TransferInterference | None = None,
+    emulation: str = "wall",
 ) -> Replay:
     """Replay one step of a placement (the arguments are :func:`scheduler.estimator.estimate`'s).
 
@@ -125,6 +126,11 @@ def replay_step(
     again with the spans the last pass placed until they no longer move (``MAX_PASSES`` at
     most; in the benchmark runs 2-9 passes).
 
+    ``emulation``: how the run's emulated devices stretched (:mod:`executor.emulation`).
+    ``wall``: a computation takes ``slowdown`` times what it takes here, pause cost and
+    interference included. ``profile``: it takes what it takes here (on the core, with those
+    costs), then ``slowdown - 1`` times its profiled seconds asleep.
+
     Pauses are counted per stage (since its process last computed, a wait for a busy core
     included) and per sending pair (since its last answer); the probe cannot tell whether it
     is the idle core or the process's cold data that costs, and this is the reading that
@@ -133,17 +139,31 @@ def replay_step(
     the quiet before a pair's first transfer, is the time since the step began.
     """
     sg = stage_graph(workload, unit_stage, stage_workers, topology)
+    slept = profiled_sleep_s(workload, sg, stage_workers, topology) if emulation == "profile" else None
     spans: list[list[_Span]] | None = None
     replay = None
     for _ in range(MAX_PASSES if interference is not None else 1):
         replay, found = _replay_pass(
-            sg, workload, stage_workers, topology, micro_batches, schedule, cores, pause_cost, transfer_cost, interference, spans,
+            sg, workload, stage_workers, topology, micro_batches, schedule, cores, pause_cost, transfer_cost, interference, spans, slept,
         )
         if spans is not None and found == spans:
             break
         spans = found
     assert replay is not None
     return replay
+
+
+def profiled_sleep_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> list[tuple[float, float] | None]:
+    """Per stage, the (forward, backward) seconds a ``profile``-emulated worker sleeps after
+    each micro-batch's computation: ``slowdown - 1`` times the stage's profiled seconds
+    (``None`` for a worker not emulated)."""
+    fwd = np.bincount(sg.stage_of, weights=workload.fwd_s, minlength=sg.num_stages)
+    bwd = np.bincount(sg.stage_of, weights=workload.bwd_s, minlength=sg.num_stages)
+    out: list[tuple[float, float] | None] = []
+    for s, x in enumerate(stage_workers):
+        k = topology.workers[x].slowdown - 1.0
+        out.append((k * float(fwd[s]), k * float(bwd[s])) if k > 0 else None)
+    return out
 
 
 _Span = tuple[float, float, float]
@@ -158,10 +178,11 @@ MAX_PASSES = 12
 def _replay_pass(
     sg: StageGraph, workload: Workload, stage_workers: Sequence[int], topology: Topology, micro_batches: int, schedule: str,
     cores: int, pause_cost: Callable[[float, bool], float] | None, transfer_cost: Callable[[float, float], float] | None,
-    interference: TransferInterference | None, spans: list[list[_Span]] | None,
+    interference: TransferInterference | None, spans: list[list[_Span]] | None, slept: list[tuple[float, float] | None] | None = None,
 ) -> tuple[Replay, list[list[_Span]]]:
     """One pass of :func:`replay_step`; ``spans``: per stage, the transfer work the last pass
-    placed there, which the computations it overlaps now pay. Returns the replay and this
+    placed there, which the computations it overlaps now pay; ``slept``: what a ``profile``
+    emulation sleeps after each (:func:`profiled_sleep_s`). Returns the replay and this
     pass's spans."""
     n, m = sg.num_stages, micro_batches
     w = list(stage_workers)
@@ -202,15 +223,25 @@ def _replay_pass(
         pool = cores_free[machine[s]]
         start = max(t, heapq.heappop(pool))
         compute = sg.fwd_s[s] if act.kind == "F" else sg.bwd_s[s]
+        sleep_for = slept[s] if slept is not None else None
+        if sleep_for is not None:  # profile emulation: on the core as here, then the profile's sleep
+            overhead = workload.step.micro_batch_s / 2
+            oncore, stretch = (compute - overhead) * on_core[s] + overhead, 0.0
+            asleep = sleep_for[0] if act.kind == "F" else sleep_for[1]
+        else:  # wall emulation: what it costs here is stretched too
+            oncore, stretch = compute * on_core[s], 1.0 / on_core[s] - 1.0
+            asleep = compute - oncore
         if pause_cost is not None:
             others_busy = any(busy_until > start for busy_until in pool)
-            compute += pause_cost(start - last_on_core[s], others_busy) / on_core[s]
+            extra = pause_cost(start - last_on_core[s], others_busy)
+            oncore, asleep = oncore + extra, asleep + extra * stretch
         if spans is not None:  # the transfer work the last pass placed in this process while it is on the core
-            on = (start, start + compute * on_core[s])
-            compute += sum(cost * overlap_share(*on, t0, t1) for t0, t1, cost in spans[s]) / on_core[s]
+            extra = sum(cost * overlap_share(start, start + oncore, t0, t1) for t0, t1, cost in spans[s])
+            oncore, asleep = oncore + extra, asleep + extra * stretch
+        compute = oncore + asleep
         end = start + compute
         computed[s] += compute
-        last_on_core[s] = start + compute * on_core[s]
+        last_on_core[s] = start + oncore
         heapq.heappush(pool, last_on_core[s])
         free[s] = end
         nxt[s] += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.estimator import OPTIMIZER_STATE_FACTOR, estimate
-from scheduler.topology import GIB, Topology
+from scheduler.topology import GIB, Topology, WorkerSpec
 from testbeds.gloo_model import (
     DDP_REPLAY_STEPS,
     MAX_REPLAY_MESSAGES,
@@ -22,12 +22,14 @@ from testbeds.sim_costs import JobCosts, SystemResult, slowest_link, with_throug
 from testbeds.sim_topologies import shared_cores_factor
 
 
-def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
+def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None, emulation: str = "wall") -> SystemResult:
     """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
 
     ``cores``: on a one-machine testbed all ``N`` ranks compute at once on that many cores
     (one thread each), so compute takes ``max(1, N / cores)`` times longer
     (:func:`shared_cores_factor`, which counts a rank emulating a slower device by its share).
+    ``emulation``: ``profile`` (:mod:`executor.emulation`): an emulated rank computes as
+    here, that factor included, then sleeps ``slowdown - 1`` times the profile.
     """
     spec = job.spec
     n = len(topology)
@@ -47,7 +49,7 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None)
         return SystemResult(name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has")
     cores_factor = shared_cores_factor(topology.workers, cores)
     samples = per_rank_samples / mb  # micro-batches' worth of samples each rank computes
-    scale = [job.reference_flops / w.effective_flops * cores_factor * samples for w in topology.workers]
+    scale = [_emulated_scale(job.reference_flops, w, cores_factor, emulation) * samples for w in topology.workers]
     compute_s = per_mb_s * max(scale)
     ready = ddp_bucket_ready_s(wl)
     buckets = len(ready) or ddp_buckets(param_bytes)
@@ -82,7 +84,17 @@ def gpipe_stages(job: JobCosts, num_stages: int) -> np.ndarray:
     return np.array(split_stages(job.blocks, paths, num_stages), dtype=np.int64)
 
 
-def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None = None) -> SystemResult:
+def _emulated_scale(reference_flops: float, w: WorkerSpec, contention: float, emulation: str) -> float:
+    """Seconds per profiled second of a worker's compute on a testbed whose ranks share
+    cores (``contention``): under ``wall`` emulation the whole stretched computation pays it,
+    under ``profile`` only the part on the core, the sleep being ``slowdown - 1`` times the
+    profile (:mod:`executor.emulation`)."""
+    if emulation == "profile":
+        return reference_flops / w.flops * contention + (w.slowdown - 1.0)
+    return reference_flops / w.effective_flops * contention
+
+
+def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None = None, emulation: str = "wall") -> SystemResult:
     """GPipe over the first ``min(N, blocks)`` hosts with the even split.
 
     ``cores``: the ranks share that many cores (one-machine testbed). In GPipe's steady state
@@ -102,14 +114,13 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
         return SystemResult(name="pipelining", step_s=None, note=f"n/a: the model has {len(job.blocks)} block(s), a pipeline needs 2")
     unit_stage = gpipe_stages(job, num_stages)
     wl = job.workload()
-    speed = np.array([topology.workers[s].effective_flops for s in range(num_stages)])
-    scale = job.reference_flops / speed
     contention = max(1.0, num_stages / cores) if cores else 1.0
+    scale = np.array([_emulated_scale(job.reference_flops, topology.workers[s], contention, emulation) for s in range(num_stages)])
     # From the node profile, each node's backward timed on its own autograd nodes: the GPipe
     # program's own stages timed in isolation (testbeds.stage_profile) were the worse price
     # in 8 of 12 full benchmark cells (testbeds/results/bench-notes.md).
-    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale * contention
-    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale * contention
+    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale
+    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale
     act = np.zeros(num_stages - 1)
     grad = np.zeros(num_stages - 1)
     seen: set[tuple[int, int]] = set()

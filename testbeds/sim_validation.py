@@ -139,6 +139,7 @@ def simulate_doc(
     mode = doc["latency_mode"]
     measured = set(doc["systems"])
     driver_links = measured_driver_links(doc, topology)
+    emulation = doc.get("emulation", "wall")  # runs before --emulation stretched by the wall time
 
     def run_all(
         speed: float, host_factors: dict[str, dict[str, float]] | None = None, unseen_compute: bool = False
@@ -162,14 +163,14 @@ def simulate_doc(
         # testbeds.link_times for why they differ).
         gloo = topo(mode in ("netem", "tun"))
         gloo = with_link_times(gloo, links) if links and mode in ("netem", "tun") else gloo
-        sims = simulate(job, gloo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores)["systems"]
+        sims = simulate(job, gloo, tuple(n for n in ("ddp", "pipelining") if n in measured), cores=cores, emulation=emulation)["systems"]
         for name, strategy, compression in (("fusion", "opfence", "adatopk"), ("uniform", "uniform", "none")):
             if name in measured:
                 given = doc["systems"][name].get("plan")
                 sims[name] = simulate_plan(
                     job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
                     pause_cost=pause if unseen_compute else None, transfer_cost=transfer_path,
-                    interference=interference if unseen_compute else None, driver_links=driver_links,
+                    interference=interference if unseen_compute else None, driver_links=driver_links, emulation=emulation,
                 ).to_dict()
         return sims
 
@@ -211,13 +212,22 @@ def measured_driver_links(doc: dict[str, Any], topology: Any) -> list[tuple[floa
 
 def _stage_factors(doc: dict[str, Any], name: str, sim: dict[str, Any] | None, micro_batches: int) -> dict[str, float]:
     """Per host of ``name``'s plan: the compute the run measured there (``compute_s``) over
-    what the profile predicts for the stages it ran ({} when the run recorded none)."""
+    what the profile predicts for the stages it ran ({} when the run recorded none). Under
+    ``profile`` emulation an emulated host's sleep is the profile's by construction, so the
+    factor is that of the part on the core."""
     got = doc["systems"].get(name, {}).get("compute_s") or {}
     detail = (sim or {}).get("detail", {})
     predicted: dict[str, float] = {}
     for host, stage_s in zip(detail.get("stages", []), detail.get("stage_compute_s", [])):
         predicted[host] = predicted.get(host, 0.0) + micro_batches * stage_s
-    return {h: got[h] / p for h, p in predicted.items() if got.get(h) and p > 0}
+    slowdown = (doc.get("emulated_slowdown") or {}) if doc.get("emulation") == "profile" else {}
+    factors = {}
+    for h, p in predicted.items():
+        k = float(slowdown.get(h, 1.0))
+        on_core = got.get(h, 0.0) - p * (k - 1.0) / k
+        if on_core > 0 and p > 0:
+            factors[h] = on_core / (p / k)
+    return factors
 
 
 def add_simulation(doc: dict[str, Any], directory: Path) -> None:

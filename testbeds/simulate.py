@@ -80,6 +80,7 @@ def simulate_plan(
     transfer_cost: Callable[[float, float], float] | None = None,
     interference: TransferInterference | None = None,
     driver_links: Sequence[tuple[float, float]] | None = None,
+    emulation: str = "wall",
 ) -> SystemResult:
     """fusion (``opfence`` + the job's compression) or ``uniform`` (dense), priced by the
     estimator with the driver (the coordinator) on host ``driver``: its control round trips
@@ -150,7 +151,7 @@ def simulate_plan(
     control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
     replay = replay_step(
         wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost,
-        transfer_cost=transfer_cost, interference=interference,
+        transfer_cost=transfer_cost, interference=interference, emulation=emulation,
     )
     return with_throughput(
         SystemResult(
@@ -212,14 +213,15 @@ def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topolo
 
 def simulate(
     job: JobCosts, topology: Topology, systems: tuple[str, ...] = SYSTEMS, *, time_budget_s: float | None = None,
-    driver: int | None = None, cores: int | None = None,
+    driver: int | None = None, cores: int | None = None, emulation: str = "wall",
 ) -> dict[str, Any]:
     """Every requested system on one topology, with fusion's speed-up over each baseline.
 
     ``driver``: host index of fusion's coordinator (``None``: ignore its control path);
     ``cores``: cores all hosts share on a one-machine testbed, for the gloo baselines'
     ranks and for fusion's and uniform's stages where the topology puts hosts on one machine
-    (``None``: hosts are machines).
+    (``None``: hosts are machines); ``emulation``: how a testbed's emulated hosts stretch
+    (:mod:`executor.emulation`).
     """
     results: dict[str, SystemResult] = {}
     timings: dict[str, float] = {}
@@ -227,14 +229,15 @@ def simulate(
         t0 = time.perf_counter()
         if name == "fusion":
             results[name] = simulate_plan(
-                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver, cores=cores
+                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver, cores=cores,
+                emulation=emulation,
             )
         elif name == "uniform":
-            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver, cores=cores)
+            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver, cores=cores, emulation=emulation)
         elif name == "ddp":
-            results[name] = simulate_ddp(job, topology, cores=cores)
+            results[name] = simulate_ddp(job, topology, cores=cores, emulation=emulation)
         elif name == "pipelining":
-            results[name] = simulate_pipelining(job, topology, cores=cores)
+            results[name] = simulate_pipelining(job, topology, cores=cores, emulation=emulation)
         else:
             raise FusionError(f"unknown system {name!r}; choose from {SYSTEMS}")
         timings[name] = time.perf_counter() - t0

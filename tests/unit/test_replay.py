@@ -146,3 +146,24 @@ def test_a_send_starts_at_the_answer_to_the_one_before_if_that_is_sooner_than_it
     slow.send(0.0, one_way_s=1.0, busy_s=10.0, back_s=0.5)  # bytes "gone" at 10 s, answered at 1.5 s
     assert slow.send(0.0, one_way_s=1.0, busy_s=10.0, back_s=0.5) == 2.5  # started at the answer
     assert slow.answered_at == 3.0
+
+
+def test_profile_emulation_pays_the_machines_extra_once_and_sleeps_the_profile() -> None:
+    """One stage, 10 / 20 ms profiled, on a worker emulating a device 3x slower, and a
+    constant 4 ms cost of computing after a pause. ``wall`` emulation stretches all of it:
+    3 x (10 + 4) and 3 x (20 + 4) ms per micro-batch. ``profile``: 10 + 4 ms on the core, then
+    2 x 10 ms asleep (and 20 + 4, then 2 x 20 for the backward)."""
+    wl = chain_workload([0.01], bwd_s=[0.02], step=StepCosts())
+    base = make_topology(np.full((1, 1), np.inf))
+    slow = dataclasses.replace(base, workers=(dataclasses.replace(base.workers[0], slowdown=3.0),))
+
+    def pause(_s: float, _busy: bool) -> float:
+        return 0.004
+
+    wall = replay_step(wl, [0], [0], slow, micro_batches=2, pause_cost=pause)
+    profile = replay_step(wl, [0], [0], slow, micro_batches=2, pause_cost=pause, emulation="profile")
+    assert wall.compute_s[0] == pytest.approx(2 * (3 * 0.014 + 3 * 0.024))
+    assert profile.compute_s[0] == pytest.approx(2 * (0.014 + 0.02 + 0.024 + 0.04))
+    # without emulation the two are the same replay
+    plain = [replay_step(wl, [0], [0], base, micro_batches=2, pause_cost=pause, emulation=e).step_s for e in ("wall", "profile")]
+    assert plain[0] == pytest.approx(plain[1])

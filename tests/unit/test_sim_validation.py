@@ -201,3 +201,17 @@ def test_a_run_is_replayed_with_the_sends_it_made(doc: dict) -> None:
     assert paced["uniform"]["simulated_step_s"] < waited["uniform"]["simulated_step_s"]
     for name in ("ddp", "pipelining"):
         assert paced[name]["simulated_step_s"] == pytest.approx(waited[name]["simulated_step_s"])
+
+
+def test_profile_emulation_calibrates_the_part_on_the_core() -> None:
+    """A host emulating 3x by the profile sleeps 2 profiles by construction: a run that
+    measured 5 profiles there computed 3 on the core, 3x the profile, where a wall-time
+    emulation's 5 over its 3 would be 5/3."""
+    from testbeds.sim_validation import _stage_factors
+
+    sim_row = {"detail": {"stages": ["a", "b"], "stage_compute_s": [0.01, 0.03]}}  # b: 3 x 0.01 per micro-batch
+    doc = {"systems": {"uniform": {"compute_s": {"a": 0.02, "b": 0.05}}}, "emulated_slowdown": {"b": 3.0}}
+    wall = _stage_factors(doc, "uniform", sim_row, micro_batches=1)
+    profile = _stage_factors({**doc, "emulation": "profile"}, "uniform", sim_row, micro_batches=1)
+    assert wall == pytest.approx({"a": 2.0, "b": 5 / 3})
+    assert profile == pytest.approx({"a": 2.0, "b": 3.0})

@@ -389,6 +389,28 @@ def test_pipelining_ranks_share_the_cores_all_the_time(tiny: sim.JobCosts) -> No
     assert 1.5 * (alone.step_s - tied) < shared.step_s - tied <= 2 * (alone.step_s - tied)
 
 
+def test_profile_emulation_stretches_only_what_is_on_the_core(tiny: sim.JobCosts) -> None:
+    """Two GPipe ranks on one core, the second emulating a device 3x slower. ``wall``
+    emulation stretches its shared-core compute 3x (2 x 3 = 6 profiles); ``profile`` leaves
+    it on the core as it is (2 profiles) and sleeps 2 more, and DDP's ranks alike."""
+    import dataclasses
+
+    base = line_topology(2, bandwidth_bytes_per_s=1e12, latency_s=0.0)
+    topo = dataclasses.replace(base, workers=(base.workers[0], dataclasses.replace(base.workers[1], slowdown=3.0)))
+    fast = sim.simulate_pipelining(tiny, base, cores=1)
+    wall = sim.simulate_pipelining(tiny, topo, cores=1)
+    profile = sim.simulate_pipelining(tiny, topo, cores=1, emulation="profile")
+    assert fast.step_s < profile.step_s < wall.step_s
+    assert sim.simulate_ddp(tiny, topo, cores=1, emulation="profile").step_s < sim.simulate_ddp(tiny, topo, cores=1).step_s
+    # no emulated host: the two emulations are one model
+    assert sim.simulate_pipelining(tiny, base, cores=1, emulation="profile").step_s == pytest.approx(fast.step_s)
+    from testbeds.sim_baselines import _emulated_scale
+
+    w = topo.workers[1]
+    assert _emulated_scale(w.flops, w, 2.0, "wall") == pytest.approx(6.0)
+    assert _emulated_scale(w.flops, w, 2.0, "profile") == pytest.approx(4.0)
+
+
 def test_testbed_topology_prices_the_testbed_as_it_runs() -> None:
     """One machine's speed everywhere, latency only where the testbed adds it, and netns
     links at the TCP payload share of their rate (htb counts whole frames)."""
