@@ -48,8 +48,9 @@ micro_batches = 2
 """
 
 
-def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from testbeds.bench import main
+def _testbed_files(tmp_path: Path) -> Path:
+    """Write the pair topology and the job into ``tmp_path`` (skip where netns is missing);
+    the results' path prefix."""
     from testbeds.net import netns_available
 
     ok, why = netns_available()
@@ -57,7 +58,13 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
         pytest.skip(why)
     (tmp_path / "pair.toml").write_text(TOPOLOGY)
     (tmp_path / "job.toml").write_text(JOB)
-    out = tmp_path / "result"
+    return tmp_path / "result"
+
+
+def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from testbeds.bench import main
+
+    out = _testbed_files(tmp_path)
     rc = main([
         "--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--systems", "fusion,uniform,ddp,pipelining",
         "--steps", "2", "--warmup", "1", "--json", "--out", str(out), "--timeout", "240", "--emulate-speeds",
@@ -107,14 +114,8 @@ def test_profile_emulation_reaches_every_system(tmp_path: Path, capsys: pytest.C
     """``--emulation profile``: fusion's workers and the baselines' ranks on the emulated host
     stretch by the coordinator's profile, and the result says so."""
     from testbeds.bench import main
-    from testbeds.net import netns_available
 
-    ok, why = netns_available()
-    if not ok:
-        pytest.skip(why)
-    (tmp_path / "pair.toml").write_text(TOPOLOGY)
-    (tmp_path / "job.toml").write_text(JOB)
-    out = tmp_path / "result"
+    out = _testbed_files(tmp_path)
     args = ["--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--steps", "2", "--warmup", "1", "--json",
             "--timeout", "240", "--emulate-speeds", "--emulation", "profile"]
     assert main([*args, "--systems", "ddp,fusion"]) == 2  # the baselines need fusion's profile first
