@@ -174,6 +174,7 @@ class PipelineDriver:
         if spec.is_loss_stage:
             values.append(tensor_value_spec(TARGET_NAME, self.example_target))
         m = job.train.micro_batches
+        profiled_forward_s, profiled_backward_s = self.profiled_s.get(spec.stage_idx, (0.0, 0.0))
         return epb.LoadStageRequest(
             job_id=self.job_id,
             stage_idx=spec.stage_idx,
@@ -199,8 +200,8 @@ class PipelineDriver:
             micro_batch_weights=[1.0 / m] * m,
             cut_codecs=self._cut_codecs(spec.stage_idx),
             link_bytes_per_s={dst: bw for (src, dst), bw in self.link_bytes_per_s.items() if src == spec.stage_idx},
-            profiled_forward_s=self.profiled_s.get(spec.stage_idx, (0.0, 0.0))[0],
-            profiled_backward_s=self.profiled_s.get(spec.stage_idx, (0.0, 0.0))[1],
+            profiled_forward_s=profiled_forward_s,
+            profiled_backward_s=profiled_backward_s,
             auth=self._wrapped_job_key(self.addresses[spec.stage_idx]),
             tied=[
                 epb.TiedParameter(name=name, canonical=canonical, holder_stage_idx=[h for h, _ in holders])

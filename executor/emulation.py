@@ -76,6 +76,13 @@ def check_factor(factor: float) -> float:
     return float(factor)
 
 
+def check_emulation(emulation: str) -> str:
+    """``emulation``, or ``ConfigError`` naming the choices (:data:`EMULATIONS`)."""
+    if emulation not in EMULATIONS:
+        raise ConfigError(f"unknown emulation {emulation!r}; choose from {', '.join(EMULATIONS)}")
+    return emulation
+
+
 class Slowdown:
     """Stretch computations to ``factor`` times their wall time, or (``emulation=
     "profile"``) to their wall time plus ``factor - 1`` times their reference seconds
@@ -83,9 +90,7 @@ class Slowdown:
 
     def __init__(self, factor: float = 1.0, *, min_piece_s: float = MIN_PIECE_S, emulation: str = "wall") -> None:
         self.factor = check_factor(factor)
-        if emulation not in EMULATIONS:
-            raise ConfigError(f"unknown emulation {emulation!r}; choose from {', '.join(EMULATIONS)}")
-        self.emulation = emulation
+        self.emulation = check_emulation(emulation)
         #: :meth:`attach`'s shortest backward piece (:data:`MIN_PIECE_S`; 0: every gradient).
         self.min_piece_s = min_piece_s
         self._lock = threading.Lock()

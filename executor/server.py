@@ -33,7 +33,7 @@ from executor.binding import executor_handler
 from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, CutSetting, decode_tensor
-from executor.emulation import EMULATIONS, Slowdown, check_factor
+from executor.emulation import EMULATIONS, Slowdown, check_emulation, check_factor
 from executor.guard import FAULT_HELP, Fault
 from executor.runtime import StageRuntime
 from executor.sender import PeerSender
@@ -123,7 +123,7 @@ class ExecutorService:
         #: Testbed emulation of a slower device, applied to every stage loaded here.
         self.slowdown = check_factor(slowdown)
         #: How that slowdown is measured (:data:`executor.emulation.EMULATIONS`).
-        self.emulation = Slowdown(self.slowdown, emulation=emulation).emulation
+        self.emulation = check_emulation(emulation)
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._lock = threading.Lock()

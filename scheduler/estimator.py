@@ -150,6 +150,19 @@ class Workload:
         return sum(seen.values())
 
 
+def unit_param_names(dag: OpDag) -> list[list[tuple[str, int]]]:
+    """Per compute node of ``dag``: the (canonical name, bytes) of every parameter it reads,
+    its own and those read through ``get_attr`` nodes (which belong to their readers)."""
+    attr_params: dict[str, dict[str, int]] = {n.name: n.params for n in dag.nodes if n.op == "get_attr"}
+    out = []
+    for n in dag.compute_nodes():
+        owned = dict(n.params)
+        for src in n.inputs:
+            owned.update(attr_params.get(src, {}))
+        out.append([(dag.tied_params.get(name, name), size) for name, size in owned.items()])
+    return out
+
+
 def workload_from_dag(dag: OpDag, *, optimizer: str = "adamw", momentum: float = 0.0, step: StepCosts | None = None) -> Workload:
     """Cost arrays for the compute nodes of ``dag`` (coarsened or not).
 
@@ -167,18 +180,7 @@ def workload_from_dag(dag: OpDag, *, optimizer: str = "adamw", momentum: float =
     flops = np.array([n.flops_fwd + n.flops_bwd for n in units], dtype=np.float64)
     saved = np.array([n.saved_bytes if n.saved_bytes is not None else n.out_bytes for n in units], dtype=np.float64)
     param_ids: dict[str, int] = {}
-    params: list[list[tuple[int, int]]] = []
-    attr_params: dict[str, dict[str, int]] = {n.name: n.params for n in dag.nodes if n.op == "get_attr"}
-    for n in units:
-        owned = dict(n.params)
-        for src in n.inputs:  # parameters read through get_attr nodes belong to their readers
-            owned.update(attr_params.get(src, {}))
-        unit_params = []
-        for name, size in owned.items():
-            canonical = dag.tied_params.get(name, name)
-            pid = param_ids.setdefault(canonical, len(param_ids))
-            unit_params.append((pid, size))
-        params.append(unit_params)
+    params = [[(param_ids.setdefault(name, len(param_ids)), size) for name, size in unit] for unit in unit_param_names(dag)]
     edges: list[tuple[int, int, int, int]] = []
     input_bytes = np.zeros(len(units))
     for e in dag.edges:

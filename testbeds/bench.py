@@ -461,8 +461,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if slowdowns:
         print(f"emulating slower devices ({emulation}): {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
     if slowdowns and emulation == "profile":
-        first = next((s for s in systems if s in ("fusion", "uniform")), None)
-        if first is None or systems.index(first) > min(systems.index(s) for s in systems if s in (first, "ddp", "pipelining")):
+        fleet_at = min((i for i, s in enumerate(systems) if s in ("fusion", "uniform")), default=len(systems))
+        if any(s in ("ddp", "pipelining") for s in systems[:fleet_at]):
             raise FusionError("--emulation profile prices the emulated computations from fusion's coordinator profile: list fusion or "
                               "uniform before ddp and pipelining in --systems")
     runs: dict[str, list[Run]] = {s: [] for s in systems}

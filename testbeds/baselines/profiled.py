@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fusion.errors import ConfigError
+from scheduler.estimator import unit_param_names
 from testbeds.sim_costs import JobCosts
 
 
@@ -34,16 +35,11 @@ def reference_document(job: JobCosts, gpipe_stages: int) -> dict[str, Any]:
     from testbeds.sim_baselines import gpipe_stages as split
 
     wl = job.workload()
-    units = job.dag.compute_nodes()
-    attr = {n.name: n.params for n in job.dag.nodes if n.op == "get_attr"}
     after = np.cumsum(wl.bwd_s[::-1])[::-1]  # backward seconds until it has passed unit u
     ready: dict[str, float] = {}
-    for u, node in enumerate(units):
-        owned = dict(node.params)
-        for src in node.inputs:
-            owned.update(attr.get(src, {}))
-        for name in owned:
-            ready.setdefault(job.dag.tied_params.get(name, name), float(after[u]))
+    for u, unit in enumerate(unit_param_names(job.dag)):
+        for name, _ in unit:
+            ready.setdefault(name, float(after[u]))
     doc: dict[str, Any] = {
         "micro_batch_samples": job.spec.micro_batch_size,
         "ddp": {"forward_s": float(wl.fwd_s.sum()), "backward_s": float(wl.bwd_s.sum()), "ready_s": ready},
