@@ -38,6 +38,10 @@ many times slower than the fastest host each is by ``flops / slowdown``. The tab
 With ``--simulate`` the table also gets the simulator's prediction for each system
 (:mod:`testbeds.simulate` in testbed mode: this machine's speed on every host, its own
 profile of the model, the coordinator's calibrated executor overheads) and its error.
+Before and after each run the benchmark times one micro-batch of the job's model on one
+thread for a second (:class:`testbeds.speed_trace.ModelProbe`): this VM's speed drifts
+1.5-2x over minutes, and the simulator's ``probed`` prediction prices each system at the
+speed the probes saw around its runs over the speed the probe saw as the coordinator profiled.
 
 With ``FUSION_TRACE_DIR`` set, the coordinator and the workers inherit it and write an
 executor timeline of fusion's and uniform's runs (:mod:`executor.trace`; read it with
@@ -74,10 +78,13 @@ from testbeds.bench_report import markdown, write_chart
 from executor.emulation import EMULATIONS
 from testbeds.run import slowdown_args
 from testbeds.sim_topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
+from testbeds.speed_trace import ModelProbe
 
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
+#: Seconds of :class:`ModelProbe` steps before and after each run (the machine's speed then).
+PROBE_S = 1.0
 MBPS = 1e6 / 8
 
 
@@ -136,6 +143,8 @@ class Run:
     wall_s: float = 0.0
     measured: dict[str, Any] | None = None
     """fusion/uniform: the job's ``measured.json`` (what its coordinator planned from)."""
+    probe_s: tuple[float, float] | None = None
+    """The machine's speed just before and just after the run (:class:`testbeds.speed_trace.ModelProbe`)."""
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -397,6 +406,9 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
             per_round.append(trimmed_mean([r["step_s"] for r in timed]))
     last = runs[-1]
     row: dict[str, Any] = {"note": next((r.note for r in runs if r.note), ""), "rounds": len(per_round), "hosts_used": last.hosts_used}
+    probes = [list(r.probe_s) for r in runs if r.probe_s]
+    if probes:  # the machine's speed before and after each round (ModelProbe), for the simulator
+        row["machine_probe_s"] = probes
     if not per_round:
         row.update(samples_per_s=None, step_s=None, slowest_link_bytes=None, final_loss=None)
         return row
@@ -468,6 +480,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
+    probe = ModelProbe(spec)
+    profile_probe_s: float | None = None  # the machine's speed as fusion's coordinator profiles (its first job)
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
         fleet = FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation) if {"fusion", "uniform"} & set(systems) else None
@@ -475,6 +489,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for round_idx in range(args.repeats):
             for system in systems:
                 logger.info("round %d: %s", round_idx + 1, system)
+                before_s = probe.median_step_s(PROBE_S)
+                if system in ("fusion", "uniform") and profile_probe_s is None:
+                    profile_probe_s = before_s
                 t0 = time.monotonic()
                 if system in ("fusion", "uniform"):
                     job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
@@ -488,7 +505,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout, slowdowns=slowdowns, emulation=emulation,
                         profiled=profiled,
                     )
-                print(f"  round {round_idx + 1} {system}: {len(run.records)} steps in {time.monotonic() - t0:.1f}s {run.note}", file=sys.stderr, flush=True)
+                run_s = time.monotonic() - t0
+                run.probe_s = (before_s, probe.median_step_s(PROBE_S))
+                print(f"  round {round_idx + 1} {system}: {len(run.records)} steps in {run_s:.1f}s, machine probe "
+                      f"{run.probe_s[0] * 1e3:.1f}/{run.probe_s[1] * 1e3:.1f} ms {run.note}", file=sys.stderr, flush=True)
                 runs[system].append(run)
         if fleet is not None:
             fleet_costs = fleet.step_costs()
@@ -503,6 +523,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
         # What fusion's coordinator measured before planning (speeds, machines, link fits).
         "measured": next((r.measured for r in runs.get("fusion", []) if r.measured), None),
+        # The machine's speed while the coordinator profiled and around each run: the
+        # simulator's "probed" prediction prices each system at its runs' speed over this one.
+        "machine_probe": {"step_s_at_profile": profile_probe_s, "seconds": PROBE_S, "what": "median forward and backward of one micro-batch, one thread"},
     }
     doc = report(rows, meta)
     if args.simulate:

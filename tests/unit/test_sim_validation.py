@@ -12,7 +12,7 @@ from fusion.config import JobSpec
 from fusion.errors import FusionError
 from scheduler.estimator import StepCosts
 from testbeds import sim_topologies
-from testbeds.sim_validation import _stage_factors, measured_driver_links, validate_doc
+from testbeds.sim_validation import _stage_factors, machine_drift, measured_driver_links, simulate_doc, validate_doc
 from testbeds.simulate import job_costs, simulate_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -215,3 +215,32 @@ def test_profile_emulation_calibrates_the_part_on_the_core() -> None:
     profile = _stage_factors({**doc, "emulation": "profile"}, "uniform", sim_row, micro_batches=1)
     assert wall == pytest.approx({"a": 2.0, "b": 5 / 3})
     assert profile == pytest.approx({"a": 2.0, "b": 3.0})
+
+
+def test_a_run_without_machine_probes_has_no_probed_prediction(doc: dict) -> None:
+    assert machine_drift(doc) == {}
+    assert all(r["probed_step_s"] is None and r["machine_drift"] is None for r in validate_doc(doc, "two-sites"))
+
+
+def test_the_probed_prediction_computes_at_the_speed_probed_around_each_systems_runs(doc: dict) -> None:
+    """A system whose runs the probes saw at the profile's speed is priced as profiled; one
+    they saw at half of it computes twice as long, links and the rest unchanged."""
+    probed = json.loads(json.dumps(doc))
+    probed["machine_probe"] = {"step_s_at_profile": 0.01}
+    for name, row in probed["systems"].items():
+        row["machine_probe_s"] = [[0.02, 0.02], [0.02, 0.02]] if name in ("uniform", "ddp") else [[0.009, 0.011]]
+    assert machine_drift(probed) == pytest.approx({"fusion": 1.0, "uniform": 2.0, "ddp": 2.0, "pipelining": 1.0})
+    rows = {r["system"]: r for r in validate_doc(probed, "two-sites")}
+    for name in ("fusion", "pipelining"):
+        assert rows[name]["probed_step_s"] == pytest.approx(rows[name]["simulated_step_s"], rel=1e-9)
+    for name in ("uniform", "ddp"):
+        r = rows[name]
+        assert r["machine_drift"] == pytest.approx(2.0)
+        assert r["probed_step_s"] > r["simulated_step_s"]
+        assert math.isclose(r["probed_error"], r["probed_step_s"] / r["measured_step_s"] - 1)
+    sims = simulate_doc(probed)
+    raw, slow = sims.profiled["uniform"]["detail"], sims.probed["uniform"]["detail"]
+    # Twice the compute; what the machine adds after a wait (the pause cost, measured
+    # apart, about 0.5 ms a stage here) is charged once in both.
+    assert slow["stage_compute_s"] == pytest.approx([2 * s for s in raw["stage_compute_s"]], rel=0.04)
+    assert all(b > 1.9 * a for a, b in zip(raw["stage_compute_s"], slow["stage_compute_s"]))
