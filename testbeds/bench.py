@@ -70,12 +70,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from executor.emulation import EMULATIONS
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
 from fusion.profiling import trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench_report import markdown, write_chart
-from executor.emulation import EMULATIONS
 from testbeds.run import slowdown_args
 from testbeds.sim_topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
 from testbeds.speed_trace import ModelProbe

@@ -26,8 +26,8 @@ def markdown(doc: dict[str, Any]) -> str:
         ),
         "",
         *emulation_lines(doc),
-        "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err "
-        "| machine x | probed s | err | calibrated s | err | note |",
+        ("| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err "
+         "| machine x | probed s | err | calibrated s | err | note |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in doc["systems"].items():

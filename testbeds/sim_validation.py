@@ -22,7 +22,12 @@ from testbeds.pause_cost import (
     pause_cost_beside,
     transfer_path_beside,
 )
-from testbeds.sim_topologies import PACED_SENDS, TCP_PAYLOAD_SHARE, load_topology, testbed_topology
+from testbeds.sim_topologies import (
+    PACED_SENDS,
+    TCP_PAYLOAD_SHARE,
+    load_topology,
+    testbed_topology,
+)
 from testbeds.simulate import job_costs, simulate, simulate_plan
 
 

@@ -35,7 +35,11 @@ class ModelProbe:
 
     def __init__(self, spec: JobSpec) -> None:
         from fusion.losses import get_loss
-        from fusion.training import build_job_dataset, build_job_model, example_micro_batch
+        from fusion.training import (
+            build_job_dataset,
+            build_job_model,
+            example_micro_batch,
+        )
 
         with _one_thread():
             self.model = build_job_model(spec)

@@ -12,7 +12,13 @@ from fusion.config import JobSpec
 from fusion.errors import FusionError
 from scheduler.estimator import StepCosts
 from testbeds import sim_topologies
-from testbeds.sim_validation import _stage_factors, machine_drift, measured_driver_links, simulate_doc, validate_doc
+from testbeds.sim_validation import (
+    _stage_factors,
+    machine_drift,
+    measured_driver_links,
+    simulate_doc,
+    validate_doc,
+)
 from testbeds.simulate import job_costs, simulate_plan
 
 REPO = Path(__file__).resolve().parents[2]
