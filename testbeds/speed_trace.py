@@ -1,8 +1,9 @@
 """How steady this machine's speed is: one job's model timed back to back for a while.
 
 The simulator prices a run from profiles taken in a few seconds at its start; a run lasts
-minutes. If the machine's speed moves between the two, no model of the run can make up
-for it. This traces it: one micro-batch's forward and backward of the job's model, on one
+minutes. If the machine's speed moves between the two, no model priced from the profile
+alone can make up for it: the benchmark therefore probes the speed before and after each
+run with :class:`ModelProbe`, for the simulator's ``probed`` prediction. This traces it: one micro-batch's forward and backward of the job's model, on one
 thread as the testbed's workers run, over and over for ``--seconds``, reported per window
 of ``--window`` seconds as that window's median step over the whole trace's median.
 
