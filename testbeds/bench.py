@@ -42,6 +42,9 @@ Before and after each run the benchmark times one micro-batch of the job's model
 thread for a second (:class:`testbeds.speed_trace.ModelProbe`): this VM's speed drifts
 1.5-2x over minutes, and the simulator's ``probed`` prediction prices each system at the
 speed the probes saw around its runs over the speed the probe saw as the coordinator profiled.
+On ``probed-set-2026-12-02`` that did worse than the profile alone (22 against 24 of 24
+within 10 %): a second of probing reads one of the VM's speed phases. The probes stay as the
+record of how fast the machine was around each run.
 
 With ``FUSION_TRACE_DIR`` set, the coordinator and the workers inherit it and write an
 executor timeline of fusion's and uniform's runs (:mod:`executor.trace`; read it with

@@ -54,7 +54,9 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     schedule, driver) on its own: each host of fusion's and uniform's plans computes as
     many times slower than profiled as the compute seconds it recorded (``compute_s``) are
     over the profile's for its stages; ddp and pipelining, which record no compute time,
-    take the mean of fusion's and uniform's factors. (In a pipeline of several processes on
+    take the mean of fusion's and uniform's factors. A third, ``probed``, where the result has
+    the benchmark's machine probes, is the profiled one with each system's compute scaled by
+    the machine's speed around its runs (:func:`machine_drift`). (In a pipeline of several processes on
     the testbed's shared cores a stage's forward and backward take 1.3-2x the profile's
     time, on-CPU time included, while a whole model on one worker matches it, so one mean
     factor fits neither.)
