@@ -128,6 +128,12 @@ class Workload:
     def __len__(self) -> int:
         return len(self.names)
 
+    def stage_seconds(self, stage_of: np.ndarray, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each stage's (forward, backward) seconds per micro-batch at the reference speed:
+        the sums over the units ``stage_of`` puts in it."""
+        return (np.bincount(stage_of, weights=self.fwd_s, minlength=num_stages),
+                np.bincount(stage_of, weights=self.bwd_s, minlength=num_stages))
+
     def __post_init__(self) -> None:
         if len(self.input_bytes) != len(self.names):
             self.input_bytes = np.zeros(len(self.names))
@@ -286,8 +292,8 @@ def stage_graph(workload: Workload, unit_stage: Sequence[int], stage_workers: Se
     speed = np.array([topology.workers[w].effective_flops for w in stage_workers])
     scale = workload.reference_flops / speed  # seconds multiplier per stage
     overhead = workload.step.micro_batch_s / 2  # half with each of forward and backward
-    f = np.bincount(stage_of, weights=workload.fwd_s, minlength=num_stages) * scale + overhead
-    b = np.bincount(stage_of, weights=workload.bwd_s, minlength=num_stages) * scale + overhead
+    fwd, bwd = workload.stage_seconds(stage_of, num_stages)
+    f, b = fwd * scale + overhead, bwd * scale + overhead
     # Cut traffic: a value crosses once per (producer, destination stage).
     act, grad, received = _cut_traffic(workload, stage_of, num_stages)
     order = _stage_order(num_stages, act)

@@ -157,8 +157,7 @@ def profiled_sleep_s(workload: Workload, sg: StageGraph, stage_workers: Sequence
     """Per stage, the (forward, backward) seconds a ``profile``-emulated worker sleeps after
     each micro-batch's computation: ``slowdown - 1`` times the stage's profiled seconds
     (``None`` for a worker not emulated)."""
-    fwd = np.bincount(sg.stage_of, weights=workload.fwd_s, minlength=sg.num_stages)
-    bwd = np.bincount(sg.stage_of, weights=workload.bwd_s, minlength=sg.num_stages)
+    fwd, bwd = workload.stage_seconds(sg.stage_of, sg.num_stages)
     out: list[tuple[float, float] | None] = []
     for s, x in enumerate(stage_workers):
         k = topology.workers[x].slowdown - 1.0

@@ -119,8 +119,8 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     # From the node profile, each node's backward timed on its own autograd nodes: the GPipe
     # program's own stages timed in isolation (testbeds.stage_profile) were the worse price
     # in 8 of 12 full benchmark cells (testbeds/results/bench-notes.md).
-    f = np.bincount(unit_stage, weights=wl.fwd_s, minlength=num_stages) * scale
-    b = np.bincount(unit_stage, weights=wl.bwd_s, minlength=num_stages) * scale
+    fwd, bwd = wl.stage_seconds(unit_stage, num_stages)
+    f, b = fwd * scale, bwd * scale
     act = np.zeros(num_stages - 1)
     grad = np.zeros(num_stages - 1)
     seen: set[tuple[int, int]] = set()

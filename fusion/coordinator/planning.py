@@ -180,11 +180,13 @@ def stage_profiled_s(profile: ModelProfile, stages: Sequence[Sequence[str]]) -> 
     """Each stage's (forward, backward) seconds for one micro-batch in the calibrated node
     profile (as :func:`costed_dag` prices them), by stage index: what a worker emulating a
     slower device by the profile stretches by (:mod:`executor.emulation`)."""
-    factor = profile.compute_factor or 1.0
+    from fusion.profiling import scale_node_times
+
+    nodes = scale_node_times(profile.nodes, profile.compute_factor or 1.0)
     out = {}
-    for i, nodes in enumerate(stages):
-        costs = [profile.nodes.get(n, {}) for n in nodes]
-        out[i] = (factor * sum(c.get("fwd_time_s", 0.0) for c in costs), factor * sum(c.get("bwd_time_s", 0.0) for c in costs))
+    for i, names in enumerate(stages):
+        costs = [nodes.get(n, {}) for n in names]
+        out[i] = (sum(c.get("fwd_time_s", 0.0) for c in costs), sum(c.get("bwd_time_s", 0.0) for c in costs))
     return out
 
 

@@ -26,7 +26,7 @@ from fusion.errors import ConfigError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.training import build_job_dataset, build_job_model, job_batch
-from testbeds.baselines.profiled import ddp_attach_args, read_reference
+from testbeds.baselines.profiled import ddp_attach_args
 from testbeds.baselines.rank import (
     MetricsWriter,
     StepTimer,
@@ -48,13 +48,8 @@ def run(argv: list[str] | None = None) -> int:
     init_gloo(args)
     try:
         local = build_job_model(job)
-        slowdown = args.slowdown_for()  # testbed emulation of a slower device (1: none)
-        if slowdown.by_profile:
-            assert args.profiled is not None
-            samples = len(torch.tensor_split(torch.arange(batch), n)[args.rank])
-            slowdown.attach(local, **ddp_attach_args(read_reference(args.profiled), samples))
-        else:
-            slowdown.attach(local)
+        samples = len(torch.tensor_split(torch.arange(batch), n)[args.rank])
+        args.emulate(local, lambda doc: ddp_attach_args(doc, samples))
         model = DistributedDataParallel(local)
         dataset = build_job_dataset(job)
         loss_fn = get_loss(job.train.loss)

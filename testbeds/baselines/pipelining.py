@@ -35,7 +35,7 @@ from fusion.training import (
     example_micro_batch,
     job_batch,
 )
-from testbeds.baselines.profiled import gpipe_attach_args, read_reference
+from testbeds.baselines.profiled import gpipe_attach_args
 from testbeds.baselines.rank import (
     MetricsWriter,
     StepTimer,
@@ -92,12 +92,7 @@ def run(argv: list[str] | None = None) -> int:
                     sync.append((pg, sorted(group & stages[args.rank])))
         stage = pipe.build_stage(args.rank, torch.device("cpu"))
         module = stage.submod
-        slowdown = args.slowdown_for()  # testbed emulation of a slower device (1: none)
-        if slowdown.by_profile:
-            assert args.profiled is not None
-            slowdown.attach(module, **gpipe_attach_args(read_reference(args.profiled), args.rank))
-        else:
-            slowdown.attach(module)
+        args.emulate(module, lambda doc: gpipe_attach_args(doc, args.rank))
         received = [0]
         if args.rank > 0:
             module.register_forward_pre_hook(lambda _m, inputs: received.__setitem__(0, received[0] + _tensor_bytes(inputs)))

@@ -45,9 +45,7 @@ def reference_document(job: JobCosts, gpipe_stages: int) -> dict[str, Any]:
         "ddp": {"forward_s": float(wl.fwd_s.sum()), "backward_s": float(wl.bwd_s.sum()), "ready_s": ready},
     }
     if gpipe_stages >= 2:
-        stage = split(job, gpipe_stages)
-        fwd = np.bincount(stage, weights=wl.fwd_s, minlength=gpipe_stages)
-        bwd = np.bincount(stage, weights=wl.bwd_s, minlength=gpipe_stages)
+        fwd, bwd = wl.stage_seconds(split(job, gpipe_stages), gpipe_stages)
         doc["gpipe"] = [[float(f), float(b)] for f, b in zip(fwd, bwd, strict=True)]
     return doc
 

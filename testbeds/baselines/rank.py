@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -22,6 +23,8 @@ import torch
 
 from executor.emulation import EMULATIONS, Slowdown, check_factor
 from fusion.config import JobSpec, load_job
+from fusion.errors import ConfigError
+from testbeds.baselines.profiled import read_reference
 from testbeds.netns import DELAY_TUN
 
 logger = logging.getLogger(__name__)
@@ -50,9 +53,18 @@ class RankArgs:
     profiled: Path | None = None
     """``profile`` emulation: the benchmark's profiled seconds (:mod:`testbeds.baselines.profiled`)."""
 
-    def slowdown_for(self) -> Slowdown:
-        """This rank's :class:`~executor.emulation.Slowdown`."""
-        return Slowdown(self.slowdown, emulation=self.emulation)
+    def emulate(self, module: torch.nn.Module, profiled: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Attach this rank's testbed emulation of a slower device to ``module`` (a factor
+        of 1: none). Under ``profile`` emulation, ``profiled`` picks this rank's
+        :meth:`~executor.emulation.Slowdown.attach` seconds from the benchmark's document
+        (:mod:`testbeds.baselines.profiled`)."""
+        slowdown = Slowdown(self.slowdown, emulation=self.emulation)
+        if not slowdown.by_profile:
+            slowdown.attach(module)
+            return
+        if self.profiled is None:
+            raise ConfigError("--emulation profile needs --profiled FILE")
+        slowdown.attach(module, **profiled(read_reference(self.profiled)))
 
 
 def parse_args(prog: str, description: str, argv: list[str] | None = None) -> RankArgs:
