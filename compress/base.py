@@ -111,7 +111,9 @@ def register(cls: C) -> C:
     for other in REGISTRY.values():
         same_class = type(other).__module__ == cls.__module__ and type(other).__qualname__ == cls.__qualname__
         if not same_class and (other.codec == cls.codec or other.name == cls.name):
-            raise ValueError(f"{cls.__qualname__} (codec {cls.codec}, name {cls.name!r}) clashes with registered {other!r}")
+            raise ValueError(
+                f"{cls.__qualname__} (codec {cls.codec}, name {cls.name!r}) clashes with registered {other!r}"
+            )
     REGISTRY[cls.codec] = cls()
     return cls
 
@@ -248,7 +250,9 @@ def zstd_decompress(data: bytes | memoryview, *, max_size_bytes: int, codec: str
     if declared < 0:
         # zstandard would allocate max_output_size up front for such a frame; compress/'s
         # encoders always write the size, so a frame without it did not come from one.
-        raise CompressionError(f"{codec}: zstd frame does not declare its decompressed size; fusion's encoders always do")
+        raise CompressionError(
+            f"{codec}: zstd frame does not declare its decompressed size; fusion's encoders always do"
+        )
     if declared > max_size_bytes:
         raise CompressionError(
             f"{codec}: zstd frame declares {declared} bytes, more than the {max_size_bytes} a tensor of this "
@@ -256,7 +260,9 @@ def zstd_decompress(data: bytes | memoryview, *, max_size_bytes: int, codec: str
         )
     try:
         # max_output_size=0 would mean "unlimited"; 1 still bounds an empty tensor's frame.
-        out = zstandard.ZstdDecompressor().decompress(view, max_output_size=max(max_size_bytes, 1), allow_extra_data=False)
+        out = zstandard.ZstdDecompressor().decompress(
+            view, max_output_size=max(max_size_bytes, 1), allow_extra_data=False
+        )
     except zstandard.ZstdError as e:
         raise CompressionError(f"{codec}: corrupt zstd payload ({e})") from e
     if len(out) > max_size_bytes:

@@ -117,7 +117,9 @@ class Fp16Compressor(Compressor):
             CompressionError: ``tensor`` is not floating point.
         """
         if not tensor.is_floating_point():
-            raise CompressionError(f"fp16 encodes floating-point tensors only, got {tensor.dtype}; use 'none' or 'zstd'")
+            raise CompressionError(
+                f"fp16 encodes floating-point tensors only, got {tensor.dtype}; use 'none' or 'zstd'"
+            )
         return Encoded(self.codec, flat_bytes(to_half_saturating(tensor.detach())), _dense_bytes(tensor))
 
     def decode(self, data: bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

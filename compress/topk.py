@@ -202,7 +202,9 @@ class TopKCompressor(Compressor):
             ValueError: ``keep_ratio`` is not in ``(0, 1]``.
         """
         if not tensor.is_floating_point():
-            raise CompressionError(f"topk encodes floating-point tensors only, got {tensor.dtype}; use 'none' or 'zstd'")
+            raise CompressionError(
+                f"topk encodes floating-point tensors only, got {tensor.dtype}; use 'none' or 'zstd'"
+            )
         numel = tensor.numel()
         k = num_kept(numel, keep_ratio)
         flat = tensor.detach().reshape(-1)  # (numel,)
@@ -242,7 +244,9 @@ class TopKCompressor(Compressor):
         try:
             kind = IndexKind(kind_value)
         except ValueError:
-            raise CompressionError(f"topk: unknown index kind {kind_value}; valid are {[int(k) for k in IndexKind]}") from None
+            raise CompressionError(
+                f"topk: unknown index kind {kind_value}; valid are {[int(k) for k in IndexKind]}"
+            ) from None
         if sent_numel != numel:
             raise CompressionError(
                 f"topk: payload is for {sent_numel} elements, but shape {tuple(shape)} has {numel}; "
@@ -280,7 +284,9 @@ class TopKCompressor(Compressor):
                 raise CompressionError("topk: delta indices repeat a position (a zero gap after the first)")
             idx = np.cumsum(deltas, dtype=np.int64)  # (k,) strictly ascending
             if k > 0 and idx[-1] >= numel:
-                raise CompressionError(f"topk: delta indices reach position {int(idx[-1])}, past the last element {numel - 1}")
+                raise CompressionError(
+                    f"topk: delta indices reach position {int(idx[-1])}, past the last element {numel - 1}"
+                )
         values = np.frombuffer(raw, "<f2", count=k, offset=offset + index_bytes).astype(np.float16)  # (k,) own copy
 
         out = torch.zeros(numel, dtype=dtype)

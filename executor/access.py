@@ -29,10 +29,10 @@ from typing import Any
 import grpc
 
 from fusion.auth import (
+    PROBE_METHODS,
     SCHEME_CONTROL,
     SCHEME_JOB,
     SCHEME_PROBE,
-    PROBE_METHODS,
     SEND_METHODS,
     Claim,
     KeyRing,
@@ -57,8 +57,19 @@ POLICY: dict[str, frozenset[str]] = {
     **{
         m: frozenset({SCHEME_CONTROL})
         for m in (
-            "LoadStage", "SetState", "GetState", "RunStep", "WaitStep", "SyncTied", "ApplyStep", "Abort", "UnloadJob",
-            "Ping", "ProfileModel", "ProbeLinks", "AdmitJob",
+            "LoadStage",
+            "SetState",
+            "GetState",
+            "RunStep",
+            "WaitStep",
+            "SyncTied",
+            "ApplyStep",
+            "Abort",
+            "UnloadJob",
+            "Ping",
+            "ProfileModel",
+            "ProbeLinks",
+            "AdmitJob",
         )
     },
     **{m: frozenset({SCHEME_JOB, SCHEME_CONTROL}) for m in SEND_METHODS},
@@ -167,7 +178,9 @@ class ExecutorAccess:
             claim = parse(metadata_value(context.invocation_metadata()))
             allowed = POLICY.get(method, DEFAULT_POLICY)
             if claim.scheme not in allowed:
-                raise AuthError(f"{method} does not accept a {claim.scheme} credential (needs {'/'.join(sorted(allowed))})")
+                raise AuthError(
+                    f"{method} does not accept a {claim.scheme} credential (needs {'/'.join(sorted(allowed))})"
+                )
             verify(claim, self._key_for(claim), method=method, nonces=self.nonces)
         except AuthError:
             self.failures.allow(host)

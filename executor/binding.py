@@ -29,7 +29,9 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
-def _codecs(method: Any) -> tuple[Callable[[bytes], Any], Callable[[Any], bytes], Callable[[Any], bytes], Callable[[bytes], Any]]:
+def _codecs(
+    method: Any,
+) -> tuple[Callable[[bytes], Any], Callable[[Any], bytes], Callable[[Any], bytes], Callable[[bytes], Any]]:
     """(request deserialiser, response serialiser, request serialiser, response deserialiser)."""
     req_cls = message_factory.GetMessageClass(method.input_type)
     resp_cls = message_factory.GetMessageClass(method.output_type)
@@ -53,7 +55,9 @@ def executor_handler(servicer: Any) -> grpc.GenericRpcHandler:
     for method in SERVICE.methods:
         req_in, resp_out, _, _ = _codecs(method)
         req_in = lenient(req_in)
-        fn = guard(method.name, getattr(servicer, method.name), servicer.access, client_streaming=method.client_streaming)
+        fn = guard(
+            method.name, getattr(servicer, method.name), servicer.access, client_streaming=method.client_streaming
+        )
         if method.client_streaming and not method.server_streaming:
             make = grpc.stream_unary_rpc_method_handler
         elif method.server_streaming and not method.client_streaming:

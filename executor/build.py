@@ -137,8 +137,16 @@ class GraphCache:
         self._gm: torch.fx.GraphModule | None = None
         self._lock = threading.Lock()
 
-    def get(self, model_spec: epb.ModelSpec, inputs: list[epb.ValueSpec], *, seed: int, allow_code: bool) -> torch.fx.GraphModule:
-        key = b"\0".join([model_spec.SerializeToString(deterministic=True), *(v.SerializeToString(deterministic=True) for v in inputs), str(seed).encode()])
+    def get(
+        self, model_spec: epb.ModelSpec, inputs: list[epb.ValueSpec], *, seed: int, allow_code: bool
+    ) -> torch.fx.GraphModule:
+        key = b"\0".join(
+            [
+                model_spec.SerializeToString(deterministic=True),
+                *(v.SerializeToString(deterministic=True) for v in inputs),
+                str(seed).encode(),
+            ]
+        )
         with self._lock:  # one capture at a time; a second caller for the same model waits and copies
             if self._key != key or self._gm is None:
                 self._gm = build_model_graph(model_spec, inputs, seed=seed, allow_code=allow_code)
@@ -146,7 +154,9 @@ class GraphCache:
             return copy.deepcopy(self._gm)
 
 
-def build_model_graph(model_spec: epb.ModelSpec, inputs: list[epb.ValueSpec], *, seed: int, allow_code: bool) -> torch.fx.GraphModule:
+def build_model_graph(
+    model_spec: epb.ModelSpec, inputs: list[epb.ValueSpec], *, seed: int, allow_code: bool
+) -> torch.fx.GraphModule:
     """Build the job's model from its spec (seeded) and capture it as the coordinator did.
 
     Raises:

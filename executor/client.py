@@ -77,8 +77,10 @@ class PeerMap:
             if version != self._version:
                 with open(self.path, encoding="utf-8") as f:
                     loaded = json.load(f)  # data only: a dict of strings, checked below
-                if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
-                    raise ValueError("expected a JSON object of \"HOST:PORT\": \"HOST:PORT\" strings")
+                if not isinstance(loaded, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()
+                ):
+                    raise ValueError('expected a JSON object of "HOST:PORT": "HOST:PORT" strings')
                 self._map, self._version = loaded, version
         except (OSError, ValueError) as e:
             logger.warning("peer map %s unusable (%s); dialing %s directly", self.path, e, address)
@@ -95,7 +97,9 @@ class ChannelPool:
     address. A mapping added after a channel was made does not redirect that channel.
     """
 
-    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyring: KeyRing | None = None, tls_ca: bytes | None = None) -> None:
+    def __init__(
+        self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyring: KeyRing | None = None, tls_ca: bytes | None = None
+    ) -> None:
         self.chunk_bytes = chunk_bytes
         #: Keys the pool's calls are signed with (:mod:`fusion.auth`); the process's by default.
         self.keyring = keyring if keyring is not None else process_keyring()
@@ -129,9 +133,13 @@ class ExecutorClient:
     def __init__(self, address: str, pool: ChannelPool) -> None:
         self.address = address
         self.pool = pool
-        self.stub = ExecutorStub(pool.get(address), sign=lambda method, job_id: pool.keyring.metadata(address, method, job_id))
+        self.stub = ExecutorStub(
+            pool.get(address), sign=lambda method, job_id: pool.keyring.metadata(address, method, job_id)
+        )
 
-    def _call(self, method: Any, request: Any, what: str, timeout_s: float = CONTROL_TIMEOUT_S, *, attempts: int = 4) -> Any:
+    def _call(
+        self, method: Any, request: Any, what: str, timeout_s: float = CONTROL_TIMEOUT_S, *, attempts: int = 4
+    ) -> Any:
         return call_with_retry(method, request, peer=self.address, what=what, timeout_s=timeout_s, attempts=attempts)
 
     def ping(self, timeout_s: float = 5.0, *, attempts: int = 4) -> epb.PingResponse:
@@ -161,7 +169,16 @@ class ExecutorClient:
         self._transfer(self.stub.Send, self.stub.SendWhole, chunks, size, what)
         return size
 
-    def _transfer(self, stream: Any, whole: Any, chunks: Callable[[], Iterator[bytes]], size_bytes: int, what: str, *, attempts: int = 4) -> Any:
+    def _transfer(
+        self,
+        stream: Any,
+        whole: Any,
+        chunks: Callable[[], Iterator[bytes]],
+        size_bytes: int,
+        what: str,
+        *,
+        attempts: int = 4,
+    ) -> Any:
         """One transfer of ``size_bytes`` of payload: as one unary message (``whole``) when it
         fits in one chunk, else as a stream of chunks (``stream``). A request stream costs a
         thread hand-off per message on each side, which a loaded machine delays (a 32 KB
@@ -188,7 +205,9 @@ class ExecutorClient:
             return encode_transfer_wire(header, {"probe": payload}, chunk_bytes=self.pool.chunk_bytes)
 
         t0 = time.perf_counter()
-        response = self._transfer(self.stub.Probe, self.stub.ProbeWhole, chunks, size_bytes, f"Probe({size_bytes} bytes)", attempts=attempts)
+        response = self._transfer(
+            self.stub.Probe, self.stub.ProbeWhole, chunks, size_bytes, f"Probe({size_bytes} bytes)", attempts=attempts
+        )
         return time.perf_counter() - t0, response
 
     def set_state(self, job_id: str, stage_idx: int, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -200,7 +219,9 @@ class ExecutorClient:
 
         self._call(self.stub.SetState, chunks, f"SetState(stage {stage_idx})", transfer_timeout_s(size))
 
-    def get_state(self, job_id: str, stage_idx: int, kind: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    def get_state(
+        self, job_id: str, stage_idx: int, kind: int, names: list[str] | None = None
+    ) -> dict[str, torch.Tensor]:
         request = epb.GetStateRequest(job_id=job_id, stage_idx=stage_idx, kind=kind, names=names or [])
         what = f"GetState(stage {stage_idx})"
         try:
@@ -211,12 +232,24 @@ class ExecutorClient:
         return {k: v.clone() for k, v in transfer.tensors().items()}
 
     def run_step(
-        self, job_id: str, stage_idx: int, step: int, num_micro_batches: int, schedule: int, *,
-        measure_memory: bool = False, cut_codecs: list[epb.CutCodec] | None = None,
+        self,
+        job_id: str,
+        stage_idx: int,
+        step: int,
+        num_micro_batches: int,
+        schedule: int,
+        *,
+        measure_memory: bool = False,
+        cut_codecs: list[epb.CutCodec] | None = None,
     ) -> None:
         request = epb.RunStepRequest(
-            job_id=job_id, stage_idx=stage_idx, step=step, num_micro_batches=num_micro_batches, schedule=schedule,
-            measure_memory=measure_memory, cut_codecs=cut_codecs or [],
+            job_id=job_id,
+            stage_idx=stage_idx,
+            step=step,
+            num_micro_batches=num_micro_batches,
+            schedule=schedule,
+            measure_memory=measure_memory,
+            cut_codecs=cut_codecs or [],
         )
         self._call(self.stub.RunStep, request, f"RunStep(stage {stage_idx}, step {step})")
 
@@ -227,15 +260,29 @@ class ExecutorClient:
     def sync_tied(self, job_id: str, stage_idx: int, step: int, timeout_s: float) -> epb.SyncTiedResponse:
         """Once per step and not retried: the holders exchange gradients with each other."""
         request = epb.SyncTiedRequest(job_id=job_id, stage_idx=stage_idx, step=step)
-        return self._call(self.stub.SyncTied, request, f"SyncTied(stage {stage_idx}, step {step})", timeout_s, attempts=1)
+        return self._call(
+            self.stub.SyncTied, request, f"SyncTied(stage {stage_idx}, step {step})", timeout_s, attempts=1
+        )
 
     def apply_step(
-        self, job_id: str, stage_idx: int, step: int, *, optimizer_step: bool = True,
-        snapshot: bool = False, replicate_to: str = "", replicate_bytes_per_s: float = 0.0,
+        self,
+        job_id: str,
+        stage_idx: int,
+        step: int,
+        *,
+        optimizer_step: bool = True,
+        snapshot: bool = False,
+        replicate_to: str = "",
+        replicate_bytes_per_s: float = 0.0,
     ) -> None:
         request = epb.ApplyStepRequest(
-            job_id=job_id, stage_idx=stage_idx, step=step, optimizer_step=optimizer_step,
-            snapshot=snapshot, replicate_to=replicate_to, replicate_bytes_per_s=replicate_bytes_per_s,
+            job_id=job_id,
+            stage_idx=stage_idx,
+            step=step,
+            optimizer_step=optimizer_step,
+            snapshot=snapshot,
+            replicate_to=replicate_to,
+            replicate_bytes_per_s=replicate_bytes_per_s,
         )
         self._call(self.stub.ApplyStep, request, f"ApplyStep(stage {stage_idx}, step {step})")
 
@@ -247,7 +294,9 @@ class ExecutorClient:
             logger.info("abort on %s failed: %s", self.address, e)
 
     def unload_job(self, job_id: str, *, keep_snapshots: bool = False) -> None:
-        self._call(self.stub.UnloadJob, epb.UnloadJobRequest(job_id=job_id, keep_snapshots=keep_snapshots), "UnloadJob", 30.0)
+        self._call(
+            self.stub.UnloadJob, epb.UnloadJobRequest(job_id=job_id, keep_snapshots=keep_snapshots), "UnloadJob", 30.0
+        )
 
     # ------------------------------------------------------------- snapshots
     def admit_job(self, request: epb.AdmitJobRequest) -> None:
@@ -258,7 +307,9 @@ class ExecutorClient:
         return self._call(self.stub.TakeSnapshot, request, f"TakeSnapshot(stage {stage_idx}, step {step})", 600.0).info
 
     def list_snapshots(self, job_id: str, timeout_s: float = 10.0) -> list[epb.SnapshotInfo]:
-        response = self._call(self.stub.ListSnapshots, epb.ListSnapshotsRequest(job_id=job_id), "ListSnapshots", timeout_s, attempts=2)
+        response = self._call(
+            self.stub.ListSnapshots, epb.ListSnapshotsRequest(job_id=job_id), "ListSnapshots", timeout_s, attempts=2
+        )
         return list(response.snapshots)
 
     def get_snapshot(self, job_id: str, stage_key: str, step: int) -> Snapshot:
@@ -274,13 +325,17 @@ class ExecutorClient:
         def chunks() -> Iterator[epb.SnapshotChunk]:
             return snapshot_chunks(snap, self.pool.chunk_bytes, rate_bytes_per_s=rate_bytes_per_s)
 
-        timeout = transfer_timeout_s(snap.size_bytes) + (snap.size_bytes / rate_bytes_per_s if rate_bytes_per_s > 0 else 0.0)
+        timeout = transfer_timeout_s(snap.size_bytes) + (
+            snap.size_bytes / rate_bytes_per_s if rate_bytes_per_s > 0 else 0.0
+        )
         what = f"PutSnapshot(stage {snap.stage_idx}, step {snap.step})"
         return self._call(self.stub.PutSnapshot, chunks, what, timeout, attempts=1).info
 
     def restore_stage(self, job_id: str, stage_idx: int, step: int, *, source_address: str = "") -> epb.SnapshotInfo:
         request = epb.RestoreStageRequest(job_id=job_id, stage_idx=stage_idx, step=step, source_address=source_address)
-        return self._call(self.stub.RestoreStage, request, f"RestoreStage(stage {stage_idx}, step {step})", 600.0, attempts=1).info
+        return self._call(
+            self.stub.RestoreStage, request, f"RestoreStage(stage {stage_idx}, step {step})", 600.0, attempts=1
+        ).info
 
 
 def run_parallel(calls: list[Callable[[], Any]], *, name: str = "call") -> list[Any]:

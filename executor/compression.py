@@ -81,16 +81,22 @@ class CutCompression:
         """Forget masks of the previous step (residuals carry over)."""
         self._masks.clear()
 
-    def _encode(self, setting: CutSetting, name: str, t: torch.Tensor) -> tuple[pb.TensorMeta, bytes, torch.Tensor | None, torch.Tensor]:
+    def _encode(
+        self, setting: CutSetting, name: str, t: torch.Tensor
+    ) -> tuple[pb.TensorMeta, bytes, torch.Tensor | None, torch.Tensor]:
         """Encode one tensor; returns its header entry, bytes, mask and the decoded value
         (what the receiver will compute with)."""
         codec = get_compressor(setting.codec)
         enc = codec.encode(t.detach(), keep_ratio=setting.keep_ratio)
-        meta = pb.TensorMeta(name=name, dtype=dtype_to_wire(t.dtype), shape=list(t.shape), size_bytes=len(enc.data), codec=setting.codec)
+        meta = pb.TensorMeta(
+            name=name, dtype=dtype_to_wire(t.dtype), shape=list(t.shape), size_bytes=len(enc.data), codec=setting.codec
+        )
         sent = codec.decode(enc.data, dtype=t.dtype, shape=tuple(t.shape)).to(t.device)
         return meta, enc.data, enc.mask, sent
 
-    def encode_activations(self, dst: int, m: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Encoded, int]:
+    def encode_activations(
+        self, dst: int, m: int, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], Encoded, int]:
         """Split outgoing activations into (dense tensors, encoded tensors, dense bytes)."""
         dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         setting = self.settings.get((self.stage_idx, dst))
@@ -113,7 +119,9 @@ class CutCompression:
         mask = self._masks.pop((dst, m, name), None)
         return grad if mask is None else grad * mask.to(grad.device, grad.dtype)
 
-    def encode_gradients(self, src: int, m: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Encoded, int]:
+    def encode_gradients(
+        self, src: int, m: int, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], Encoded, int]:
         """Split outgoing gradients (to producer ``src``) into dense and encoded, with error feedback."""
         dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         setting = self.settings.get((src, self.stage_idx))
@@ -151,7 +159,9 @@ def decode_tensor(meta: pb.TensorMeta, raw: memoryview) -> torch.Tensor:
     return codec.decode(raw, dtype=dtype_from_wire(meta.dtype), shape=tuple(meta.shape))
 
 
-def cut_settings(cuts: list[tuple[int, int, str, float]], *, directions: tuple[str, ...]) -> dict[tuple[int, int], CutSetting]:
+def cut_settings(
+    cuts: list[tuple[int, int, str, float]], *, directions: tuple[str, ...]
+) -> dict[tuple[int, int], CutSetting]:
     """Settings from a plan's cuts ``(src, dst, codec name, keep ratio)`` and the job's directions."""
     out = {}
     for src, dst, codec, ratio in cuts:
@@ -160,7 +170,10 @@ def cut_settings(cuts: list[tuple[int, int, str, float]], *, directions: tuple[s
         if codec not in CODEC_VALUES:
             raise CompressionError(f"cut {src}->{dst} names unknown codec {codec!r}; use one of {sorted(CODEC_VALUES)}")
         out[(src, dst)] = CutSetting(
-            codec=CODEC_VALUES[codec], keep_ratio=ratio, activations="activations" in directions, gradients="gradients" in directions
+            codec=CODEC_VALUES[codec],
+            keep_ratio=ratio,
+            activations="activations" in directions,
+            gradients="gradients" in directions,
         )
     return out
 
@@ -202,6 +215,11 @@ class RatioController:
             # Sends are asynchronous and overlap: a link's latency delays the first
             # micro-batch once per step but does not limit the rate, which the bytes do.
             ratios[cut] = self.controller.ratio(
-                cut, numel=int(dense // 4), dense_bytes=int(dense), bandwidth_bytes_per_s=bandwidth, latency_s=0.0, target_s=target
+                cut,
+                numel=int(dense // 4),
+                dense_bytes=int(dense),
+                bandwidth_bytes_per_s=bandwidth,
+                latency_s=0.0,
+                target_s=target,
             )
         return ratios

@@ -77,7 +77,12 @@ def value_spec(name: str, meta: ValueMeta) -> epb.ValueSpec:
     if meta.kind == "tensor":
         from executor.transport import dtype_from_name
 
-        return epb.ValueSpec(name=name, kind="tensor", dtype=dtype_to_wire(dtype_from_name(meta.dtype or "")), shape=list(meta.shape or ()))
+        return epb.ValueSpec(
+            name=name,
+            kind="tensor",
+            dtype=dtype_to_wire(dtype_from_name(meta.dtype or "")),
+            shape=list(meta.shape or ()),
+        )
     return epb.ValueSpec(name=name, kind=meta.kind)
 
 
@@ -150,7 +155,9 @@ class PipelineDriver:
         self._state_names: list[set[str]] = [set() for _ in self.stages]
         #: Canonical name -> (stage, local name) of each holder, for parameters several stages hold.
         self._tied = tied_holders(self.stages, self.dag.tied_params)
-        self.cut_settings = {k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()}
+        self.cut_settings = {
+            k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()
+        }
         self.ratio_controller = ratio_controller
         #: Measured bandwidth between the workers of two stages, ``(src, dst) -> bytes/s``:
         #: each stage paces its sends to ``dst`` at it (:mod:`executor.sender`).
@@ -213,7 +220,14 @@ class PipelineDriver:
 
     def _cut_codecs(self, stage_idx: int | None = None) -> list[epb.CutCodec]:
         return [
-            epb.CutCodec(src_stage_idx=a, dst_stage_idx=b, codec=c.codec, keep_ratio=c.keep_ratio, activations=c.activations, gradients=c.gradients)
+            epb.CutCodec(
+                src_stage_idx=a,
+                dst_stage_idx=b,
+                codec=c.codec,
+                keep_ratio=c.keep_ratio,
+                activations=c.activations,
+                gradients=c.gradients,
+            )
             for (a, b), c in sorted(self.cut_settings.items())
             if stage_idx is None or stage_idx in (a, b)
         ]
@@ -240,7 +254,9 @@ class PipelineDriver:
             logger.info("parameters shared across stages: %s", {k: [s for s, _ in v] for k, v in self._tied.items()})
 
     # ------------------------------------------------------------- steps
-    def forward_backward(self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *, measure_memory: bool = False) -> StepStats:
+    def forward_backward(
+        self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *, measure_memory: bool = False
+    ) -> StepStats:
         """Run forward and backward of one batch over all stages; returns the step's loss.
 
         With ``measure_memory`` each stage also counts its activation memory (slower).
@@ -252,7 +268,13 @@ class PipelineDriver:
         run_parallel(
             [
                 lambda s=s: self.clients[s.stage_idx].run_step(
-                    self.job_id, s.stage_idx, step, m, schedule, measure_memory=measure_memory, cut_codecs=self._cut_codecs(s.stage_idx)
+                    self.job_id,
+                    s.stage_idx,
+                    step,
+                    m,
+                    schedule,
+                    measure_memory=measure_memory,
+                    cut_codecs=self._cut_codecs(s.stage_idx),
                 )
                 for s in self.stages
             ],
@@ -333,8 +355,11 @@ class PipelineDriver:
 
         def admit(address: str) -> None:
             request = epb.AdmitJobRequest(
-                job_id=self.job_id, auth=self._wrapped_job_key(address), model=template.model,
-                example_inputs=template.example_inputs, train_json=template.train_json,
+                job_id=self.job_id,
+                auth=self._wrapped_job_key(address),
+                model=template.model,
+                example_inputs=template.example_inputs,
+                train_json=template.train_json,
             )
             ExecutorClient(address, self.pool).admit_job(request)
 
@@ -356,6 +381,7 @@ class PipelineDriver:
 
     def _root_cause(self, step: int, errors: list[tuple[int, BaseException]]) -> FusionError:
         """Prefer the stage that failed over the stages that were aborted because of it."""
+
         def secondary(e: BaseException) -> bool:
             return "aborted" in str(e).lower()
 
@@ -364,7 +390,11 @@ class PipelineDriver:
             return poisoned
         stage_idx, error = sorted(errors, key=lambda se: secondary(se[1]))[0]
         if isinstance(error, RemoteError):
-            return RemoteError(f"step {step} failed on stage {stage_idx} ({self.addresses[stage_idx]}): {error}", code=error.code, peer=error.peer)
+            return RemoteError(
+                f"step {step} failed on stage {stage_idx} ({self.addresses[stage_idx]}): {error}",
+                code=error.code,
+                peer=error.peer,
+            )
         return StageError(f"step {step} failed on stage {stage_idx}: {error}")
 
     def _event(self, ev: str, step: int) -> None:
@@ -375,7 +405,12 @@ class PipelineDriver:
 
     def _header(self, stage_idx: int, step: int, micro_batch_idx: int, kind: int) -> pb.TransferHeader:
         return pb.TransferHeader(
-            job_id=self.job_id, stage_idx=stage_idx, src_stage_idx=DRIVER, step=step, micro_batch_idx=micro_batch_idx, kind=kind
+            job_id=self.job_id,
+            stage_idx=stage_idx,
+            src_stage_idx=DRIVER,
+            step=step,
+            micro_batch_idx=micro_batch_idx,
+            kind=kind,
         )
 
     def sync_tied_gradients(self, step: int) -> None:
@@ -408,14 +443,21 @@ class PipelineDriver:
                     "replicate_to": snapshot.buddies.get(s.stage_idx, ""),
                     "replicate_bytes_per_s": snapshot.rate_bytes_per_s,
                 }
-            self.clients[s.stage_idx].apply_step(self.job_id, s.stage_idx, step, optimizer_step=optimizer_step, **kwargs)
+            self.clients[s.stage_idx].apply_step(
+                self.job_id, s.stage_idx, step, optimizer_step=optimizer_step, **kwargs
+            )
 
         run_parallel([lambda s=s: one(s) for s in self.stages], name="apply")
         self._event("applied", step)
 
     def train_step(
-        self, step: int, inputs: Sequence[torch.Tensor], target: torch.Tensor, *,
-        measure_memory: bool = False, snapshot: SnapshotRequest | None = None,
+        self,
+        step: int,
+        inputs: Sequence[torch.Tensor],
+        target: torch.Tensor,
+        *,
+        measure_memory: bool = False,
+        snapshot: SnapshotRequest | None = None,
     ) -> StepStats:
         """One full training step: forward, backward, tied-gradient sync, optimizer.
 
@@ -471,7 +513,7 @@ class PipelineDriver:
 
     def close(self) -> None:
         """Unload the job's stages from every worker (best effort) and close channels."""
-        for address, client in {a: c for a, c in zip(self.addresses, self.clients)}.items():
+        for address, client in {a: c for a, c in zip(self.addresses, self.clients, strict=False)}.items():
             try:
                 client.unload_job(self.job_id)
             except RemoteError as e:

@@ -124,7 +124,11 @@ class Slowdown:
         return extra
 
     def attach(
-        self, module: torch.nn.Module, *, forward_s: float | None = None, backward_s: float | None = None,
+        self,
+        module: torch.nn.Module,
+        *,
+        forward_s: float | None = None,
+        backward_s: float | None = None,
         ready_s: dict[str, float] | None = None,
     ) -> None:
         """Stretch every forward and backward of ``module`` (no-op for factor 1).
@@ -149,7 +153,9 @@ class Slowdown:
             named = dict(module.named_parameters())
             unknown = sorted(set(ready_s or {}) - set(named))
             if unknown:
-                raise ConfigError(f"profile emulation: no parameter {unknown[0]!r} in the module ({len(unknown)} unknown)")
+                raise ConfigError(
+                    f"profile emulation: no parameter {unknown[0]!r} in the module ({len(unknown)} unknown)"
+                )
             self._backward_s = float(backward_s)
             self._ready_s = {id(named[n]): float(s) for n, s in (ready_s or {}).items()}
         params = [p for p in module.parameters() if p.requires_grad]

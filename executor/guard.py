@@ -102,7 +102,9 @@ class InputGuard:
             for name, norm in norms.items():
                 stats = self._stats.setdefault((kind, src_stage_idx, name), _LinkStats())
                 log_norm = math.log(max(norm, NORM_FLOOR))
-                stats.mean_log_norm = log_norm if stats.count == 0 else (1 - EMA_WEIGHT) * stats.mean_log_norm + EMA_WEIGHT * log_norm
+                stats.mean_log_norm = (
+                    log_norm if stats.count == 0 else (1 - EMA_WEIGHT) * stats.mean_log_norm + EMA_WEIGHT * log_norm
+                )
                 stats.count += 1
 
     def _reject(self, src_stage_idx: int, reason: str) -> None:

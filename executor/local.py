@@ -70,7 +70,9 @@ class LocalCluster:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def log_path(self, worker_idx: int) -> Path:
@@ -90,11 +92,17 @@ class LocalCluster:
                 key_file.touch(mode=0o600)
                 key_file.write_text(key.hex())
                 cmd = [
-                    sys.executable, "-m", "executor.server",
-                    "--listen", "127.0.0.1:0",
-                    "--name", f"local-{i}",
-                    "--torch-threads", str(self.torch_threads),
-                    "--control-key-file", str(key_file),
+                    sys.executable,
+                    "-m",
+                    "executor.server",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--name",
+                    f"local-{i}",
+                    "--torch-threads",
+                    str(self.torch_threads),
+                    "--control-key-file",
+                    str(key_file),
                     *(["--allow-code"] if self.allow_code else []),
                     *self.extra_args,
                 ]
@@ -208,7 +216,9 @@ def train_distributed(
     stages = split_stages(captured.dag, assignment)
     workers = list(stage_workers) if stage_workers is not None else list(range(len(stages)))
     if len(workers) != len(stages) or any(not 0 <= w < len(addresses) for w in workers):
-        raise FusionError(f"stage_workers must give a worker index in [0, {len(addresses)}) for each of {len(stages)} stages")
+        raise FusionError(
+            f"stage_workers must give a worker index in [0, {len(addresses)}) for each of {len(stages)} stages"
+        )
     driver = PipelineDriver(
         job_id=f"local-{uuid.uuid4().hex[:8]}",
         job=job,
@@ -245,4 +255,3 @@ def train_distributed(
     finally:
         driver.close()
     return result
-

@@ -186,7 +186,9 @@ class StageRuntime:
             names = self._inputs_from[src]
         elif kind == pb.TRANSFER_KIND_GRADIENT:
             if src not in self._outputs_to:
-                raise WireError(f"stage {self.spec.stage_idx} sends nothing to stage {src}, so takes no gradients from it")
+                raise WireError(
+                    f"stage {self.spec.stage_idx} sends nothing to stage {src}, so takes no gradients from it"
+                )
             names = [self.spec.outputs[i][0] for i in self._outputs_to[src]]
         elif kind == pb.TRANSFER_KIND_TARGET:
             if not self.spec.is_loss_stage or src != DRIVER:
@@ -202,7 +204,9 @@ class StageRuntime:
         received = set(metas) | set(scalars)
         allowed = set(names)
         if not received <= allowed:
-            raise WireError(f"unexpected value(s) {sorted(received - allowed)}; stage {self.spec.stage_idx} expects {sorted(allowed)}")
+            raise WireError(
+                f"unexpected value(s) {sorted(received - allowed)}; stage {self.spec.stage_idx} expects {sorted(allowed)}"
+            )
         if kind != pb.TRANSFER_KIND_GRADIENT and received != allowed:
             raise WireError(f"missing value(s) {sorted(allowed - received)} for stage {self.spec.stage_idx}")
         for name in received:
@@ -249,7 +253,9 @@ class StageRuntime:
         actions = stage_actions(schedule, num_micro_batches=num_micro_batches, depth=self.spec.depth)
         with self._lock:
             if self._closed:
-                raise StateError(f"stage {self.spec.stage_idx} of job {self.job_id!r} was unloaded or reloaded; load it again")
+                raise StateError(
+                    f"stage {self.spec.stage_idx} of job {self.job_id!r} was unloaded or reloaded; load it again"
+                )
             if self._step is not None and not self._step.done.is_set():
                 raise StateError(f"stage {self.spec.stage_idx} is still running step {self._step.step}")
             self.mailbox.reset()
@@ -292,7 +298,9 @@ class StageRuntime:
                 self._run(result, actions)
             except BaseException as e:  # _run reports its own failures; this is a last resort
                 logger.exception("stage %d: step %d escaped its handler", self.spec.stage_idx, result.step)
-                result.error = result.error or f"stage {self.spec.stage_idx} step {result.step}: {type(e).__name__}: {e}"
+                result.error = (
+                    result.error or f"stage {self.spec.stage_idx} step {result.step}: {type(e).__name__}: {e}"
+                )
                 result.done.set()
 
     def _run(self, result: StepResult, actions: list[Action]) -> None:
@@ -346,7 +354,10 @@ class StageRuntime:
         params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.module.parameters()}
         grads = sum(p.grad.untyped_storage().nbytes() for p in self.module.parameters() if p.grad is not None)
         state = sum(
-            v.untyped_storage().nbytes() for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+            v.untyped_storage().nbytes()
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
         )
         return sum(params.values()) + grads + state + self.meter.peak
 
@@ -379,7 +390,9 @@ class StageRuntime:
         received: dict[int, Payload] = {}
         for src in self._inputs_from:
             received[src] = self.mailbox.take(
-                (pb.TRANSFER_KIND_ACTIVATION, m, src), timeout_s=self.step_timeout_s, what=f"micro-batch {m} from stage {src}"
+                (pb.TRANSFER_KIND_ACTIVATION, m, src),
+                timeout_s=self.step_timeout_s,
+                what=f"micro-batch {m} from stage {src}",
             )
         leaves: dict[str, torch.Tensor] = {}
         args = []
@@ -436,7 +449,9 @@ class StageRuntime:
         grads: dict[int, torch.Tensor] = {}
         for dst in self._outputs_to:
             payload = self.mailbox.take(
-                (pb.TRANSFER_KIND_GRADIENT, m, dst), timeout_s=self.step_timeout_s, what=f"gradients of micro-batch {m} from stage {dst}"
+                (pb.TRANSFER_KIND_GRADIENT, m, dst),
+                timeout_s=self.step_timeout_s,
+                what=f"gradients of micro-batch {m} from stage {dst}",
             )
             for i in self._outputs_to[dst]:
                 name = self.spec.outputs[i][0]
@@ -496,15 +511,24 @@ class StageRuntime:
         sends = []
         for peer in self.tied.peers():
             header = pb.TransferHeader(
-                job_id=self.job_id, stage_idx=peer, src_stage_idx=me, step=step, micro_batch_idx=0, kind=pb.TRANSFER_KIND_TIED_GRADIENT
+                job_id=self.job_id,
+                stage_idx=peer,
+                src_stage_idx=me,
+                step=step,
+                micro_batch_idx=0,
+                kind=pb.TRANSFER_KIND_TIED_GRADIENT,
             )
-            sends.append(self._send(peer, header, {t.canonical: own[t.canonical] for t in self.tied.shared_with(peer)}, {}, {}))
+            sends.append(
+                self._send(peer, header, {t.canonical: own[t.canonical] for t in self.tied.shared_with(peer)}, {}, {})
+            )
         # A send completes once the peer has it (its SyncTied need not have started), so an
         # unreachable peer fails here rather than after the wait below times out.
         sent = sum(f.result(timeout=self.step_timeout_s)[0] for f in sends)
         received = {
             peer: self.mailbox.take(
-                (pb.TRANSFER_KIND_TIED_GRADIENT, 0, peer), timeout_s=self.step_timeout_s, what=f"tied gradients from stage {peer}"
+                (pb.TRANSFER_KIND_TIED_GRADIENT, 0, peer),
+                timeout_s=self.step_timeout_s,
+                what=f"tied gradients from stage {peer}",
             )
             for peer in self.tied.peers()
         }
@@ -575,10 +599,14 @@ class StageRuntime:
     def restore(self, snap: Snapshot) -> None:
         """Load a snapshot of this very stage (checked by stage key and checksum)."""
         if snap.stage_key != self.stage_key:
-            raise StateError(f"snapshot is of stage {snap.stage_key}, not of stage {self.spec.stage_idx} ({self.stage_key})")
+            raise StateError(
+                f"snapshot is of stage {snap.stage_key}, not of stage {self.spec.stage_idx} ({self.stage_key})"
+            )
         self._check_idle("restore")
         self._weights_free.wait()
-        restore_state(self.module, self.optimizer, snap.tensors(), load_residuals=self.compression.feedback.load_state_dict)
+        restore_state(
+            self.module, self.optimizer, snap.tensors(), load_residuals=self.compression.feedback.load_state_dict
+        )
         self.optimizer.zero_grad(set_to_none=True)
         self._last_applied = snap.step - 1
 

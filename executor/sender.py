@@ -67,7 +67,12 @@ class PeerSender:
     """
 
     def __init__(
-        self, job_id: str, addresses: Mapping[int, str], pool: ChannelPool, *, link_bytes_per_s: Mapping[int, float] | None = None
+        self,
+        job_id: str,
+        addresses: Mapping[int, str],
+        pool: ChannelPool,
+        *,
+        link_bytes_per_s: Mapping[int, float] | None = None,
     ) -> None:
         self.job_id = job_id
         self.addresses = dict(addresses)
@@ -99,7 +104,9 @@ class PeerSender:
                 self._queues[dst] = queue
             before, this = None, None
             if bandwidth is not None:
-                size = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(len(b) for _, b in encoded.values())
+                size = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
+                    len(b) for _, b in encoded.values()
+                )
                 before, this = self._last.get(dst), _Paced(size)
                 self._last[dst] = this
             client = ExecutorClient(address, self.pool)
@@ -117,8 +124,15 @@ class PeerSender:
                         this.left_at = time.monotonic()
                         this.left.set()
                 if trace.enabled:
-                    trace.event("leave", job=header.job_id, stage=header.src_stage_idx, step=header.step, kind=int(header.kind),
-                                mb=header.micro_batch_idx, dst=dst)
+                    trace.event(
+                        "leave",
+                        job=header.job_id,
+                        stage=header.src_stage_idx,
+                        step=header.step,
+                        kind=int(header.kind),
+                        mb=header.micro_batch_idx,
+                        dst=dst,
+                    )
                 t0 = time.perf_counter()
                 sent = client.send(header, tensors, scalars, encoded=encoded)
                 return sent, time.perf_counter() - t0

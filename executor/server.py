@@ -87,7 +87,15 @@ def check_probe_targets(addresses: Sequence[str]) -> list[str]:
     out: list[str] = []
     for a in addresses:
         host, _, port = a.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(a) > 255 or not a.isascii() or not a.isprintable() or " " in a:
+        if (
+            not host
+            or not port.isdigit()
+            or not 0 < int(port) < 65536
+            or len(a) > 255
+            or not a.isascii()
+            or not a.isprintable()
+            or " " in a
+        ):
             raise WireError(f"ProbeLinks target {a!r} is not HOST:PORT")
         if a not in out:
             out.append(a)
@@ -110,8 +118,15 @@ class ExecutorService:
     """Hosts any number of stages, keyed by (job id, stage index)."""
 
     def __init__(
-        self, *, worker_name: str = "", allow_code: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        access: ExecutorAccess | None = None, fault: Fault | None = None, slowdown: float = 1.0, emulation: str = "wall",
+        self,
+        *,
+        worker_name: str = "",
+        allow_code: bool = False,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        access: ExecutorAccess | None = None,
+        fault: Fault | None = None,
+        slowdown: float = 1.0,
+        emulation: str = "wall",
     ) -> None:
         self.worker_name = worker_name
         self.allow_code = allow_code
@@ -138,7 +153,9 @@ class ExecutorService:
             runtime = self._stages.get((job_id, stage_idx))
             if runtime is None:
                 loaded = sorted(f"{j}/{s}" for j, s in self._stages)
-                raise NotFoundError(f"no stage {stage_idx} of job {job_id!r} on this worker (loaded: {loaded or 'none'})")
+                raise NotFoundError(
+                    f"no stage {stage_idx} of job {job_id!r} on this worker (loaded: {loaded or 'none'})"
+                )
             return runtime
 
     def jobs(self) -> list[str]:
@@ -164,12 +181,16 @@ class ExecutorService:
         loss_fn = get_loss(request.loss or "cross_entropy") if built.spec.is_loss_stage else None
         params = list(built.module.parameters())
         optimizer = build_optimizer(built.train, params)
-        sender = PeerSender(request.job_id, dict(request.stage_addresses), self.pool, link_bytes_per_s=dict(request.link_bytes_per_s))
+        sender = PeerSender(
+            request.job_id, dict(request.stage_addresses), self.pool, link_bytes_per_s=dict(request.link_bytes_per_s)
+        )
         weights = list(request.micro_batch_weights) or [1.0]
         compression = CutCompression(
             request.stage_idx,
             {
-                (c.src_stage_idx, c.dst_stage_idx): CutSetting(codec=c.codec, keep_ratio=c.keep_ratio or 1.0, activations=c.activations, gradients=c.gradients)
+                (c.src_stage_idx, c.dst_stage_idx): CutSetting(
+                    codec=c.codec, keep_ratio=c.keep_ratio or 1.0, activations=c.activations, gradients=c.gradients
+                )
                 for c in request.cut_codecs
                 if request.stage_idx in (c.src_stage_idx, c.dst_stage_idx)
             },
@@ -203,7 +224,13 @@ class ExecutorService:
             old_sender.close()
         state = built.module.state_dict()
         param_names = [n for n, _ in built.module.named_parameters(remove_duplicate=False)]
-        logger.info("loaded stage %d of job %s: %d nodes, %d parameters", request.stage_idx, request.job_id, len(built.spec.nodes), len(params))
+        logger.info(
+            "loaded stage %d of job %s: %d nodes, %d parameters",
+            request.stage_idx,
+            request.job_id,
+            len(built.spec.nodes),
+            len(params),
+        )
         return epb.LoadStageResponse(
             parameter_names=param_names,
             buffer_names=[n for n in state if n not in set(param_names)],
@@ -228,7 +255,11 @@ class ExecutorService:
     def GetState(self, request: epb.GetStateRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         runtime = self.stage(request.job_id, request.stage_idx)
         tensors = runtime.get_state(request.kind, list(request.names))
-        kind = pb.TRANSFER_KIND_PARAMETER if request.kind != epb.STATE_KIND_GRADIENTS else pb.TRANSFER_KIND_PARAMETER_GRADIENT
+        kind = (
+            pb.TRANSFER_KIND_PARAMETER
+            if request.kind != epb.STATE_KIND_GRADIENTS
+            else pb.TRANSFER_KIND_PARAMETER_GRADIENT
+        )
         header = pb.TransferHeader(job_id=request.job_id, stage_idx=request.stage_idx, kind=kind)
         # Materialise here so errors surface inside the handler, not mid-stream.
         return iter(list(encode_transfer_wire(header, tensors, chunk_bytes=self.pool.chunk_bytes)))
@@ -261,7 +292,9 @@ class ExecutorService:
         if schedule is None:
             raise WireError(f"unknown schedule {request.schedule}; use SCHEDULE_GPIPE or SCHEDULE_1F1B")
         ratios = {(c.src_stage_idx, c.dst_stage_idx): c.keep_ratio for c in request.cut_codecs}
-        runtime.start_step(request.step, request.num_micro_batches, schedule, measure_memory=request.measure_memory, keep_ratios=ratios)
+        runtime.start_step(
+            request.step, request.num_micro_batches, schedule, measure_memory=request.measure_memory, keep_ratios=ratios
+        )
         return epb.RunStepResponse()
 
     @rpc_errors
@@ -301,7 +334,9 @@ class ExecutorService:
                 if buddy:
                     self.replicator.submit(snap, buddy, rate)
 
-        self.stage(request.job_id, request.stage_idx).apply_step(request.step, optimizer_step=request.optimizer_step, snapshot_to=sink)
+        self.stage(request.job_id, request.stage_idx).apply_step(
+            request.step, optimizer_step=request.optimizer_step, snapshot_to=sink
+        )
         return epb.ApplyStepResponse()
 
     # ------------------------------------------------------------- snapshots
@@ -318,7 +353,9 @@ class ExecutorService:
 
             def warm() -> None:
                 try:
-                    self.graphs.get(request.model, list(request.example_inputs), seed=train.seed, allow_code=self.allow_code)
+                    self.graphs.get(
+                        request.model, list(request.example_inputs), seed=train.seed, allow_code=self.allow_code
+                    )
                 except FusionError as e:
                     logger.info("capturing job %s's model ahead of time failed: %s", request.job_id, e)
 
@@ -332,16 +369,22 @@ class ExecutorService:
         return epb.TakeSnapshotResponse(info=snapshot_info(snap))
 
     @rpc_errors
-    def ListSnapshots(self, request: epb.ListSnapshotsRequest, context: grpc.ServicerContext) -> epb.ListSnapshotsResponse:
+    def ListSnapshots(
+        self, request: epb.ListSnapshotsRequest, context: grpc.ServicerContext
+    ) -> epb.ListSnapshotsResponse:
         return epb.ListSnapshotsResponse(snapshots=[snapshot_info(s) for s in self.snapshots.list(request.job_id)])
 
     @rpc_errors
-    def GetSnapshot(self, request: epb.GetSnapshotRequest, context: grpc.ServicerContext) -> Iterator[epb.SnapshotChunk]:
+    def GetSnapshot(
+        self, request: epb.GetSnapshotRequest, context: grpc.ServicerContext
+    ) -> Iterator[epb.SnapshotChunk]:
         snap = self.snapshots.get(request.job_id, request.stage_key, request.step)
         return snapshot_chunks(snap, self.pool.chunk_bytes)
 
     @rpc_errors
-    def PutSnapshot(self, request_iterator: Iterator[epb.SnapshotChunk], context: grpc.ServicerContext) -> epb.PutSnapshotResponse:
+    def PutSnapshot(
+        self, request_iterator: Iterator[epb.SnapshotChunk], context: grpc.ServicerContext
+    ) -> epb.PutSnapshotResponse:
         snap = assemble(request_iterator, replica=True)
         self.snapshots.put(snap)
         return epb.PutSnapshotResponse(info=snapshot_info(snap))
@@ -350,7 +393,9 @@ class ExecutorService:
     def RestoreStage(self, request: epb.RestoreStageRequest, context: grpc.ServicerContext) -> epb.RestoreStageResponse:
         runtime = self.stage(request.job_id, request.stage_idx)
         if request.source_address:
-            snap = ExecutorClient(request.source_address, self.pool).get_snapshot(request.job_id, runtime.stage_key, request.step)
+            snap = ExecutorClient(request.source_address, self.pool).get_snapshot(
+                request.job_id, runtime.stage_key, request.step
+            )
             self.snapshots.put(snap)
         else:
             snap = self.snapshots.get(request.job_id, runtime.stage_key, request.step)
@@ -512,17 +557,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transfer chunk size")
     parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--control-key-file", default=None, help="file holding the hex control key callers must prove (without it every call is refused)")
+    parser.add_argument(
+        "--control-key-file",
+        default=None,
+        help="file holding the hex control key callers must prove (without it every call is refused)",
+    )
     parser.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM)")
     parser.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
     parser.add_argument("--tls-ca", default=None, help="CA bundle to verify peer executors with (TLS to peers)")
-    parser.add_argument("--auth-failure-burst", type=float, default=30.0, help="failed authentications per peer IP before it is refused for a while (default: %(default)s)")
+    parser.add_argument(
+        "--auth-failure-burst",
+        type=float,
+        default=30.0,
+        help="failed authentications per peer IP before it is refused for a while (default: %(default)s)",
+    )
     parser.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
-    parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="FACTOR",
-                        help="testbed emulation: compute as a device FACTOR times slower (default: %(default)s, none)")
-    parser.add_argument("--emulation", choices=EMULATIONS, default="wall",
-                        help="how --emulate-slowdown measures a computation: its wall time here, or the coordinator's profile of it "
-                             "(default: %(default)s; executor.emulation)")
+    parser.add_argument(
+        "--emulate-slowdown",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="testbed emulation: compute as a device FACTOR times slower (default: %(default)s, none)",
+    )
+    parser.add_argument(
+        "--emulation",
+        choices=EMULATIONS,
+        default="wall",
+        help="how --emulate-slowdown measures a computation: its wall time here, or the coordinator's profile of it "
+        "(default: %(default)s; executor.emulation)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.torch_threads > 0:
@@ -532,9 +595,17 @@ def main(argv: list[str] | None = None) -> int:
         set_client_ca(args.tls_ca)
     warn_if_exposed(args.listen.rpartition(":")[0], tls, "the executor")
     control = bytes.fromhex(Path(args.control_key_file).read_text().strip()) if args.control_key_file else None
-    service = ExecutorService(worker_name=args.name, allow_code=args.allow_code, chunk_bytes=args.chunk_bytes, fault=Fault.parse(args.inject_fault),
-                              slowdown=args.emulate_slowdown, emulation=args.emulation)
-    service.access = ExecutorAccess(keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst)
+    service = ExecutorService(
+        worker_name=args.name,
+        allow_code=args.allow_code,
+        chunk_bytes=args.chunk_bytes,
+        fault=Fault.parse(args.inject_fault),
+        slowdown=args.emulate_slowdown,
+        emulation=args.emulation,
+    )
+    service.access = ExecutorAccess(
+        keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst
+    )
     server, port = start_server(service, args.listen, tls=tls)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -26,8 +26,13 @@ logger = logging.getLogger(__name__)
 
 def snapshot_info(snap: Snapshot) -> epb.SnapshotInfo:
     return epb.SnapshotInfo(
-        job_id=snap.job_id, stage_idx=snap.stage_idx, stage_key=snap.stage_key, step=snap.step,
-        size_bytes=snap.size_bytes, sha256=snap.sha256, replica=snap.replica,
+        job_id=snap.job_id,
+        stage_idx=snap.stage_idx,
+        stage_key=snap.stage_key,
+        step=snap.step,
+        size_bytes=snap.size_bytes,
+        sha256=snap.sha256,
+        replica=snap.replica,
     )
 
 
@@ -52,7 +57,9 @@ def assemble(chunks: Iterable[epb.SnapshotChunk], *, replica: bool, max_bytes: i
             if not chunk.HasField("info"):
                 raise CheckpointError("the first chunk of a snapshot stream must carry its info")
             i = chunk.info
-            assembler = Assembler(i.job_id, i.stage_idx, i.stage_key, i.step, i.size_bytes, i.sha256, replica=replica, max_bytes=max_bytes)
+            assembler = Assembler(
+                i.job_id, i.stage_idx, i.stage_key, i.step, i.size_bytes, i.sha256, replica=replica, max_bytes=max_bytes
+            )
         assembler.add(chunk.data)
     if assembler is None:
         raise CheckpointError("empty snapshot stream")
@@ -94,7 +101,14 @@ class Replicator:
                 self._send(snap, address, rate)
                 self.sent_bytes += snap.size_bytes
             except FusionError as e:
-                logger.warning("replicating stage %d of job %s (step %d) to %s failed: %s", snap.stage_idx, snap.job_id, snap.step, address, e)
+                logger.warning(
+                    "replicating stage %d of job %s (step %d) to %s failed: %s",
+                    snap.stage_idx,
+                    snap.job_id,
+                    snap.step,
+                    address,
+                    e,
+                )
 
     def close(self) -> None:
         with self._cv:

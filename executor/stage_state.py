@@ -23,7 +23,9 @@ def read_state(
     if kind == epb.STATE_KIND_PARAMETERS:
         available = {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
     elif kind == epb.STATE_KIND_GRADIENTS:
-        available = {k: p.grad.detach() for k, p in module.named_parameters(remove_duplicate=False) if p.grad is not None}
+        available = {
+            k: p.grad.detach() for k, p in module.named_parameters(remove_duplicate=False) if p.grad is not None
+        }
     elif kind == epb.STATE_KIND_RESIDUALS:
         available = dict(residuals)
     else:
@@ -49,10 +51,14 @@ def check_state_header(module: torch.nn.Module, stage_idx: int, kind: int, heade
             raise NotFoundError(f"stage {stage_idx} holds no tensor named {meta.name!r}")
         dtype = dtype_from_wire(meta.dtype)
         if dtype != target.dtype or tuple(meta.shape) != tuple(target.shape):
-            raise WireError(f"tensor {meta.name!r} is {dtype}{list(meta.shape)}, the stage holds {target.dtype}{list(target.shape)}")
+            raise WireError(
+                f"tensor {meta.name!r} is {dtype}{list(meta.shape)}, the stage holds {target.dtype}{list(target.shape)}"
+            )
 
 
-def write_state(module: torch.nn.Module, device: torch.device | str, kind: int, tensors: Mapping[str, torch.Tensor]) -> None:
+def write_state(
+    module: torch.nn.Module, device: torch.device | str, kind: int, tensors: Mapping[str, torch.Tensor]
+) -> None:
     """Copy parameters/buffers in (``TRANSFER_KIND_PARAMETER``), or set parameter gradients."""
     with torch.no_grad():
         if kind == pb.TRANSFER_KIND_PARAMETER:

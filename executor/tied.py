@@ -88,7 +88,10 @@ class TiedSet:
         with torch.no_grad():
             for t in self.tied:
                 p = self.params[t.name]
-                parts = [own[t.canonical] if h == self.stage_idx else received[h][t.canonical].to(p.device) for h in t.holders]
+                parts = [
+                    own[t.canonical] if h == self.stage_idx else received[h][t.canonical].to(p.device)
+                    for h in t.holders
+                ]
                 total = parts[0].clone()
                 for g in parts[1:]:
                     total += g

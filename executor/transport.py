@@ -415,7 +415,10 @@ def check_header_shape(header: pb.TransferHeader) -> int:
             raise WireError(
                 f"tensor {meta.name!r} declares {meta.size_bytes} bytes but dtype and shape need {expected_raw_bytes(meta)}"
             )
-        if meta.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) and meta.size_bytes > 2 * expected_raw_bytes(meta) + ENCODED_SLACK_BYTES:
+        if (
+            meta.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
+            and meta.size_bytes > 2 * expected_raw_bytes(meta) + ENCODED_SLACK_BYTES
+        ):
             raise WireError(
                 f"encoded tensor {meta.name!r} declares {meta.size_bytes} bytes, more than twice its dense size; refusing it"
             )

@@ -182,7 +182,7 @@ def wrap_job_key(control: bytes, job_key: bytes) -> str:
         raise ValueError("job keys are 32 bytes")
     nonce = secrets.token_bytes(16)
     pad = hmac.new(control, b"fusion-job-key-v1|" + nonce, hashlib.sha256).digest()
-    return nonce.hex() + ":" + bytes(a ^ b for a, b in zip(job_key, pad)).hex()
+    return nonce.hex() + ":" + bytes(a ^ b for a, b in zip(job_key, pad, strict=False)).hex()
 
 
 def unwrap_job_key(control: bytes, wrapped: str) -> bytes:
@@ -195,7 +195,7 @@ def unwrap_job_key(control: bytes, wrapped: str) -> bytes:
     if len(nonce) != 16 or len(body) != 32:
         raise AuthError("LoadStage carries no well-formed job key (field auth)")
     pad = hmac.new(control, b"fusion-job-key-v1|" + nonce, hashlib.sha256).digest()
-    return bytes(a ^ b for a, b in zip(body, pad))
+    return bytes(a ^ b for a, b in zip(body, pad, strict=False))
 
 
 class KeyRing:

@@ -134,8 +134,7 @@ class JobSpec:
             value = getattr(self, section)
             if not isinstance(value, cls):
                 raise ConfigError(
-                    f"{section} must be a {cls.__name__} (the [{section}] table), got "
-                    f"{type(value).__name__}"
+                    f"{section} must be a {cls.__name__} (the [{section}] table), got {type(value).__name__}"
                 )
         batch_size = self.data.batch_size
         micro_batches = self.train.micro_batches
@@ -215,9 +214,7 @@ class JobSpec:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"invalid job JSON at line {e.lineno}, column {e.colno}: {e.msg}"
-            ) from e
+            raise ConfigError(f"invalid job JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
         return cls.from_dict(data)
 
     @classmethod
@@ -273,8 +270,7 @@ class JobSpec:
             elif isinstance(value, Section):
                 if not isinstance(value, _SECTIONS[key]):
                     raise ConfigError(
-                        f"{key} must be a {_SECTIONS[key].__name__} or a mapping, got "
-                        f"{type(value).__name__}"
+                        f"{key} must be a {_SECTIONS[key].__name__} or a mapping, got {type(value).__name__}"
                     )
                 d[key] = value.to_dict()
             elif isinstance(value, Mapping):
@@ -286,9 +282,7 @@ class JobSpec:
                         table[k] = v
                 d[key] = table
             else:
-                raise ConfigError(
-                    f"{key} override must be a mapping of [{key}] keys, got {kind_of(value)}"
-                )
+                raise ConfigError(f"{key} override must be a mapping of [{key}] keys, got {kind_of(value)}")
         return JobSpec.from_dict(d)
 
 

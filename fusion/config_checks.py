@@ -113,9 +113,7 @@ def check_choice(key: str, value: object, choices: tuple[str, ...]) -> str:
 def check_kwargs(section: str, kwargs: object, reserved: tuple[str, ...]) -> dict[str, Any]:
     """Checks factory keyword arguments and returns a private deep copy of them."""
     if not isinstance(kwargs, Mapping):
-        raise ConfigError(
-            f"{section}.kwargs must be a table of keyword arguments, got {kind_of(kwargs)}"
-        )
+        raise ConfigError(f"{section}.kwargs must be a table of keyword arguments, got {kind_of(kwargs)}")
     checked: dict[str, Any] = {}
     for name, value in kwargs.items():
         key = f"{section}.{name}"
@@ -125,9 +123,7 @@ def check_kwargs(section: str, kwargs: object, reserved: tuple[str, ...]) -> dic
                 f"{', '.join(reserved)} must be Python identifiers (letters, digits, '_')"
             )
         if name in reserved:
-            raise ConfigError(
-                f"{key} is a field of [{section}], not a keyword argument; set it directly"
-            )
+            raise ConfigError(f"{key} is a field of [{section}], not a keyword argument; set it directly")
         checked[name] = check_kwarg_value(key, value)
     return checked
 
@@ -154,6 +150,4 @@ def unknown_key_error(section: str, key: object, allowed: list[str]) -> ConfigEr
         if close:
             hint = f" (did you mean {close[0]!r}?)"
     where = f"[{section}]" if section else "the top level of a job"
-    return ConfigError(
-        f"unknown key {dotted}{hint}; keys allowed in {where}: {', '.join(allowed)}"
-    )
+    return ConfigError(f"unknown key {dotted}{hint}; keys allowed in {where}: {', '.join(allowed)}")

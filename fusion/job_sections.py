@@ -74,9 +74,7 @@ class Section:
             ConfigError: a key is unknown or a value is invalid.
         """
         if not isinstance(table, Mapping):
-            raise ConfigError(
-                f"{cls.section} must be a table ([{cls.section}]), got {kind_of(table)}"
-            )
+            raise ConfigError(f"{cls.section} must be a table ([{cls.section}]), got {kind_of(table)}")
         names = cls._field_names()
         fixed: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -128,10 +126,7 @@ class ModelSpec(Section):
     or arrays of them)."""
 
     def __post_init__(self) -> None:
-        allowed = (
-            f"one of {', '.join(repr(m) for m in BUILTIN_MODELS)} "
-            "or an import path 'package.module:factory'"
-        )
+        allowed = f"one of {', '.join(repr(m) for m in BUILTIN_MODELS)} or an import path 'package.module:factory'"
         check_str("model.name", self.name, what=allowed)
         if self.name not in BUILTIN_MODELS and not _is_import_path(self.name):
             raise ConfigError(f"model.name must be {allowed}, got {kind_of(self.name)}")
@@ -169,9 +164,7 @@ def _is_import_path(name: str) -> bool:
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
         return False
-    return all(p.isidentifier() for p in module.split(".")) and all(
-        p.isidentifier() for p in attr.split(".")
-    )
+    return all(p.isidentifier() for p in module.split(".")) and all(p.isidentifier() for p in attr.split("."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,9 +194,7 @@ class DataSpec(Section):
             check_str("data.name", self.name, what="a non-empty string or left out")
         check_int("data.batch_size", self.batch_size, minimum=1)
         check_bool("data.shuffle", self.shuffle)
-        object.__setattr__(
-            self, "kwargs", check_kwargs("data", self.kwargs, ("name", "batch_size", "shuffle"))
-        )
+        object.__setattr__(self, "kwargs", check_kwargs("data", self.kwargs, ("name", "batch_size", "shuffle")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,9 +243,7 @@ class TrainSpec(Section):
         check_choice("train.optimizer", self.optimizer, OPTIMIZERS)
         object.__setattr__(self, "lr", check_float("train.lr", self.lr, gt=0.0))
         if self.weight_decay is not None:
-            object.__setattr__(
-                self, "weight_decay", check_float("train.weight_decay", self.weight_decay, ge=0.0)
-            )
+            object.__setattr__(self, "weight_decay", check_float("train.weight_decay", self.weight_decay, ge=0.0))
         object.__setattr__(self, "momentum", check_float("train.momentum", self.momentum, ge=0.0))
         if self.momentum != 0.0 and self.optimizer != "sgd":
             raise ConfigError(
@@ -268,8 +257,7 @@ class TrainSpec(Section):
         for key in ("betas", "eps"):
             if getattr(self, key) is not None and self.optimizer != "adamw":
                 raise ConfigError(
-                    f"train.{key} applies only to train.optimizer = 'adamw' (got "
-                    f"{self.optimizer!r}); remove it"
+                    f"train.{key} applies only to train.optimizer = 'adamw' (got {self.optimizer!r}); remove it"
                 )
         check_int("train.seed", self.seed, minimum=0)
         check_str("train.loss", self.loss)
@@ -278,8 +266,7 @@ class TrainSpec(Section):
 def _check_betas(value: object) -> tuple[float, float]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise ConfigError(
-            f"train.betas must be an array of 2 numbers in [0, 1), e.g. [0.9, 0.999], "
-            f"got {kind_of(value)}"
+            f"train.betas must be an array of 2 numbers in [0, 1), e.g. [0.9, 0.999], got {kind_of(value)}"
         )
     return (
         check_float("train.betas", value[0], ge=0.0, lt=1.0),
@@ -310,7 +297,9 @@ class ClusterSpec(Section):
         check_int("cluster.spares", self.spares, minimum=0)
         check_choice("cluster.use_joiners", self.use_joiners, USE_JOINERS)
         if self.spares >= self.min_workers:
-            raise ConfigError(f"cluster.spares ({self.spares}) must be smaller than cluster.min_workers ({self.min_workers})")
+            raise ConfigError(
+                f"cluster.spares ({self.spares}) must be smaller than cluster.min_workers ({self.min_workers})"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,14 +52,18 @@ class Fleet:
     def __enter__(self) -> Fleet:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
         log = self.log_dir / f"{name}.log"
         self._log_start[log] = log.stat().st_size if log.exists() else 0  # a restart appends
         with open(log, "ab") as f:
-            proc = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         self._all.append(proc)
         return proc, log
 
@@ -77,18 +81,38 @@ class Fleet:
         raise FusionError(f"{log.stem} did not become ready within {timeout_s:.0f}s; see {log}")
 
     def start_coordinator(
-        self, *, token: str, state_dir: str | Path, port: int = 0, heartbeat_interval_s: float = 1.0,
-        heartbeat_timeout_s: float = 6.0, extra_args: Sequence[str] = (), timeout_s: float = 60.0,
+        self,
+        *,
+        token: str,
+        state_dir: str | Path,
+        port: int = 0,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 6.0,
+        extra_args: Sequence[str] = (),
+        timeout_s: float = 60.0,
     ) -> str:
         """Start ``fusion-coordinator``; returns its HOST:PORT once it listens."""
         token_file = self.log_dir / "token"
         token_file.write_text(token)
         token_file.chmod(0o600)
         args = [
-            "-m", "fusion.cli.coordinator", "--host", "127.0.0.1", "--port", str(port),
-            "--token-file", str(token_file), "--state-dir", str(state_dir),
-            "--heartbeat-interval", str(heartbeat_interval_s), "--heartbeat-timeout", str(heartbeat_timeout_s),
-            "--log-level", "INFO", *extra_args,
+            "-m",
+            "fusion.cli.coordinator",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--token-file",
+            str(token_file),
+            "--state-dir",
+            str(state_dir),
+            "--heartbeat-interval",
+            str(heartbeat_interval_s),
+            "--heartbeat-timeout",
+            str(heartbeat_timeout_s),
+            "--log-level",
+            "INFO",
+            *extra_args,
         ]
         proc, log = self._spawn("coordinator", args)
         m = self._wait_for(proc, log, r"listening on (\S+:\d+)", timeout_s)
@@ -97,8 +121,15 @@ class Fleet:
         return self.coordinator_address
 
     def start_worker(
-        self, name: str, *, token: str, allow_code: bool = False, torch_threads: int = 1,
-        extra_args: Sequence[str] = (), wait: bool = True, timeout_s: float = 120.0,
+        self,
+        name: str,
+        *,
+        token: str,
+        allow_code: bool = False,
+        torch_threads: int = 1,
+        extra_args: Sequence[str] = (),
+        wait: bool = True,
+        timeout_s: float = 120.0,
     ) -> subprocess.Popen[bytes]:
         """Start ``fusion-worker`` joining this fleet's coordinator (waits until it joined)."""
         if not self.coordinator_address:
@@ -107,9 +138,20 @@ class Fleet:
         token_file.write_text(token)
         token_file.chmod(0o600)
         args = [
-            "-m", "fusion.cli.worker", "--coordinator", self.coordinator_address, "--token-file", str(token_file),
-            "--name", name, "--torch-threads", str(torch_threads), "--log-level", "INFO",
-            *(["--allow-code"] if allow_code else []), *extra_args,
+            "-m",
+            "fusion.cli.worker",
+            "--coordinator",
+            self.coordinator_address,
+            "--token-file",
+            str(token_file),
+            "--name",
+            name,
+            "--torch-threads",
+            str(torch_threads),
+            "--log-level",
+            "INFO",
+            *(["--allow-code"] if allow_code else []),
+            *extra_args,
         ]
         proc, log = self._spawn(f"worker-{name}", args)
         self.workers[name] = proc

@@ -29,9 +29,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_optimizer"]
 
 
-def build_optimizer(
-    train: TrainSpec, params: Iterable[torch.nn.Parameter]
-) -> torch.optim.Optimizer:
+def build_optimizer(train: TrainSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """Builds the job's optimizer over ``params``.
 
     Args:
@@ -49,9 +47,7 @@ def build_optimizer(
     """
     param_list = list(params)
     # torch rejects an empty parameter list but accepts one group with no parameters.
-    groups: list[torch.nn.Parameter] | list[dict[str, Any]] = (
-        param_list if param_list else [{"params": []}]
-    )
+    groups: list[torch.nn.Parameter] | list[dict[str, Any]] = param_list if param_list else [{"params": []}]
     if train.optimizer == "sgd":
         return torch.optim.SGD(
             groups,

@@ -218,7 +218,11 @@ class _NodeTimer(torch.fx.Interpreter):
 
 def _scalar_loss(out: object) -> torch.Tensor:
     """A stand-in loss whose backward touches every differentiable output."""
-    tensors = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else []) if isinstance(t, torch.Tensor)]
+    tensors = (
+        [out]
+        if isinstance(out, torch.Tensor)
+        else [t for t in (out if isinstance(out, (tuple, list)) else []) if isinstance(t, torch.Tensor)]
+    )
     return sum((t.float().sum() for t in tensors if t.requires_grad), torch.zeros(()))
 
 

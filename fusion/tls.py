@@ -85,7 +85,9 @@ def client_ca() -> bytes | None:
         return _client_ca
 
 
-def open_channel(address: str, *, options: Sequence[tuple[str, int | str]] = (), ca: bytes | None = None) -> grpc.Channel:
+def open_channel(
+    address: str, *, options: Sequence[tuple[str, int | str]] = (), ca: bytes | None = None
+) -> grpc.Channel:
     """A channel to ``address``: TLS when a CA is given (or set for the process)."""
     root = ca if ca is not None else client_ca()
     if root is None:

@@ -106,7 +106,7 @@ def train_reference(
         optimizer.zero_grad(set_to_none=True)
         chunks = job.train.micro_batches if accumulate else 1
         total = 0.0
-        for xm, ym in zip(torch.chunk(x, chunks), torch.chunk(y, chunks)):
+        for xm, ym in zip(torch.chunk(x, chunks), torch.chunk(y, chunks), strict=False):
             loss = loss_fn(model(xm.to(device)), ym.to(device)) / chunks
             loss.backward()
             total += float(loss.detach())

@@ -92,7 +92,9 @@ class Worker:
         self.tls = tls
         #: Testbed emulation: compute as a device this many times slower (1: this one's speed).
         self.slowdown = slowdown
-        self.service = ExecutorService(worker_name=name, allow_code=allow_code, fault=fault, slowdown=slowdown, emulation=emulation)
+        self.service = ExecutorService(
+            worker_name=name, allow_code=allow_code, fault=fault, slowdown=slowdown, emulation=emulation
+        )
         self.server: grpc.Server | None = None
         self.address = ""
         self.worker_id = ""
@@ -116,7 +118,9 @@ class Worker:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                response = self.client.register(self.name, self.address, resources_message(self.profile, slowdown=self.service.slowdown))
+                response = self.client.register(
+                    self.name, self.address, resources_message(self.profile, slowdown=self.service.slowdown)
+                )
                 break
             except RemoteError as e:
                 if e.code == "UNAUTHENTICATED":
@@ -131,7 +135,9 @@ class Worker:
         # coordinator's calls to this worker's executor prove the key derived from it.
         self.client.credential = response.session
         self.service.access.set_control_key(control_key(response.session))
-        logger.info("registered with %s as %s (%s), serving on %s", self.coordinator, self.name, self.worker_id, self.address)
+        logger.info(
+            "registered with %s as %s (%s), serving on %s", self.coordinator, self.name, self.worker_id, self.address
+        )
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):

@@ -131,8 +131,10 @@ class Workload:
     def stage_seconds(self, stage_of: np.ndarray, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
         """Each stage's (forward, backward) seconds per micro-batch at the reference speed:
         the sums over the units ``stage_of`` puts in it."""
-        return (np.bincount(stage_of, weights=self.fwd_s, minlength=num_stages),
-                np.bincount(stage_of, weights=self.bwd_s, minlength=num_stages))
+        return (
+            np.bincount(stage_of, weights=self.fwd_s, minlength=num_stages),
+            np.bincount(stage_of, weights=self.bwd_s, minlength=num_stages),
+        )
 
     def __post_init__(self) -> None:
         if len(self.input_bytes) != len(self.names):
@@ -169,7 +171,9 @@ def unit_param_names(dag: OpDag) -> list[list[tuple[str, int]]]:
     return out
 
 
-def workload_from_dag(dag: OpDag, *, optimizer: str = "adamw", momentum: float = 0.0, step: StepCosts | None = None) -> Workload:
+def workload_from_dag(
+    dag: OpDag, *, optimizer: str = "adamw", momentum: float = 0.0, step: StepCosts | None = None
+) -> Workload:
     """Cost arrays for the compute nodes of ``dag`` (coarsened or not).
 
     Unprofiled nodes are timed as FLOPs / ``reference_flops`` (with ``reference_flops``
@@ -186,7 +190,9 @@ def workload_from_dag(dag: OpDag, *, optimizer: str = "adamw", momentum: float =
     flops = np.array([n.flops_fwd + n.flops_bwd for n in units], dtype=np.float64)
     saved = np.array([n.saved_bytes if n.saved_bytes is not None else n.out_bytes for n in units], dtype=np.float64)
     param_ids: dict[str, int] = {}
-    params = [[(param_ids.setdefault(name, len(param_ids)), size) for name, size in unit] for unit in unit_param_names(dag)]
+    params = [
+        [(param_ids.setdefault(name, len(param_ids)), size) for name, size in unit] for unit in unit_param_names(dag)
+    ]
     edges: list[tuple[int, int, int, int]] = []
     input_bytes = np.zeros(len(units))
     for e in dag.edges:
@@ -279,7 +285,9 @@ class StageGraph:
         return inputs + ([float(target_bytes)] if stage == self.loss_stage else [])
 
 
-def stage_graph(workload: Workload, unit_stage: Sequence[int], stage_workers: Sequence[int], topology: Topology) -> StageGraph:
+def stage_graph(
+    workload: Workload, unit_stage: Sequence[int], stage_workers: Sequence[int], topology: Topology
+) -> StageGraph:
     """Reduce a placement to its :class:`StageGraph`.
 
     Raises:
@@ -305,10 +313,19 @@ def stage_graph(workload: Workload, unit_stage: Sequence[int], stage_workers: Se
         for pid, size in unit:
             stage_params[stage_of[u]][pid] = size
     return StageGraph(
-        num_stages=num_stages, stage_of=stage_of, fwd_s=f, bwd_s=b, act=act, grad=grad, order=order, depth=depth,
-        model_input_bytes=np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages), received_bytes=received,
+        num_stages=num_stages,
+        stage_of=stage_of,
+        fwd_s=f,
+        bwd_s=b,
+        act=act,
+        grad=grad,
+        order=order,
+        depth=depth,
+        model_input_bytes=np.bincount(stage_of, weights=workload.input_bytes, minlength=num_stages),
+        received_bytes=received,
         loss_stage=int(stage_of[workload.output_unit]) if workload.output_unit >= 0 else num_stages - 1,
-        stage_params=stage_params, scale=scale,
+        stage_params=stage_params,
+        scale=scale,
     )
 
 
@@ -356,8 +373,13 @@ def estimate(
         start = max((bwd_done[c] + g[(a, c)] for (a, c) in act if a == s), default=0.0)
         bwd_done[s] = max(start, fwd_done[s]) + b[s]
     critical = float(bwd_done.max()) if num_stages else 0.0
-    link = {(a, c): max(link_busy_s(topology, stage_workers[a], stage_workers[c], v), link_busy_s(topology, stage_workers[c], stage_workers[a], grad[(a, c)]))
-            for (a, c), v in act.items()}
+    link = {
+        (a, c): max(
+            link_busy_s(topology, stage_workers[a], stage_workers[c], v),
+            link_busy_s(topology, stage_workers[c], stage_workers[a], grad[(a, c)]),
+        )
+        for (a, c), v in act.items()
+    }
     period = max(
         float((f + b).max()) if num_stages else 0.0,
         max(link.values(), default=0.0),
@@ -419,7 +441,9 @@ def _shared_machine_s(compute: np.ndarray, stage_workers: Sequence[int], topolog
     return float(np.bincount(machine, weights=compute).max())
 
 
-def _driver_path(sg: StageGraph, stage_workers: Sequence[int], topology: Topology, target_bytes: int) -> tuple[np.ndarray, float]:
+def _driver_path(
+    sg: StageGraph, stage_workers: Sequence[int], topology: Topology, target_bytes: int
+) -> tuple[np.ndarray, float]:
     """Per stage, the feed time of one micro-batch ``φ_s``; and the control round trips per
     step (module docstring). Zeros when the topology does not know the driver's links."""
     feed = np.zeros(sg.num_stages)
@@ -444,7 +468,9 @@ def optimizer_s(workload: Workload, sg: StageGraph) -> float:
     """The optimizer update of the slowest stage (all stages update at once)."""
     if not sg.num_stages:
         return 0.0
-    return workload.step.optimizer_s_per_byte * max(sum(sp.values()) * sg.scale[s] for s, sp in enumerate(sg.stage_params))
+    return workload.step.optimizer_s_per_byte * max(
+        sum(sp.values()) * sg.scale[s] for s, sp in enumerate(sg.stage_params)
+    )
 
 
 def tied_sync_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> float:
@@ -468,14 +494,19 @@ def tied_sync_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int]
         else:
             rtt = max(topology.driver_link(stage_workers[s])[0] for s in stages)
         exchange = max(
-            topology.transfer_s(stage_workers[a], stage_workers[b], sizes[pid]) + answer_s(topology, stage_workers[b], stage_workers[a])
-            for a in stages for b in stages if a != b
+            topology.transfer_s(stage_workers[a], stage_workers[b], sizes[pid])
+            + answer_s(topology, stage_workers[b], stage_workers[a])
+            for a in stages
+            for b in stages
+            if a != b
         )
         total += rtt + exchange
     return total
 
 
-def _cut_traffic(workload: Workload, stage_of: np.ndarray, num_stages: int) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int], np.ndarray]:
+def _cut_traffic(
+    workload: Workload, stage_of: np.ndarray, num_stages: int
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int], np.ndarray]:
     """Activation and gradient bytes per (src stage, dst stage), and bytes received per stage."""
     arrays = workload.edge_arrays()
     if arrays is None:
@@ -514,4 +545,3 @@ def _stage_order(num_stages: int, links: dict[tuple[int, int], int]) -> list[int
     if len(order) != num_stages:
         raise PlanError("the placement's stage graph is cyclic")
     return order
-

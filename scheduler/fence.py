@@ -87,7 +87,7 @@ def _split(tree: nx.Graph, nodes: set[int], min_gap_ratio: float) -> list[set[in
     sub = tree.subgraph(nodes)
     weights = sorted(d["bandwidth"] for _, _, d in sub.edges(data=True))
     threshold = None
-    for slow, fast in zip(weights, weights[1:]):
+    for slow, fast in zip(weights, weights[1:], strict=False):
         if slow <= 0 or fast / slow >= min_gap_ratio:
             threshold = slow
             break
@@ -141,11 +141,15 @@ def order_clusters(topology: Topology, clusters: list[list[int]], *, start: int 
             graph.add_edge(a, b, bandwidth=float(links[a, b]))
 
     def score(chain: tuple[int, ...]) -> tuple[float, float]:
-        hops = [graph[a][b]["bandwidth"] for a, b in zip(chain, chain[1:])]
+        hops = [graph[a][b]["bandwidth"] for a, b in zip(chain, chain[1:], strict=False)]
         return (min(hops), sum(math.log(h) for h in hops))
 
     if k <= EXACT_ORDER_LIMIT:
-        chains = (c for c in itertools.permutations(range(k)) if (start is None or c[0] == start) and (start is not None or c[0] < c[-1]))
+        chains = (
+            c
+            for c in itertools.permutations(range(k))
+            if (start is None or c[0] == start) and (start is not None or c[0] < c[-1])
+        )
         return list(max(chains, key=score))
     compute = [sum(topology.workers[w].effective_flops for w in c) for c in clusters]
     chain = [start if start is not None else int(np.argmax(compute))]

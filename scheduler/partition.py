@@ -85,8 +85,12 @@ class Objective:
 
     def estimate(self, p: Placement) -> Estimate:
         return estimate(
-            self.workload, p.unit_stage(len(self.workload)), p.workers, self.topology,
-            micro_batches=self.micro_batches, schedule=self.schedule,
+            self.workload,
+            p.unit_stage(len(self.workload)),
+            p.workers,
+            self.topology,
+            micro_batches=self.micro_batches,
+            schedule=self.schedule,
         )
 
     def __call__(self, p: Placement) -> float:
@@ -160,7 +164,9 @@ def cut_bytes(workload: Workload, *, grad: bool = False) -> np.ndarray:
     return np.cumsum(delta)
 
 
-def greedy_cover(prefix: _Prefix, workers: Sequence[int], topology: Topology, period: float, *, use_links: bool = True) -> Placement | None:
+def greedy_cover(
+    prefix: _Prefix, workers: Sequence[int], topology: Topology, period: float, *, use_links: bool = True
+) -> Placement | None:
     """Cover all units with stages on ``workers`` (in order, skipping any that cannot help)
     so that every stage's compute and every cut's transfer fits in ``period``.
 
@@ -221,12 +227,17 @@ def _bytes_within(topology: Topology, i: int, j: int, period: float) -> float:
     return max(period - lat, 0.0) * topology.bandwidth_bytes_per_s[i][j] if period > lat else -1.0
 
 
-def bisect_period(prefix: _Prefix, workers: Sequence[int], topology: Topology, *, use_links: bool = True, iterations: int = 40) -> Placement | None:
+def bisect_period(
+    prefix: _Prefix, workers: Sequence[int], topology: Topology, *, use_links: bool = True, iterations: int = 40
+) -> Placement | None:
     """The greedy cover with the smallest period found by bisection (log scale)."""
     fastest = max(topology.workers[w].effective_flops for w in workers)
     hi = prefix.seconds(0, prefix.n, min(topology.workers[w].effective_flops for w in workers)) * 2 + 1e-6
     if use_links:
-        hi += max((topology.transfer_s(a, b, float(prefix.cut.max())) for a in workers for b in workers if a != b), default=0.0)
+        hi += max(
+            (topology.transfer_s(a, b, float(prefix.cut.max())) for a in workers for b in workers if a != b),
+            default=0.0,
+        )
     lo = max(prefix.seconds(k, k + 1, fastest) for k in range(prefix.n)) * 0.999
     best = greedy_cover(prefix, workers, topology, hi, use_links=use_links)
     if best is None:
@@ -301,7 +312,9 @@ def worker_moves(p: Placement, unused: Sequence[int]) -> list[Placement]:
     return out
 
 
-def _descend(start: Placement, objective: Objective, moves: Callable[[Placement], list[Placement]], deadline: float) -> Placement:
+def _descend(
+    start: Placement, objective: Objective, moves: Callable[[Placement], list[Placement]], deadline: float
+) -> Placement:
     current, value = start, objective(start)
     while time.monotonic() < deadline:
         best, best_value = current, value
@@ -336,7 +349,9 @@ def local_search(start: Placement, objective: Objective, all_workers: Sequence[i
                 break
             settled = _descend(cand, objective, boundary_moves, deadline)
             if objective(settled) < value - 1e-12:
-                current = _descend(settled, objective, lambda p: boundary_moves(p) + worker_moves(p, spare(p)), deadline)
+                current = _descend(
+                    settled, objective, lambda p: boundary_moves(p) + worker_moves(p, spare(p)), deadline
+                )
                 improved = True
                 break
         if not improved:
@@ -348,8 +363,18 @@ def local_search(start: Placement, objective: Objective, all_workers: Sequence[i
 def _cluster_signature(topology: Topology, sequence: Sequence[int]) -> tuple:
     """What makes two clusters interchangeable for planning: speeds, memory, the links
     inside and the driver's links (so 32 identical A100 racks are tried once)."""
-    workers = tuple((topology.workers[w].effective_flops, topology.workers[w].memory_bytes, topology.driver_link(w)) for w in sequence)
-    links = tuple(sorted((topology.bandwidth_bytes_per_s[a][b], topology.latency_s[a][b]) for a in sequence for b in sequence if a != b))
+    workers = tuple(
+        (topology.workers[w].effective_flops, topology.workers[w].memory_bytes, topology.driver_link(w))
+        for w in sequence
+    )
+    links = tuple(
+        sorted(
+            (topology.bandwidth_bytes_per_s[a][b], topology.latency_s[a][b])
+            for a in sequence
+            for b in sequence
+            if a != b
+        )
+    )
     return workers, links
 
 
@@ -510,7 +535,9 @@ SMALL_INSTANCE = 200_000
 
 def exhaustive_size(num_units: int, num_workers: int) -> int:
     """Placements the exhaustive planner enumerates: ``Σ_k C(n-1, k-1)·P(W, k)``."""
-    return sum(math.comb(num_units - 1, k - 1) * math.perm(num_workers, k) for k in range(1, min(num_units, num_workers) + 1))
+    return sum(
+        math.comb(num_units - 1, k - 1) * math.perm(num_workers, k) for k in range(1, min(num_units, num_workers) + 1)
+    )
 
 
 def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: int, schedule: str) -> str:
@@ -544,4 +571,3 @@ def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: 
         f"the {len(caps)} workers have {total_cap / gib:.2f} GiB in total (largest {biggest / gib:.2f} GiB), too "
         "fragmented for the cuts; add workers with more memory or use fewer micro-batches"
     )
-

@@ -17,7 +17,6 @@ from fusion.errors import PlanError
 from fusion.graph.ir import OpDag
 from fusion.graph.split import StageSpec
 
-
 #: Wire codecs a cut may use (see compress/).
 CODECS = ("none", "zstd", "fp16", "topk")
 
@@ -108,19 +107,27 @@ class Plan:
 
     def table(self) -> str:
         """A human-readable summary."""
-        lines = [f"plan: {self.strategy}, {len(self.stages)} stages, {self.micro_batches} micro-batches ({self.schedule})"]
+        lines = [
+            f"plan: {self.strategy}, {len(self.stages)} stages, {self.micro_batches} micro-batches ({self.schedule})"
+        ]
         if self.predicted_step_s is not None:
             lines.append(f"predicted step time: {self.predicted_step_s:.4g}s")
-        lines.append(f"{'stage':>5}  {'worker':<16} {'nodes':>6} {'params MB':>10} {'GFLOP/mb':>9} {'compute s':>9} {'peak MB':>9}")
+        lines.append(
+            f"{'stage':>5}  {'worker':<16} {'nodes':>6} {'params MB':>10} {'GFLOP/mb':>9} {'compute s':>9} {'peak MB':>9}"
+        )
         for i, s in enumerate(self.stages):
             compute = f"{s.compute_s:.4f}" if s.compute_s is not None else "-"
             peak = f"{s.peak_memory_bytes / 1e6:.1f}" if s.peak_memory_bytes is not None else "-"
-            lines.append(f"{i:>5}  {s.worker:<16} {len(s.nodes):>6} {s.param_bytes / 1e6:>10.2f} {s.flops / 1e9:>9.3f} {compute:>9} {peak:>9}")
+            lines.append(
+                f"{i:>5}  {s.worker:<16} {len(s.nodes):>6} {s.param_bytes / 1e6:>10.2f} {s.flops / 1e9:>9.3f} {compute:>9} {peak:>9}"
+            )
         lines.append(f"planning time: {self.planning_s:.3f}s")
         if self.cuts:
             lines.append(f"{'cut':>9}  {'MB/mb':>8} {'codec':<6} {'keep':>5}")
             for c in self.cuts:
-                lines.append(f"{c.src_stage:>3} -> {c.dst_stage:<3} {c.bytes / 1e6:>8.3f} {c.codec:<6} {c.keep_ratio:>5.2f}")
+                lines.append(
+                    f"{c.src_stage:>3} -> {c.dst_stage:<3} {c.bytes / 1e6:>8.3f} {c.codec:<6} {c.keep_ratio:>5.2f}"
+                )
         return "\n".join(lines)
 
 
@@ -150,7 +157,7 @@ def plan_from_stages(
         raise PlanError(f"{len(stages)} stages but {len(workers)} workers")
     sizes = dict(dag.iter_params())  # canonical name -> bytes
     stage_plans = []
-    for i, (spec, worker) in enumerate(zip(stages, workers)):
+    for i, (spec, worker) in enumerate(zip(stages, workers, strict=False)):
         flops = sum(dag.node(n).flops_fwd + dag.node(n).flops_bwd for n in spec.nodes)
         param_bytes = sum(sizes.get(name, 0) for name in {dag.tied_params.get(p, p) for p in spec.params})
         stage_plans.append(
@@ -170,7 +177,13 @@ def plan_from_stages(
                 cut_bytes[(spec.stage_idx, d)] = cut_bytes.get((spec.stage_idx, d), 0) + dag.node(name).out_bytes
     codecs = codecs or {}
     cuts = tuple(
-        CutPlan(src_stage=s, dst_stage=d, bytes=b, codec=codecs.get((s, d), ("none", 1.0))[0], keep_ratio=codecs.get((s, d), ("none", 1.0))[1])
+        CutPlan(
+            src_stage=s,
+            dst_stage=d,
+            bytes=b,
+            codec=codecs.get((s, d), ("none", 1.0))[0],
+            keep_ratio=codecs.get((s, d), ("none", 1.0))[1],
+        )
         for (s, d), b in sorted(cut_bytes.items())
     )
     plan = Plan(
@@ -203,7 +216,10 @@ def validate_plan(plan: Plan, dag: OpDag) -> None:
     if missing:
         raise PlanError(f"the plan leaves {len(missing)} compute node(s) unplaced, e.g. {missing[:5]}")
     for c in plan.cuts:
-        if not (0 <= c.src_stage < len(plan.stages) and 0 <= c.dst_stage < len(plan.stages)) or c.src_stage == c.dst_stage:
+        if (
+            not (0 <= c.src_stage < len(plan.stages) and 0 <= c.dst_stage < len(plan.stages))
+            or c.src_stage == c.dst_stage
+        ):
             raise PlanError(f"cut {c.src_stage}->{c.dst_stage} does not join two different stages of the plan")
         if c.codec not in CODECS:
             raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has unknown codec {c.codec!r}; use one of {CODECS}")

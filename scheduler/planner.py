@@ -128,7 +128,9 @@ def price(dag: OpDag, stages: list, stage_workers: list[int], topology: Topology
     wl = workload_from_dag(dag, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
     stage_of = {n: s.stage_idx for s in stages for n in s.nodes}
     unit_stage = np.array([stage_of[name] for name in wl.names], dtype=np.int64)
-    return estimate(wl, unit_stage, stage_workers, topology, micro_batches=request.micro_batches, schedule=request.schedule)
+    return estimate(
+        wl, unit_stage, stage_workers, topology, micro_batches=request.micro_batches, schedule=request.schedule
+    )
 
 
 def compression_marks(est: Estimate, request: PlanRequest) -> dict[tuple[int, int], tuple[str, float]]:
@@ -143,6 +145,10 @@ def compression_marks(est: Estimate, request: PlanRequest) -> dict[tuple[int, in
     marks = {}
     for cut, link_s in est.link_s.items():
         if link_s > compute:
-            ratio = request.keep_ratio if request.compression == "topk" else min(1.0, max(request.min_keep_ratio, compute / link_s))
+            ratio = (
+                request.keep_ratio
+                if request.compression == "topk"
+                else min(1.0, max(request.min_keep_ratio, compute / link_s))
+            )
             marks[cut] = ("topk", float(ratio))
     return marks

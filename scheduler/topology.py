@@ -84,9 +84,13 @@ class WorkerSpec:
         if not _is_number(self.flops) or not (0.0 < self.flops < math.inf):
             raise PlanError(f"worker {self.name!r}: flops must be a positive finite number, got {self.flops!r}")
         if self.memory_bytes is not None and (
-            not isinstance(self.memory_bytes, numbers.Integral) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0
+            not isinstance(self.memory_bytes, numbers.Integral)
+            or isinstance(self.memory_bytes, bool)
+            or self.memory_bytes <= 0
         ):
-            raise PlanError(f"worker {self.name!r}: memory_bytes must be a positive integer or None, got {self.memory_bytes!r}")
+            raise PlanError(
+                f"worker {self.name!r}: memory_bytes must be a positive integer or None, got {self.memory_bytes!r}"
+            )
         if not _is_number(self.slowdown) or not (1.0 <= self.slowdown < math.inf):
             raise PlanError(f"worker {self.name!r}: slowdown must be a finite number >= 1.0, got {self.slowdown!r}")
         if self.machine is not None and (not isinstance(self.machine, str) or not self.machine):
@@ -158,17 +162,23 @@ class Topology:
             except (TypeError, ValueError) as e:
                 raise PlanError(f"{key} must be a {n}x{n} matrix of numbers: {e}") from e
             if len(m) != n or any(len(row) != n for row in m):
-                raise PlanError(f"{key} must be {n}x{n} (one row and column per worker), got {[len(r) for r in m]} row lengths")
+                raise PlanError(
+                    f"{key} must be {n}x{n} (one row and column per worker), got {[len(r) for r in m]} row lengths"
+                )
             matrices[key] = m
         for i in range(n):
             for j in range(n):
                 bw, lat = matrices["bandwidth_bytes_per_s"][i][j], matrices["latency_s"][i][j]
                 if i == j:
                     if bw != math.inf or lat != 0.0:
-                        raise PlanError(f"worker {names[i]!r}: the diagonal must be bandwidth inf and latency 0, got {bw}, {lat}")
+                        raise PlanError(
+                            f"worker {names[i]!r}: the diagonal must be bandwidth inf and latency 0, got {bw}, {lat}"
+                        )
                     continue
                 if not (0.0 < bw < math.inf):
-                    raise PlanError(f"link {names[i]} -> {names[j]}: bandwidth must be positive and finite, got {bw} bytes/s")
+                    raise PlanError(
+                        f"link {names[i]} -> {names[j]}: bandwidth must be positive and finite, got {bw} bytes/s"
+                    )
                 if not (0.0 <= lat < math.inf):
                     raise PlanError(f"link {names[i]} -> {names[j]}: latency must be >= 0 and finite, got {lat} s")
         object.__setattr__(self, "workers", workers)
@@ -177,7 +187,14 @@ class Topology:
         if self.driver_links is not None:
             object.__setattr__(self, "driver_links", _check_driver_links(self.driver_links, names))
         machines: dict[object, int] = {}
-        object.__setattr__(self, "machine_of", tuple(machines.setdefault(w.machine if w.machine is not None else (i,), len(machines)) for i, w in enumerate(workers)))
+        object.__setattr__(
+            self,
+            "machine_of",
+            tuple(
+                machines.setdefault(w.machine if w.machine is not None else (i,), len(machines))
+                for i, w in enumerate(workers)
+            ),
+        )
 
     def __len__(self) -> int:
         """Number of workers."""
@@ -247,7 +264,9 @@ class Topology:
         if not 0 <= host < len(self):
             raise PlanError(f"driver host index {host} is not a worker index (0..{len(self) - 1})")
         links = [
-            (0.0, math.inf) if w == host else (self.latency_s[host][w] + self.latency_s[w][host], self.bandwidth_bytes_per_s[host][w])
+            (0.0, math.inf)
+            if w == host
+            else (self.latency_s[host][w] + self.latency_s[w][host], self.bandwidth_bytes_per_s[host][w])
             for w in range(len(self))
         ]
         return self.with_driver_links(links)
@@ -266,13 +285,25 @@ class Topology:
         """A JSON-able dict; the infinite diagonal bandwidth is written as ``None`` (JSON null)."""
         return {
             "workers": [
-                {"name": w.name, "cluster": w.cluster, "flops": w.flops, "memory_bytes": w.memory_bytes, "slowdown": w.slowdown}
+                {
+                    "name": w.name,
+                    "cluster": w.cluster,
+                    "flops": w.flops,
+                    "memory_bytes": w.memory_bytes,
+                    "slowdown": w.slowdown,
+                }
                 | ({} if w.machine is None else {"machine": w.machine})
                 for w in self.workers
             ],
-            "bandwidth_bytes_per_s": [[None if math.isinf(x) else x for x in row] for row in self.bandwidth_bytes_per_s],
+            "bandwidth_bytes_per_s": [
+                [None if math.isinf(x) else x for x in row] for row in self.bandwidth_bytes_per_s
+            ],
             "latency_s": [list(row) for row in self.latency_s],
-            **({} if self.driver_links is None else {"driver_links": [[rtt, None if math.isinf(bw) else bw] for rtt, bw in self.driver_links]}),
+            **(
+                {}
+                if self.driver_links is None
+                else {"driver_links": [[rtt, None if math.isinf(bw) else bw] for rtt, bw in self.driver_links]}
+            ),
             **({} if self.paced_sends else {"paced_sends": False}),
         }
 
@@ -297,7 +328,13 @@ class Topology:
             paced = d.get("paced_sends", True)
             if not isinstance(paced, bool):
                 raise PlanError(f"paced_sends must be true or false, got {paced!r}")
-            return Topology(workers=workers, bandwidth_bytes_per_s=bandwidth, latency_s=d["latency_s"], driver_links=links, paced_sends=paced)
+            return Topology(
+                workers=workers,
+                bandwidth_bytes_per_s=bandwidth,
+                latency_s=d["latency_s"],
+                driver_links=links,
+                paced_sends=paced,
+            )
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a valid topology document: {e!r}") from e
 
@@ -335,7 +372,9 @@ class Topology:
                 i, j = (int(x) for x in nan[0])
                 raise PlanError(f"{key} has no measurement for {workers[i].name} -> {workers[j].name} (NaN)")
             mats[key] = m.tolist()
-        return Topology(workers=tuple(workers), latency_s=mats["latency_s"], bandwidth_bytes_per_s=mats["bandwidth_bytes_per_s"])
+        return Topology(
+            workers=tuple(workers), latency_s=mats["latency_s"], bandwidth_bytes_per_s=mats["bandwidth_bytes_per_s"]
+        )
 
     @staticmethod
     def load(path: str | Path) -> Topology:
@@ -385,9 +424,11 @@ def _check_driver_links(links: object, names: Sequence[str]) -> tuple[tuple[floa
         raise PlanError(f"driver_links must be one (round_trip_s, bandwidth_bytes_per_s) pair per worker: {e}") from e
     if len(out) != len(names):
         raise PlanError(f"driver_links has {len(out)} entries; the topology has {len(names)} workers")
-    for name, (rtt, bw) in zip(names, out):
+    for name, (rtt, bw) in zip(names, out, strict=False):
         if not (0.0 <= rtt < math.inf) or not bw > 0.0:
-            raise PlanError(f"driver link to {name!r}: round trip must be >= 0 and finite and bandwidth positive, got {rtt}, {bw}")
+            raise PlanError(
+                f"driver link to {name!r}: round trip must be >= 0 and finite and bandwidth positive, got {rtt}, {bw}"
+            )
     return out
 
 
@@ -470,13 +511,17 @@ def _parse_links(links: list[object], workers: Sequence[WorkerSpec], source: str
         dst_hosts, dst_spec = endpoint(link.get("to"), "to", label)
         src, dst = link["from"], link["to"]
         if src == dst and src_spec == 1:
-            raise PlanError(f"{label}: a link from host {src!r} to itself; from = to must name a cluster of several hosts")
+            raise PlanError(
+                f"{label}: a link from host {src!r} to itself; from = to must name a cluster of several hosts"
+            )
         if (src, dst) in seen:
             raise PlanError(f"{label}: duplicate of links[{seen[(src, dst)]}] (same from, to and direction); keep one")
         seen[(src, dst)] = k
         mbps = link.get("bandwidth_mbps")
         if not _is_number(mbps) or not (0 < mbps < math.inf):
-            raise PlanError(f"{label}: bandwidth_mbps is required and must be a positive number (megabits/s), got {mbps!r}")
+            raise PlanError(
+                f"{label}: bandwidth_mbps is required and must be a positive number (megabits/s), got {mbps!r}"
+            )
         latency_ms = link.get("latency_ms", 0.0)
         if not _is_number(latency_ms) or not (0 <= latency_ms < math.inf):
             raise PlanError(f"{label}: latency_ms must be a number >= 0 (milliseconds), got {latency_ms!r}")
@@ -532,7 +577,11 @@ def _resolve_links(
     if missing:
         a, b = missing[0]
         wa, wb = workers[a], workers[b]
-        hint = f'from = "{wa.cluster}"\nto = "{wb.cluster}"' if wa.cluster != wb.cluster else f'from = "{wa.cluster}"\nto = "{wa.cluster}"'
+        hint = (
+            f'from = "{wa.cluster}"\nto = "{wb.cluster}"'
+            if wa.cluster != wb.cluster
+            else f'from = "{wa.cluster}"\nto = "{wa.cluster}"'
+        )
         more = f" (and {len(missing) - 1} more pair(s))" if len(missing) > 1 else ""
         raise PlanError(
             f"{source}: no link rule covers {wa.name} -> {wb.name} (clusters {wa.cluster!r} and {wb.cluster!r}){more}; "

@@ -33,31 +33,61 @@ def _shipped() -> str:
 def _add_topology_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("topology", help=f"topology TOML file, or a shipped name ({_shipped()})")
     p.add_argument(
-        "--backend", choices=("auto", "netns", "proxy"), default="auto",
+        "--backend",
+        choices=("auto", "netns", "proxy"),
+        default="auto",
         help="netns (root: namespaces + tc), proxy (no root: loopback + user-space link proxies), auto: netns when root (default: %(default)s)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m testbeds", description="Emulated WAN testbeds: a topology file's hosts and links on this machine.")
+    p = argparse.ArgumentParser(
+        prog="python -m testbeds",
+        description="Emulated WAN testbeds: a topology file's hosts and links on this machine.",
+    )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{up,down,run}")
-    up = sub.add_parser("up", help="build a testbed and keep it until Ctrl-C", description="Build the topology, print each host's address and how to run a command on it, keep it up until Ctrl-C (or SIGTERM), then tear it down.")
+    up = sub.add_parser(
+        "up",
+        help="build a testbed and keep it until Ctrl-C",
+        description="Build the topology, print each host's address and how to run a command on it, keep it up until Ctrl-C (or SIGTERM), then tear it down.",
+    )
     _add_topology_args(up)
-    up.add_argument("--expose", action="append", default=[], metavar="HOST:PORT", help="route a server you will run on HOST at PORT over the emulated links (repeatable); prints the address each host dials")
+    up.add_argument(
+        "--expose",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="route a server you will run on HOST at PORT over the emulated links (repeatable); prints the address each host dials",
+    )
     add_log_arg(up)
-    down = sub.add_parser("down", help="remove leftovers of testbeds whose owner died", description="Remove every leftover fusion testbed namespace (with its veths and bridge), spawned process and temp dir whose owning process is gone.")
+    down = sub.add_parser(
+        "down",
+        help="remove leftovers of testbeds whose owner died",
+        description="Remove every leftover fusion testbed namespace (with its veths and bridge), spawned process and temp dir whose owning process is gone.",
+    )
     down.add_argument("--all", action="store_true", help="also remove testbeds whose owner is still running")
     down.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     add_log_arg(down)
-    run = sub.add_parser("run", help="run a fusion job on a testbed", description="Build the topology, start fusion-coordinator on the first host and fusion-worker(s) on every host, submit the job, follow it to the end, print the summary, tear down.")
+    run = sub.add_parser(
+        "run",
+        help="run a fusion job on a testbed",
+        description="Build the topology, start fusion-coordinator on the first host and fusion-worker(s) on every host, submit the job, follow it to the end, print the summary, tear down.",
+    )
     _add_topology_args(run)
     run.add_argument("--job", required=True, help="job TOML file (fusion submit format)")
-    run.add_argument("--workers-per-host", type=int, default=1, help="fusion-worker processes per host (default: %(default)s)")
-    run.add_argument("--logs", default=None, help="directory for the coordinator's and workers' logs (default: a temp dir, kept)")
+    run.add_argument(
+        "--workers-per-host", type=int, default=1, help="fusion-worker processes per host (default: %(default)s)"
+    )
+    run.add_argument(
+        "--logs", default=None, help="directory for the coordinator's and workers' logs (default: a temp dir, kept)"
+    )
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the job (default: %(default)s)")
-    run.add_argument("--emulate-speeds", action="store_true",
-                     help="emulate the topology's device speeds: workers on hosts slower than its fastest (flops / slowdown) compute "
-                          "that many times slower (fusion-worker --emulate-slowdown); without it, only hosts with a slowdown are")
+    run.add_argument(
+        "--emulate-speeds",
+        action="store_true",
+        help="emulate the topology's device speeds: workers on hosts slower than its fastest (flops / slowdown) compute "
+        "that many times slower (fusion-worker --emulate-slowdown); without it, only hosts with a slowdown are",
+    )
     add_log_arg(run)
     return p
 
@@ -89,7 +119,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         for spec in args.expose:
             host, _, port = spec.rpartition(":")
             routes = tb.expose(host, int(port))
-            print(f"{host}:{port} is reached as: " + ", ".join(f"{src} -> {via}" for src, via in routes.items()), flush=True)
+            print(
+                f"{host}:{port} is reached as: " + ", ".join(f"{src} -> {via}" for src, via in routes.items()),
+                flush=True,
+            )
         stop = _catch_stop_signals()
         print(f"{UP_READY}: {tb.prefix} (Ctrl-C tears it down)", flush=True)
         while not stop.wait(3600):
@@ -126,7 +159,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if slowdowns:
             print(f"emulating slower devices: {slowdowns_label(slowdowns)}", flush=True)
         status = run_job_on_testbed(
-            tb, args.job, log_dir, workers_per_host=args.workers_per_host, timeout_s=args.timeout, echo=lambda s: print(s, flush=True),
+            tb,
+            args.job,
+            log_dir,
+            workers_per_host=args.workers_per_host,
+            timeout_s=args.timeout,
+            echo=lambda s: print(s, flush=True),
             slowdowns=slowdowns,
         )
     print("testbed removed", flush=True)

@@ -120,7 +120,9 @@ def job_toml(spec: JobSpec) -> str:
 
 def system_job(spec: JobSpec, system: str, *, steps: int, num_hosts: int, out_dir: Path) -> JobSpec:
     """The job as ``system`` runs it (fusion: OP-Fence + AdaTopK; uniform: even split, dense)."""
-    plan, compression = {"fusion": ("opfence", "adatopk"), "uniform": ("uniform", "none")}.get(system, ("opfence", "none"))
+    plan, compression = {"fusion": ("opfence", "adatopk"), "uniform": ("uniform", "none")}.get(
+        system, ("opfence", "none")
+    )
     return spec.replace(
         train={"steps": steps},
         plan={"strategy": plan},
@@ -160,7 +162,13 @@ class FusionFleet:
     """A coordinator on the first host and a worker on every host of a testbed."""
 
     def __init__(
-        self, tb: Any, workdir: Path, *, torch_threads: int = 1, slowdowns: Mapping[str, float] | None = None, emulation: str = "wall",
+        self,
+        tb: Any,
+        workdir: Path,
+        *,
+        torch_threads: int = 1,
+        slowdowns: Mapping[str, float] | None = None,
+        emulation: str = "wall",
     ) -> None:
         self.tb = tb
         self.workdir = workdir
@@ -175,9 +183,23 @@ class FusionFleet:
         log = workdir / "coordinator.log"
         proc = tb.spawn(
             self.host0,
-            [sys.executable, "-m", "fusion.cli.coordinator", "--host", tb.address(self.host0), "--port", str(port),
-             "--token-file", str(workdir / "token"), "--state-dir", str(workdir / "state"), "--log-level", "INFO"],
-            stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
+            [
+                sys.executable,
+                "-m",
+                "fusion.cli.coordinator",
+                "--host",
+                tb.address(self.host0),
+                "--port",
+                str(port),
+                "--token-file",
+                str(workdir / "token"),
+                "--state-dir",
+                str(workdir / "state"),
+                "--log-level",
+                "INFO",
+            ],
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
         )
         wait_for_line(log, r"listening on", proc, 60.0)
         # One worker at a time: each measures its matmul speed at start-up, and workers that
@@ -188,10 +210,26 @@ class FusionFleet:
             wlog = workdir / f"worker-{host}.log"
             p = tb.spawn(
                 host,
-                [sys.executable, "-m", "fusion.cli.worker", "--coordinator", self.coordinator, "--token-file", str(workdir / "token"),
-                 "--name", host, "--listen", f"{tb.address(host)}:{wport}", "--torch-threads", str(torch_threads), "--log-level", "INFO",
-                 *slowdown_args((slowdowns or {}).get(host), emulation=emulation)],
-                stdout=open(wlog, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                [
+                    sys.executable,
+                    "-m",
+                    "fusion.cli.worker",
+                    "--coordinator",
+                    self.coordinator,
+                    "--token-file",
+                    str(workdir / "token"),
+                    "--name",
+                    host,
+                    "--listen",
+                    f"{tb.address(host)}:{wport}",
+                    "--torch-threads",
+                    str(torch_threads),
+                    "--log-level",
+                    "INFO",
+                    *slowdown_args((slowdowns or {}).get(host), emulation=emulation),
+                ],
+                stdout=open(wlog, "ab"),
+                stderr=subprocess.STDOUT,  # noqa: SIM115
             )
             wait_for_line(wlog, r"fusion-worker ready", p, 120.0)
 
@@ -229,8 +267,14 @@ class FusionFleet:
     def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True) -> str:
         import os
 
-        proc = self.tb.spawn(self.host0, [sys.executable, "-m", "fusion.cli.main", *args], env={**os.environ, **env},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = self.tb.spawn(
+            self.host0,
+            [sys.executable, "-m", "fusion.cli.main", *args],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         out, _ = proc.communicate(timeout=120)
         if check and proc.returncode != 0:
             raise FusionError(f"fusion {' '.join(args)} failed: {out.strip()[-1000:]}")
@@ -256,7 +300,11 @@ class FusionFleet:
         p = self.model_profile()
         if p is None:
             return None
-        return {"control_s": p["overhead_step_s"], "micro_batch_s": p["overhead_micro_batch_s"], "optimizer_s_per_byte": p["optimizer_s_per_byte"]}
+        return {
+            "control_s": p["overhead_step_s"],
+            "micro_batch_s": p["overhead_micro_batch_s"],
+            "optimizer_s_per_byte": p["optimizer_s_per_byte"],
+        }
 
 
 def write_profiled(fleet: FusionFleet, spec: JobSpec, num_hosts: int, path: Path) -> Path:
@@ -280,8 +328,17 @@ def write_profiled(fleet: FusionFleet, spec: JobSpec, num_hosts: int, path: Path
 
 
 def run_ranks(
-    tb: Any, module: str, spec_file: Path, hosts: list[str], *, steps: int, workdir: Path, timeout_s: float,
-    slowdowns: Mapping[str, float] | None = None, emulation: str = "wall", profiled: Path | None = None,
+    tb: Any,
+    module: str,
+    spec_file: Path,
+    hosts: list[str],
+    *,
+    steps: int,
+    workdir: Path,
+    timeout_s: float,
+    slowdowns: Mapping[str, float] | None = None,
+    emulation: str = "wall",
+    profiled: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Start one ``module`` rank per host (rank 0 on the first) and return rank 0's records;
     ``profiled``: the seconds ranks emulating by the profile stretch by
@@ -291,13 +348,33 @@ def run_ranks(
     procs = []
     for rank, host in enumerate(hosts):
         log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
-        procs.append(tb.spawn(
-            host,
-            [sys.executable, "-m", module, "--job", str(spec_file), "--rank", str(rank), "--world-size", str(len(hosts)),
-             "--master", master, "--address", tb.address(host), "--steps", str(steps), "--metrics", str(metrics),
-             *_rank_emulation_args((slowdowns or {}).get(host), emulation, profiled)],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        ))
+        procs.append(
+            tb.spawn(
+                host,
+                [
+                    sys.executable,
+                    "-m",
+                    module,
+                    "--job",
+                    str(spec_file),
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(len(hosts)),
+                    "--master",
+                    master,
+                    "--address",
+                    tb.address(host),
+                    "--steps",
+                    str(steps),
+                    "--metrics",
+                    str(metrics),
+                    *_rank_emulation_args((slowdowns or {}).get(host), emulation, profiled),
+                ],
+                stdout=open(log, "wb"),
+                stderr=subprocess.STDOUT,  # noqa: SIM115
+            )
+        )
     deadline = time.monotonic() + timeout_s
     try:
         for rank, p in enumerate(procs):
@@ -305,7 +382,9 @@ def run_ranks(
             if p.returncode != 0:
                 log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
                 error = RankCrashed if p.returncode < 0 else FusionError
-                raise error(f"{module} rank {rank} exited with {p.returncode}: {log.read_text(errors='replace')[-1500:]}")
+                raise error(
+                    f"{module} rank {rank} exited with {p.returncode}: {log.read_text(errors='replace')[-1500:]}"
+                )
     except subprocess.TimeoutExpired as e:
         raise FusionError(f"{module} did not finish within {timeout_s:.0f}s") from e
     finally:
@@ -331,7 +410,9 @@ class RankCrashed(FusionError):
     a rank with SIGABRT now and then: "terminate called without an active exception")."""
 
 
-def _run_ranks_retrying(tb: Any, module: str, spec_file: Path, hosts: list[str], **kwargs: Any) -> tuple[list[dict[str, Any]], str]:
+def _run_ranks_retrying(
+    tb: Any, module: str, spec_file: Path, hosts: list[str], **kwargs: Any
+) -> tuple[list[dict[str, Any]], str]:
     """:func:`run_ranks`, once more if a rank crashed; the records and a note saying so."""
     try:
         return run_ranks(tb, module, spec_file, hosts, **kwargs), ""
@@ -342,8 +423,16 @@ def _run_ranks_retrying(tb: Any, module: str, spec_file: Path, hosts: list[str],
 
 
 def run_baseline(
-    tb: Any, system: str, spec: JobSpec, *, steps: int, workdir: Path, timeout_s: float, slowdowns: Mapping[str, float] | None = None,
-    emulation: str = "wall", profiled: Path | None = None,
+    tb: Any,
+    system: str,
+    spec: JobSpec,
+    *,
+    steps: int,
+    workdir: Path,
+    timeout_s: float,
+    slowdowns: Mapping[str, float] | None = None,
+    emulation: str = "wall",
+    profiled: Path | None = None,
 ) -> Run:
     """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not
     apply, or when a crashed rank made it run again)."""
@@ -352,7 +441,12 @@ def run_baseline(
     hosts = list(tb.hosts)
     t0 = time.monotonic()
     rank_args: dict[str, Any] = {
-        "steps": steps, "workdir": workdir, "timeout_s": timeout_s, "slowdowns": slowdowns, "emulation": emulation, "profiled": profiled,
+        "steps": steps,
+        "workdir": workdir,
+        "timeout_s": timeout_s,
+        "slowdowns": slowdowns,
+        "emulation": emulation,
+        "profiled": profiled,
     }
     if system == "ddp":
         if spec.data.batch_size < len(hosts):
@@ -372,9 +466,16 @@ def run_baseline(
             return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
     # Ranks name links by rank; the table names hosts.
     for r in records:
-        r["bytes_per_link"] = {f"{hosts[int(a)]}->{hosts[int(b)]}": v for a, b, v in ((*k.split("->"), v) for k, v in r.get("bytes_per_link", {}).items())}
+        r["bytes_per_link"] = {
+            f"{hosts[int(a)]}->{hosts[int(b)]}": v
+            for a, b, v in ((*k.split("->"), v) for k, v in r.get("bytes_per_link", {}).items())
+        }
     return Run(
-        system=system, records=records, final_loss=records[-1]["loss"] if records else None, hosts_used=hosts, wall_s=time.monotonic() - t0,
+        system=system,
+        records=records,
+        final_loss=records[-1]["loss"] if records else None,
+        hosts_used=hosts,
+        wall_s=time.monotonic() - t0,
         note=note,
     )
 
@@ -408,7 +509,11 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
         if timed:
             per_round.append(trimmed_mean([r["step_s"] for r in timed]))
     last = runs[-1]
-    row: dict[str, Any] = {"note": next((r.note for r in runs if r.note), ""), "rounds": len(per_round), "hosts_used": last.hosts_used}
+    row: dict[str, Any] = {
+        "note": next((r.note for r in runs if r.note), ""),
+        "rounds": len(per_round),
+        "hosts_used": last.hosts_used,
+    }
     probes = [list(r.probe_s) for r in runs if r.probe_s]
     if probes:  # the machine's speed before and after each round (ModelProbe), for the simulator
         row["machine_probe_s"] = probes
@@ -478,8 +583,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if slowdowns and emulation == "profile":
         fleet_at = min((i for i, s in enumerate(systems) if s in ("fusion", "uniform")), default=len(systems))
         if any(s in ("ddp", "pipelining") for s in systems[:fleet_at]):
-            raise FusionError("--emulation profile prices the emulated computations from fusion's coordinator profile: list fusion or "
-                              "uniform before ddp and pipelining in --systems")
+            raise FusionError(
+                "--emulation profile prices the emulated computations from fusion's coordinator profile: list fusion or "
+                "uniform before ddp and pipelining in --systems"
+            )
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
@@ -487,7 +594,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     profile_probe_s: float | None = None  # the machine's speed as fusion's coordinator profiles (its first job)
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
-        fleet = FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation) if {"fusion", "uniform"} & set(systems) else None
+        fleet = (
+            FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation)
+            if {"fusion", "uniform"} & set(systems)
+            else None
+        )
         profiled: Path | None = None
         for round_idx in range(args.repeats):
             for system in systems:
@@ -505,13 +616,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         assert fleet is not None
                         profiled = write_profiled(fleet, spec, len(tb.hosts), workdir / "profiled.json")
                     run = run_baseline(
-                        tb, system, job, steps=steps, workdir=workdir, timeout_s=args.timeout, slowdowns=slowdowns, emulation=emulation,
+                        tb,
+                        system,
+                        job,
+                        steps=steps,
+                        workdir=workdir,
+                        timeout_s=args.timeout,
+                        slowdowns=slowdowns,
+                        emulation=emulation,
                         profiled=profiled,
                     )
                 run_s = time.monotonic() - t0
                 run.probe_s = (before_s, probe.median_step_s(PROBE_S))
-                print(f"  round {round_idx + 1} {system}: {len(run.records)} steps in {run_s:.1f}s, machine probe "
-                      f"{run.probe_s[0] * 1e3:.1f}/{run.probe_s[1] * 1e3:.1f} ms {run.note}", file=sys.stderr, flush=True)
+                print(
+                    f"  round {round_idx + 1} {system}: {len(run.records)} steps in {run_s:.1f}s, machine probe "
+                    f"{run.probe_s[0] * 1e3:.1f}/{run.probe_s[1] * 1e3:.1f} ms {run.note}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 runs[system].append(run)
         if fleet is not None:
             fleet_costs = fleet.step_costs()
@@ -519,16 +641,38 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         backend, latency_mode = tb.backend, tb.latency_mode
     rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
     meta = {
-        "topology": label, "job_name": spec.name or Path(args.job).stem, "num_hosts": len(topology), "backend": backend,
-        "latency_mode": latency_mode, "step_statistic": "trimmed-mean", "sends": PACED_SENDS, "emulated_slowdown": slowdowns, "emulation": emulation, "emulate_speeds": bool(args.emulate_speeds), "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
-        "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]), "step_costs": fleet_costs, "job": spec.to_dict(),
+        "topology": label,
+        "job_name": spec.name or Path(args.job).stem,
+        "num_hosts": len(topology),
+        "backend": backend,
+        "latency_mode": latency_mode,
+        "step_statistic": "trimmed-mean",
+        "sends": PACED_SENDS,
+        "emulated_slowdown": slowdowns,
+        "emulation": emulation,
+        "emulate_speeds": bool(args.emulate_speeds),
+        "steps": steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]),
+        "step_costs": fleet_costs,
+        "job": spec.to_dict(),
         # The node costs the coordinator profiled: the simulator replays exactly these.
-        "profile": None if fleet_profile is None else {k: fleet_profile.get(k) for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")},
+        "profile": None
+        if fleet_profile is None
+        else {
+            k: fleet_profile.get(k)
+            for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")
+        },
         # What fusion's coordinator measured before planning (speeds, machines, link fits).
         "measured": next((r.measured for r in runs.get("fusion", []) if r.measured), None),
         # The machine's speed while the coordinator profiled and around each run: the
         # simulator's "probed" prediction prices each system at its runs' speed over this one.
-        "machine_probe": {"step_s_at_profile": profile_probe_s, "seconds": PROBE_S, "what": "median forward and backward of one micro-batch, one thread"},
+        "machine_probe": {
+            "step_s_at_profile": profile_probe_s,
+            "seconds": PROBE_S,
+            "what": "median forward and backward of one micro-batch, one thread",
+        },
     }
     doc = report(rows, meta)
     if args.simulate:
@@ -539,27 +683,45 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m testbeds.bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m testbeds.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--topology", help="topology file or shipped name (two-sites, three-continents, volunteers, ...)")
     p.add_argument("--job", help="job file (TOML)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's)")
-    p.add_argument("--warmup", type=int, default=1, help="first steps of a run left out of the timing (default: %(default)s)")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="first steps of a run left out of the timing (default: %(default)s)"
+    )
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (default: %(default)s)")
     p.add_argument("--backend", default="netns", help="testbed backend (default: %(default)s; gloo needs netns)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default: %(default)s)")
-    p.add_argument("--emulate-speeds", action="store_true",
-                   help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
-                        "times slower, in every system (each computation is followed by a sleep; labelled in the output). "
-                        "Without it, only hosts with a slowdown are emulated")
-    p.add_argument("--emulation", choices=EMULATIONS, default="wall",
-                   help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
-                        "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
-                        "times (default: %(default)s; executor.emulation)")
+    p.add_argument(
+        "--emulate-speeds",
+        action="store_true",
+        help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
+        "times slower, in every system (each computation is followed by a sleep; labelled in the output). "
+        "Without it, only hosts with a slowdown are emulated",
+    )
+    p.add_argument(
+        "--emulation",
+        choices=EMULATIONS,
+        default="wall",
+        help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
+        "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
+        "times (default: %(default)s; executor.emulation)",
+    )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")
-    p.add_argument("--render", default=None, metavar="JSON", help="instead of running: re-render a result (with --simulate: re-simulate it)")
+    p.add_argument(
+        "--render",
+        default=None,
+        metavar="JSON",
+        help="instead of running: re-render a result (with --simulate: re-simulate it)",
+    )
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")

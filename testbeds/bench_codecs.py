@@ -56,12 +56,16 @@ def _median_time_s(fn: Any, repeats: int) -> tuple[float, Any]:
     return statistics.median(times), result
 
 
-def measure(size_mib: float, codec: str, keep_ratio: float | None, repeats: int, tensor: torch.Tensor) -> dict[str, Any]:
+def measure(
+    size_mib: float, codec: str, keep_ratio: float | None, repeats: int, tensor: torch.Tensor
+) -> dict[str, Any]:
     """Encode/decode times and sizes of one codec on ``tensor``."""
     compressor = get_compressor(codec)
     ratio = 1.0 if keep_ratio is None else keep_ratio
     encode_s, enc = _median_time_s(lambda: compressor.encode(tensor, keep_ratio=ratio), repeats)
-    decode_s, _ = _median_time_s(lambda: compressor.decode(enc.data, dtype=tensor.dtype, shape=tuple(tensor.shape)), repeats)
+    decode_s, _ = _median_time_s(
+        lambda: compressor.decode(enc.data, dtype=tensor.dtype, shape=tuple(tensor.shape)), repeats
+    )
     dense_mb = enc.dense_bytes / 1e6
     row: dict[str, Any] = {
         "size_mib": size_mib,
@@ -82,7 +86,9 @@ def measure(size_mib: float, codec: str, keep_ratio: float | None, repeats: int,
         row["cost_over_saved"][str(mbps)] = (encode_s + decode_s) / saved_s if saved_s > 0 else None
     if codec == "topk":
         row["meets_target"] = all(
-            f is not None and f < TARGET_FRACTION for m, f in row["cost_over_saved"].items() if int(m) <= TARGET_MAX_MBPS
+            f is not None and f < TARGET_FRACTION
+            for m, f in row["cost_over_saved"].items()
+            if int(m) <= TARGET_MAX_MBPS
         )
     return row
 
@@ -142,7 +148,9 @@ def format_report(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         mark = "-" if "meets_target" not in r else ("ok" if r["meets_target"] else "MISS")
         fracs = "  ".join(f"{_frac(r['cost_over_saved'][str(m)]):>9}" for m in links)
-        lines.append(f"{r['size_mib']:>8g}  {r['codec']:<5} {_ratio(r):>6}  {r['encode_s'] + r['decode_s']:>9.3f}  {fracs}  {mark}")
+        lines.append(
+            f"{r['size_mib']:>8g}  {r['codec']:<5} {_ratio(r):>6}  {r['encode_s'] + r['decode_s']:>9.3f}  {fracs}  {mark}"
+        )
     lines += ["", f"all topk rows meet the target: {'yes' if doc['all_topk_meet_target'] else 'NO'}"]
     return "\n".join(lines)
 

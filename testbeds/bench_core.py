@@ -106,14 +106,23 @@ def bench_transport(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
                     sock_s.append(sink.send(payload))
                 g = n / statistics.median(grpc_s) / 1e6
                 s = n / statistics.median(sock_s) / 1e6
-                rows.append({"size_mib": mib, "grpc_mb_per_s": round(g, 1), "socket_mb_per_s": round(s, 1), "ratio": round(g / s, 3)})
+                rows.append(
+                    {
+                        "size_mib": mib,
+                        "grpc_mb_per_s": round(g, 1),
+                        "socket_mb_per_s": round(s, 1),
+                        "ratio": round(g / s, 3),
+                    }
+                )
             pool.close()
     finally:
         sink.close()
     return rows
 
 
-def bench_steps(preset: str, workers: list[int], steps: int, batch_size: int, seq_len: int, micro_batches: int, device: str) -> list[dict[str, Any]]:
+def bench_steps(
+    preset: str, workers: list[int], steps: int, batch_size: int, seq_len: int, micro_batches: int, device: str
+) -> list[dict[str, Any]]:
     """Median step seconds: one process vs an even split over K local workers."""
     from executor.local import LocalCluster, train_distributed
     from fusion.config import JobSpec
@@ -123,7 +132,13 @@ def bench_steps(preset: str, workers: list[int], steps: int, batch_size: int, se
         {
             "model": {"name": "gpt2", "preset": preset},
             "data": {"batch_size": batch_size, "seq_len": seq_len},
-            "train": {"steps": steps, "micro_batches": micro_batches, "optimizer": "adamw", "lr": 3e-4, "schedule": "1f1b"},
+            "train": {
+                "steps": steps,
+                "micro_batches": micro_batches,
+                "optimizer": "adamw",
+                "lr": 3e-4,
+                "schedule": "1f1b",
+            },
         }
     )
     times: list[float] = []
@@ -143,12 +158,24 @@ def bench_steps(preset: str, workers: list[int], steps: int, batch_size: int, se
         with LocalCluster(k) as cluster:
             time.sleep(EXECUTOR_WARM_UP_S)  # see bench_transport
             result = train_distributed(
-                job, cluster.addresses, device=device,
-                on_step=lambda s: print(f"  {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s", file=sys.stderr),
+                job,
+                cluster.addresses,
+                device=device,
+                on_step=lambda s: print(
+                    f"  {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s", file=sys.stderr
+                ),
             )
         step_s = statistics.median([s.step_s for s in result.stats[1:]] or [s.step_s for s in result.stats])
         link_bytes = max((b for s in result.stats[-1:] for b in s.sent_bytes.values()), default=0)
-        rows.append({"system": f"fusion-uniform-{k}", "workers": k, "step_s": round(step_s, 3), "ratio": round(step_s / single, 3), "max_link_bytes_per_step": link_bytes})
+        rows.append(
+            {
+                "system": f"fusion-uniform-{k}",
+                "workers": k,
+                "step_s": round(step_s, 3),
+                "ratio": round(step_s / single, 3),
+                "max_link_bytes_per_step": link_bytes,
+            }
+        )
     return rows
 
 
@@ -174,9 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         out["transport"] = bench_transport([int(s) for s in args.sizes_mib.split(",")], args.repeats)
     if not args.skip_steps:
         out["steps"] = bench_steps(
-            args.preset, [int(w) for w in args.workers.split(",")], args.steps, args.batch_size, args.seq_len, args.micro_batches, args.device
+            args.preset,
+            [int(w) for w in args.workers.split(",")],
+            args.steps,
+            args.batch_size,
+            args.seq_len,
+            args.micro_batches,
+            args.device,
         )
-        out["steps_config"] = {"preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len, "micro_batches": args.micro_batches, "device": args.device}
+        out["steps_config"] = {
+            "preset": args.preset,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "micro_batches": args.micro_batches,
+            "device": args.device,
+        }
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -184,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntensor transport on loopback (median of interleaved repeats)")
         print(f"{'size':>8} {'gRPC MB/s':>10} {'socket MB/s':>12} {'gRPC/socket':>12}")
         for r in out["transport"]:
-            print(f"{r['size_mib']:>5} MiB {r['grpc_mb_per_s']:>10.1f} {r['socket_mb_per_s']:>12.1f} {r['ratio']:>12.2f}")
+            print(
+                f"{r['size_mib']:>5} MiB {r['grpc_mb_per_s']:>10.1f} {r['socket_mb_per_s']:>12.1f} {r['ratio']:>12.2f}"
+            )
     if "steps" in out:
         c = out["steps_config"]
-        print(f"\nGPT-2 {c['preset']} step time (batch {c['batch_size']} x {c['seq_len']}, {c['micro_batches']} micro-batches, {c['device']})")
+        print(
+            f"\nGPT-2 {c['preset']} step time (batch {c['batch_size']} x {c['seq_len']}, {c['micro_batches']} micro-batches, {c['device']})"
+        )
         print(f"{'system':>22} {'step s':>8} {'vs 1 proc':>10}")
         for r in out["steps"]:
             print(f"{r['system']:>22} {r['step_s']:>8.3f} {r['ratio']:>10.2f}")

@@ -44,7 +44,9 @@ def job_spec(preset: str, steps: int, batch: int, seq: int, micro: int, replicat
     }
 
 
-def bench_overhead(preset: str, workers: int, rounds: int, batch: int, seq: int, micro: int, every: int) -> dict[str, Any]:
+def bench_overhead(
+    preset: str, workers: int, rounds: int, batch: int, seq: int, micro: int, every: int
+) -> dict[str, Any]:
     from executor.driver import PipelineDriver, SnapshotRequest
     from executor.local import LocalCluster
     from fusion.config import JobSpec
@@ -65,8 +67,15 @@ def bench_overhead(preset: str, workers: int, rounds: int, batch: int, seq: int,
     captured = capture(model, (x0,))
     stages = split_stages(captured.dag, uniform_assignment(captured.dag, workers))
     with LocalCluster(workers, torch_threads=max(1, 2 // workers)) as cluster:
-        driver = PipelineDriver(job_id="bench-recovery", job=job, model=model, captured=captured, stages=stages,
-                                addresses=cluster.addresses, example_target=y0)
+        driver = PipelineDriver(
+            job_id="bench-recovery",
+            job=job,
+            model=model,
+            captured=captured,
+            stages=stages,
+            addresses=cluster.addresses,
+            example_target=y0,
+        )
         driver.load()
         buddies = {i: cluster.addresses[(i + 1) % workers] for i in range(workers)}
         step = 0
@@ -85,7 +94,7 @@ def bench_overhead(preset: str, workers: int, rounds: int, batch: int, seq: int,
         block(True)
         plain, snap = [], []
         for r in range(rounds):
-            for with_snapshot in ((False, True) if r % 2 == 0 else (True, False)):
+            for with_snapshot in (False, True) if r % 2 == 0 else (True, False):
                 (snap if with_snapshot else plain).append(block(with_snapshot))
         time.sleep(1.0)
         sizes = {}
@@ -94,11 +103,15 @@ def bench_overhead(preset: str, workers: int, rounds: int, batch: int, seq: int,
                 if not info.replica:
                     sizes[info.stage_key] = max(sizes.get(info.stage_key, 0), int(info.size_bytes))
         driver.close()
-    ratios = [s / p for s, p in zip(snap, plain)]
+    ratios = [s / p for s, p in zip(snap, plain, strict=False)]
     replica_bytes = sum(sizes.values())
     return {
-        "preset": preset, "workers": workers, "replicate_every": every, "rounds": rounds,
-        "block_s_plain": statistics.median(plain), "block_s_snapshot": statistics.median(snap),
+        "preset": preset,
+        "workers": workers,
+        "replicate_every": every,
+        "rounds": rounds,
+        "block_s_plain": statistics.median(plain),
+        "block_s_snapshot": statistics.median(snap),
         "step_s_plain": statistics.median(plain) / every,
         "overhead": statistics.median(ratios) - 1.0,
         "snapshot_bytes": replica_bytes,
@@ -120,7 +133,9 @@ def bench_recover(preset: str, batch: int, seq: int, micro: int, every: int, kil
         spec["cluster"] = {"min_workers": 4, "spares": 1}
         spec["output"] = {"dir": str(base / "out")}
         with Fleet(base / "logs") as fleet:
-            fleet.start_coordinator(token=TOKEN, state_dir=base / "state", heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)
+            fleet.start_coordinator(
+                token=TOKEN, state_dir=base / "state", heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0
+            )
             for i in range(4):
                 fleet.start_worker(f"w{i}", token=TOKEN, wait=False)
             fleet.wait_workers([f"w{i}" for i in range(4)])
@@ -158,11 +173,14 @@ def bench_recover(preset: str, batch: int, seq: int, micro: int, every: int, kil
                 client.cancel(job_id)
             client.close()
     return {
-        "preset": preset, "victim": victim, "step_s": step_s,
+        "preset": preset,
+        "victim": victim,
+        "step_s": step_s,
         "kill_to_resumed_s": resumed["time"] - killed,
         "recover_s": resumed.get("recover_s"),
         "steps_redone": resumed.get("failed_step", 0) - resumed.get("step", 0),
-        "message": resumed["message"], "trained_on_after": trained_on,
+        "message": resumed["message"],
+        "trained_on_after": trained_on,
     }
 
 
@@ -183,11 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     out: dict[str, Any] = {}
     if not args.skip_overhead:
-        out["overhead"] = bench_overhead(args.preset, args.workers, args.rounds, args.batch_size, args.seq_len, args.micro_batches, args.replicate_every)
+        out["overhead"] = bench_overhead(
+            args.preset,
+            args.workers,
+            args.rounds,
+            args.batch_size,
+            args.seq_len,
+            args.micro_batches,
+            args.replicate_every,
+        )
         if not args.json:
             print_overhead(out["overhead"])
     if not args.skip_recover:
-        out["recover"] = bench_recover(args.preset, args.batch_size, args.seq_len, args.micro_batches, args.replicate_every, args.kill_after)
+        out["recover"] = bench_recover(
+            args.preset, args.batch_size, args.seq_len, args.micro_batches, args.replicate_every, args.kill_after
+        )
         if not args.json:
             print_recover(out["recover"])
     if args.json:
@@ -196,22 +224,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_overhead(o: dict[str, Any]) -> None:
-    print(textwrap.dedent(f"""
-        snapshot overhead, GPT-2 {o['preset']} on {o['workers']} local workers, a snapshot every {o['replicate_every']} steps
-          step time without snapshots  {o['step_s_plain']:.3f} s (median block of {o['replicate_every']}: {o['block_s_plain']:.2f} s)
-          block time with a snapshot   {o['block_s_snapshot']:.2f} s
-          overhead                     {100 * o['overhead']:+.1f} %   (target <= 3 %)
-          snapshot (all stages)        {o['snapshot_bytes'] / 1e6:.1f} MB -> replica traffic {o['replica_bytes_per_step'] / 1e6:.1f} MB per step"""))
+    print(
+        textwrap.dedent(f"""
+        snapshot overhead, GPT-2 {o["preset"]} on {o["workers"]} local workers, a snapshot every {o["replicate_every"]} steps
+          step time without snapshots  {o["step_s_plain"]:.3f} s (median block of {o["replicate_every"]}: {o["block_s_plain"]:.2f} s)
+          block time with a snapshot   {o["block_s_snapshot"]:.2f} s
+          overhead                     {100 * o["overhead"]:+.1f} %   (target <= 3 %)
+          snapshot (all stages)        {o["snapshot_bytes"] / 1e6:.1f} MB -> replica traffic {o["replica_bytes_per_step"] / 1e6:.1f} MB per step""")
+    )
 
 
 def print_recover(r: dict[str, Any]) -> None:
-    print(textwrap.dedent(f"""
-        time to recover, GPT-2 {r['preset']}, 3 stages + 1 spare, {r['victim']} SIGKILLed (step ~{r['step_s']:.2f} s)
-          kill -> training resumed     {r['kill_to_resumed_s']:.2f} s   (target <= 10 s)
-          recovery itself              {r['recover_s']:.2f} s
-          steps redone                 {r['steps_redone']}
-          {r['message']}
-          trained on after recovery    {r['trained_on_after']}"""), flush=True)
+    print(
+        textwrap.dedent(f"""
+        time to recover, GPT-2 {r["preset"]}, 3 stages + 1 spare, {r["victim"]} SIGKILLed (step ~{r["step_s"]:.2f} s)
+          kill -> training resumed     {r["kill_to_resumed_s"]:.2f} s   (target <= 10 s)
+          recovery itself              {r["recover_s"]:.2f} s
+          steps redone                 {r["steps_redone"]}
+          {r["message"]}
+          trained on after recovery    {r["trained_on_after"]}"""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,14 @@ def markdown(doc: dict[str, Any]) -> str:
         ),
         "",
         *emulation_lines(doc),
-        ("| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err "
-         "| machine x | probed s | err | calibrated s | err | note |"),
+        (
+            "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err "
+            "| machine x | probed s | err | calibrated s | err | note |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in doc["systems"].items():
+
         def f(v: Any, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
 
@@ -58,24 +61,49 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(
             f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
             f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; "
-            + ("probed: the same with each system's compute as many times slower as the machine probes before and after its "
-               "runs were over the probe as the coordinator profiled (machine x, `testbeds.speed_trace.ModelProbe`); "
-               if any(r.get("probed_step_s") for r in doc["systems"].values()) else "")
+            + (
+                "probed: the same with each system's compute as many times slower as the machine probes before and after its "
+                "runs were over the probe as the coordinator profiled (machine x, `testbeds.speed_trace.ModelProbe`); "
+                if any(r.get("probed_step_s") for r in doc["systems"].values())
+                else ""
+            )
             + "calibrated: the same with each host of fusion's and uniform's plans computing "
             f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
             + " ddp's gradient buckets are all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message."
-            + (f" ddp's and pipelining's messages take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/link_times.py`)."
-               if doc.get("sim_links") == "measured" else "")
-            + (" fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
-               "`testbeds/pause_cost.py`) in the simulated column." if doc.get("sim_pause_cost") else "")
-            + (" Their transfers between stages pay the executors' measured transfer path (the same file) in both."
-               if doc.get("sim_transfer_path") else "")
-            + (" Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
-               "`testbeds/interference.py`) in the simulated column." if doc.get("sim_interference") else "")
-            + (" Their driver's calls pay the gRPC round trip the coordinator measured to the worker on its own host, on top of "
-               "the configured links." if doc.get("sim_driver_links") == "measured" else "")
+            + (
+                f" ddp's and pipelining's messages take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/link_times.py`)."
+                if doc.get("sim_links") == "measured"
+                else ""
+            )
+            + (
+                " fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
+                "`testbeds/pause_cost.py`) in the simulated column."
+                if doc.get("sim_pause_cost")
+                else ""
+            )
+            + (
+                " Their transfers between stages pay the executors' measured transfer path (the same file) in both."
+                if doc.get("sim_transfer_path")
+                else ""
+            )
+            + (
+                " Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
+                "`testbeds/interference.py`) in the simulated column."
+                if doc.get("sim_interference")
+                else ""
+            )
+            + (
+                " Their driver's calls pay the gRPC round trip the coordinator measured to the worker on its own host, on top of "
+                "the configured links."
+                if doc.get("sim_driver_links") == "measured"
+                else ""
+            )
         )
-    lines += [f"\n{name}'s bytes on the slowest link: {r['slowest_link_bytes_note']}" for name, r in doc["systems"].items() if r.get("slowest_link_bytes_note")]
+    lines += [
+        f"\n{name}'s bytes on the slowest link: {r['slowest_link_bytes_note']}"
+        for name, r in doc["systems"].items()
+        if r.get("slowest_link_bytes_note")
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -85,9 +113,15 @@ def emulation_lines(doc: dict[str, Any]) -> list[str]:
     if not slowdowns:
         return []
     hosts = slowdowns_label(slowdowns)
-    why = "the topology's device speed ratios, `--emulate-speeds`" if doc.get("emulate_speeds") else "the hosts' `slowdown`"
+    why = (
+        "the topology's device speed ratios, `--emulate-speeds`"
+        if doc.get("emulate_speeds")
+        else "the hosts' `slowdown`"
+    )
     measure = (
-        "their seconds in fusion's coordinator profile (`--emulation profile`)" if doc.get("emulation") == "profile" else "their length"
+        "their seconds in fusion's coordinator profile (`--emulation profile`)"
+        if doc.get("emulation") == "profile"
+        else "their length"
     )
     return [
         f"**Emulated slower devices** ({why}): {hosts}; every system's computations there are followed by a sleep of "
@@ -111,7 +145,7 @@ def write_chart(doc: dict[str, Any], path: Path) -> None:
     values = [doc["systems"][n].get("samples_per_s") or 0.0 for n in names]
     fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
     bars = ax.bar(names, values, color=["#2a7" if n == "fusion" else "#888" for n in names])
-    for bar, name in zip(bars, names):
+    for bar, name in zip(bars, names, strict=False):
         r = doc["systems"][name]
         sp = doc["speedup"].get(name)
         label = "n/a" if not r.get("samples_per_s") else (f"fusion {sp:.1f}x" if sp else f"{r['samples_per_s']:.3g}/s")

@@ -192,7 +192,9 @@ def _single_worker_need(workload: Workload, micro_batches: int, schedule: str) -
 
 def _feasible(instance: Instance) -> bool:
     try:
-        exhaustive_placement(instance.workload, instance.topology, micro_batches=instance.micro_batches, schedule=instance.schedule)
+        exhaustive_placement(
+            instance.workload, instance.topology, micro_batches=instance.micro_batches, schedule=instance.schedule
+        )
     except PlanError:
         return False
     return True
@@ -210,13 +212,19 @@ def optimality(num_instances: int, seed: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             placement, _ = opfence_placement(
-                inst.workload, inst.topology, micro_batches=inst.micro_batches, schedule=inst.schedule, time_budget_s=1.0
+                inst.workload,
+                inst.topology,
+                micro_batches=inst.micro_batches,
+                schedule=inst.schedule,
+                time_budget_s=1.0,
             )
             found = obj(placement)
         except PlanError:  # the optimum exists (the generator checked), so this counts as a miss
             found = math.inf
         opfence_s.append(time.perf_counter() - t0)
-        best = exhaustive_placement(inst.workload, inst.topology, micro_batches=inst.micro_batches, schedule=inst.schedule)
+        best = exhaustive_placement(
+            inst.workload, inst.topology, micro_batches=inst.micro_batches, schedule=inst.schedule
+        )
         ratios.append(found / obj(best))
     worst_misses = sorted((i for i, r in enumerate(ratios) if r > OPTIMAL_RATIO), key=lambda i: -ratios[i])[:5]
     return {
@@ -262,7 +270,10 @@ def _fits(plan: Any, topology: Topology) -> bool:
 
 
 def shipped_topologies(
-    *, skip_xl: bool = False, jobs: tuple[tuple[str, str, int, int], ...] | None = None, topology_dir: Path = TOPOLOGY_DIR
+    *,
+    skip_xl: bool = False,
+    jobs: tuple[tuple[str, str, int, int], ...] | None = None,
+    topology_dir: Path = TOPOLOGY_DIR,
 ) -> dict[str, Any]:
     """Predicted step time of every strategy for each job (default :data:`JOBS`) on each shipped topology."""
     from scheduler.planner import PlanRequest, make_plan
@@ -276,7 +287,14 @@ def shipped_topologies(
         dag = capture_gpt2(preset, mb, seq_len)
         for path in paths:
             topology = Topology.load(path)
-            row: dict[str, Any] = {"model": label, "topology": path.stem, "step_s": {}, "stages": {}, "fits_memory": {}, "errors": {}}
+            row: dict[str, Any] = {
+                "model": label,
+                "topology": path.stem,
+                "step_s": {},
+                "stages": {},
+                "fits_memory": {},
+                "errors": {},
+            }
             for strategy in STRATEGIES:
                 try:
                     plan = make_plan(dag, topology, PlanRequest(strategy=strategy, micro_batches=MICRO_BATCHES))
@@ -291,10 +309,17 @@ def shipped_topologies(
                 row["fits_memory"][strategy] = _fits(plan, topology)
             ours = row["step_s"]["opfence"]
             row["speedup"] = {
-                b: (row["step_s"][b] / ours if ours and row["step_s"][b] is not None else None) for b in ("uniform", "compute")
+                b: (row["step_s"][b] / ours if ours and row["step_s"][b] is not None else None)
+                for b in ("uniform", "compute")
             }
             rows.append(row)
-    return {"micro_batches": MICRO_BATCHES, "schedule": "1f1b", "optimizer": "adamw", "jobs": [list(j) for j in jobs], "rows": rows}
+    return {
+        "micro_batches": MICRO_BATCHES,
+        "schedule": "1f1b",
+        "optimizer": "adamw",
+        "jobs": [list(j) for j in jobs],
+        "rows": rows,
+    }
 
 
 # ---------------------------------------------------------------- part c
@@ -407,7 +432,9 @@ def format_report(doc: dict[str, Any]) -> str:
         for strategy in STRATEGIES:
             mark = "*" if r["fits_memory"][strategy] is False else ""
             cells.append(f"{_s(r['step_s'][strategy]) + mark:>9}")
-        speed = [f"{v:>8.2f}x" if v is not None else f"{'-':>9}" for v in (r["speedup"]["uniform"], r["speedup"]["compute"])]
+        speed = [
+            f"{v:>8.2f}x" if v is not None else f"{'-':>9}" for v in (r["speedup"]["uniform"], r["speedup"]["compute"])
+        ]
         stages = "/".join("-" if r["stages"][s] is None else str(r["stages"][s]) for s in STRATEGIES)
         lines.append(f"   {r['model']:<11} {r['topology']:<17} {' '.join(cells)} {' '.join(speed)} {stages:>12}")
     for r in doc["topologies"]["rows"]:

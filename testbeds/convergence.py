@@ -46,7 +46,14 @@ JOBS = {
     "resnet-tiny": {
         "model": {"name": "resnet", "preset": "tiny", "num_classes": 16},
         # Noisy enough that the loss does not collapse to zero in 300 steps.
-        "data": {"batch_size": 32, "image_size": 16, "num_classes": 16, "num_samples": 4096, "noise": 5.0, "shuffle": True},
+        "data": {
+            "batch_size": 32,
+            "image_size": 16,
+            "num_classes": 16,
+            "num_samples": 4096,
+            "noise": 5.0,
+            "shuffle": True,
+        },
         "train": {"micro_batches": 1, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9},
     },
 }
@@ -102,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault(name, {})[run] = run_one(cluster.addresses, job, mode)
     (out / "convergence.json").write_text(json.dumps(results))
     lines = ["# Convergence with compression on one slow cut (3 stages)", ""]
-    lines.append(f"{args.steps} steps; final loss = mean of the last 20 steps; AdaTopK's slow cut emulated at 100 Mbps / 20 ms and 8 Mbps / 40 ms.")
+    lines.append(
+        f"{args.steps} steps; final loss = mean of the last 20 steps; AdaTopK's slow cut emulated at 100 Mbps / 20 ms and 8 Mbps / 40 ms."
+    )
     lines.append("")
     lines.append("| job | run | final loss | vs none | mean keep ratio | bytes on the cut (after / before) |")
     lines.append("|---|---|---|---|---|---|")
@@ -120,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         for run, r in runs.items():
             rs = r["ratios"]
             if run.startswith("adatopk") and rs:
-                lines.append(f"{run} on {name}: started at {rs[0]:.4f}, settled at {rs[-1]:.4f} (min {min(rs):.4f}, max {max(rs):.4f}).")
+                lines.append(
+                    f"{run} on {name}: started at {rs[0]:.4f}, settled at {rs[-1]:.4f} (min {min(rs):.4f}, max {max(rs):.4f})."
+                )
     (out / "convergence.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _plot(results, out / "convergence.png")
@@ -134,7 +145,7 @@ def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), dpi=100, squeeze=False)
-    for ax, (name, runs) in zip(axes[0], results.items()):
+    for ax, (name, runs) in zip(axes[0], results.items(), strict=False):
         for run, r in runs.items():
             losses = r["losses"]
             window = 10

@@ -88,7 +88,9 @@ def parse_delay(text: str) -> tuple[bytes, float]:
 class DelayLine:
     """Holds each packet read from ``fd`` for its destination's delay, then writes it back."""
 
-    def __init__(self, fd: int, delays: dict[bytes, float], *, header: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, fd: int, delays: dict[bytes, float], *, header: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.fd = fd
         self.header = header
         self.delays = delays
@@ -146,7 +148,13 @@ class DelayLine:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.delayline", description=__doc__.split("\n\n")[0])
     p.add_argument("--tun", required=True, help="the TUN device to serve (created beforehand, e.g. by ip tuntap)")
-    p.add_argument("--delay", action="append", default=[], metavar="IPV4=SECONDS", help="one-way delay to a destination (repeatable)")
+    p.add_argument(
+        "--delay",
+        action="append",
+        default=[],
+        metavar="IPV4=SECONDS",
+        help="one-way delay to a destination (repeatable)",
+    )
     args = p.parse_args(argv)
     try:
         delays = dict(parse_delay(d) for d in args.delay)
@@ -155,7 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"delayline: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"ready: {args.tun}, {len(delays)} delayed destinations, {'TCP offload' if header else 'one frame per read'}", flush=True)
+    print(
+        f"ready: {args.tun}, {len(delays)} delayed destinations, {'TCP offload' if header else 'one frame per read'}",
+        flush=True,
+    )
     try:
         DelayLine(fd, delays, header=header).run()
     except (KeyboardInterrupt, SystemExit):

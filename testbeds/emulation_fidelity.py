@@ -38,7 +38,9 @@ JOBS = (RESULTS / "bench-job-gpt2.toml", RESULTS / "bench-job-resnet.toml")
 FACTORS = (1.393, 3.182, 25.4)
 
 
-def time_passes(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], repeats: int) -> tuple[float, float]:
+def time_passes(
+    model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], repeats: int
+) -> tuple[float, float]:
     """Median wall seconds of a forward (to the loss) and of its backward, after two warm-ups."""
     for _ in range(2):
         step(model).backward()
@@ -53,7 +55,9 @@ def time_passes(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.
     return statistics.median(forward), statistics.median(backward)
 
 
-def measure_job(job: JobSpec, factors: Sequence[float], *, repeats: int = 5, pieces: Sequence[float] = (0.0, MIN_PIECE_S)) -> list[dict[str, Any]]:
+def measure_job(
+    job: JobSpec, factors: Sequence[float], *, repeats: int = 5, pieces: Sequence[float] = (0.0, MIN_PIECE_S)
+) -> list[dict[str, Any]]:
     """One row per factor and backward piece rule: plain and emulated seconds, and their ratio
     to ``factor`` times plain."""
     from fusion.losses import get_loss
@@ -78,12 +82,19 @@ def measure_job(job: JobSpec, factors: Sequence[float], *, repeats: int = 5, pie
                 emulated = time_passes(emulated_model, step, repeats)
                 after = time_passes(plain_model, step, repeats)
                 plain = ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
-                rows.append({
-                    "job": job.name, "factor": factor, "min_piece_s": piece,
-                    "plain_forward_s": plain[0], "plain_backward_s": plain[1],
-                    "emulated_forward_s": emulated[0], "emulated_backward_s": emulated[1],
-                    "forward_ratio": emulated[0] / (factor * plain[0]), "backward_ratio": emulated[1] / (factor * plain[1]),
-                })
+                rows.append(
+                    {
+                        "job": job.name,
+                        "factor": factor,
+                        "min_piece_s": piece,
+                        "plain_forward_s": plain[0],
+                        "plain_backward_s": plain[1],
+                        "emulated_forward_s": emulated[0],
+                        "emulated_backward_s": emulated[1],
+                        "forward_ratio": emulated[0] / (factor * plain[0]),
+                        "backward_ratio": emulated[1] / (factor * plain[1]),
+                    }
+                )
         return rows
     finally:
         torch.set_num_threads(threads)
@@ -91,11 +102,14 @@ def measure_job(job: JobSpec, factors: Sequence[float], *, repeats: int = 5, pie
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
     lines = [
-        "# Emulation fidelity", "",
-        f"`{command}`", "",
+        "# Emulation fidelity",
+        "",
+        f"`{command}`",
+        "",
         "Wall time of an emulated forward / backward over `factor` times the plain one on this machine "
         "(one thread, medians; 1.00 is faithful). `piece`: the backward is stretched per parameter (0) "
-        "or in pieces of at least that much compute (`executor.emulation.MIN_PIECE_S`).", "",
+        "or in pieces of at least that much compute (`executor.emulation.MIN_PIECE_S`).",
+        "",
         "| job | factor | piece | plain fwd ms | plain bwd ms | emulated fwd ms | emulated bwd ms | fwd ratio | bwd ratio |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -111,8 +125,16 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.emulation_fidelity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", default=",".join(str(j) for j in JOBS), help="comma-separated job files (default: the benchmark's two)")
-    p.add_argument("--factors", default=",".join(f"{f:g}" for f in FACTORS), help="comma-separated slowdowns (default: %(default)s)")
+    p.add_argument(
+        "--jobs",
+        default=",".join(str(j) for j in JOBS),
+        help="comma-separated job files (default: the benchmark's two)",
+    )
+    p.add_argument(
+        "--factors",
+        default=",".join(f"{f:g}" for f in FACTORS),
+        help="comma-separated slowdowns (default: %(default)s)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed passes per measurement (default: %(default)s)")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -133,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         print(f"timing {job.name} ...", file=sys.stderr, flush=True)
         rows += measure_job(job, factors, repeats=args.repeats)
-    text = markdown(rows, "python -m testbeds.emulation_fidelity " + " ".join(argv if argv is not None else sys.argv[1:]))
+    text = markdown(
+        rows, "python -m testbeds.emulation_fidelity " + " ".join(argv if argv is not None else sys.argv[1:])
+    )
     print(text, end="")
     if args.out:
         Path(f"{args.out}.md").write_text(text)

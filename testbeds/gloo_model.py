@@ -51,7 +51,10 @@ def ring_allreduce_s(topology: Topology, ranks: list[int], size_bytes: float) ->
     segment = size_bytes / (2 * n)
     ring = [(ranks[i], ranks[i - 1]) for i in range(n)]
     per_iteration = max(
-        max(segment / topology.bandwidth_bytes_per_s[a][b], (topology.latency_s[a][b] + topology.latency_s[b][a] + segment / topology.bandwidth_bytes_per_s[a][b]) / 2)
+        max(
+            segment / topology.bandwidth_bytes_per_s[a][b],
+            (topology.latency_s[a][b] + topology.latency_s[b][a] + segment / topology.bandwidth_bytes_per_s[a][b]) / 2,
+        )
         for a, b in ring
     )
     return 2 * (2 * n - 2) * (per_iteration + GLOO_STEP_OVERHEAD_S)
@@ -64,8 +67,15 @@ def ddp_buckets(param_bytes: float) -> int:
 
 
 def gpipe_step_s(
-    f: np.ndarray, b: np.ndarray, x: np.ndarray, g: np.ndarray, micro_batches: int, *,
-    x_latency: np.ndarray | None = None, g_latency: np.ndarray | None = None, rendezvous: bool = False,
+    f: np.ndarray,
+    b: np.ndarray,
+    x: np.ndarray,
+    g: np.ndarray,
+    micro_batches: int,
+    *,
+    x_latency: np.ndarray | None = None,
+    g_latency: np.ndarray | None = None,
+    rendezvous: bool = False,
 ) -> float:
     """GPipe's step on a chain: every stage runs all its forwards, then all its backwards.
 
@@ -89,7 +99,9 @@ def gpipe_step_s(
     x_lat = zeros if x_latency is None else x_latency
     g_lat = zeros if g_latency is None else g_latency
 
-    def wave(cost: np.ndarray, order: list[int], cut_s: list[float], lat: list[float], back: list[float], start: list[float]) -> list[float]:
+    def wave(
+        cost: np.ndarray, order: list[int], cut_s: list[float], lat: list[float], back: list[float], start: list[float]
+    ) -> list[float]:
         """One wave through ``order``; ``cut_s[k]``/``lat[k]``/``back[k]`` price the hop into
         ``order[k + 1]``. Returns each stage's finish time (in ``order``)."""
         prev_done: list[float] = []
@@ -165,7 +177,9 @@ def _segments(size_bytes: float, n: int) -> tuple[int, list[list[float]], list[l
     return num, scatter, gather
 
 
-def bucket_allreduce_done_s(topology: Topology, ranks: list[int], bucket_bytes: list[float], ready_s: list[list[float]]) -> list[float]:
+def bucket_allreduce_done_s(
+    topology: Topology, ranks: list[int], bucket_bytes: list[float], ready_s: list[list[float]]
+) -> list[float]:
     """When each rank's last bucket all-reduce ends, replayed message by message.
 
     ``bucket_bytes[b]``: bucket ``b``'s size; ``ready_s[b][k]``: when rank ``ranks[k]``
@@ -257,7 +271,10 @@ def bucket_allreduce_done_s(topology: Topology, ranks: list[int], bucket_bytes: 
             end = begin + size / bw[src][dst]
             link_free[(src, dst)] = end
             push(end, ("sent", b, phase, k, i))
-            push(max(end + lat[src][dst], begin + topology.transfer_s(src, dst, size)), ("arrive", b, phase, (k - 1) % n, i))
+            push(
+                max(end + lat[src][dst], begin + topology.transfer_s(src, dst, size)),
+                ("arrive", b, phase, (k - 1) % n, i),
+            )
         else:  # sent / arrive: the value is known from now on
             settle(event, now)
     return [max(done[b][k] for b in range(len(bucket_bytes))) for k in range(n)]
@@ -323,7 +340,9 @@ def ddp_bucket_ready_s(wl: Workload) -> list[tuple[float, float]]:
 DDP_REPLAY_STEPS = 4
 
 
-def ddp_replay_step_s(topology: Topology, ready: list[tuple[float, float]], scale: list[float], optimizer_s: float, buffer_bytes: int) -> float:
+def ddp_replay_step_s(
+    topology: Topology, ready: list[tuple[float, float]], scale: list[float], optimizer_s: float, buffer_bytes: int
+) -> float:
     """Rank 0's step (what the DDP baseline times), replayed over :data:`DDP_REPLAY_STEPS`
     steps: the module's buffers broadcast from rank 0 as each rank enters its forward
     (:func:`broadcast_done_s`; DDP's ``broadcast_buffers``, when the
@@ -336,7 +355,9 @@ def ddp_replay_step_s(topology: Topology, ready: list[tuple[float, float]], scal
     periods = []
     for _ in range(DDP_REPLAY_STEPS):
         start = broadcast_done_s(topology, ranks, buffer_bytes, end) if buffer_bytes else end
-        done = bucket_allreduce_done_s(topology, ranks, [b for b, _ in ready], [[start[k] + t * scale[k] for k in ranks] for _, t in ready])
+        done = bucket_allreduce_done_s(
+            topology, ranks, [b for b, _ in ready], [[start[k] + t * scale[k] for k in ranks] for _, t in ready]
+        )
         following = [d + optimizer_s for d in done]
         periods.append(following[0] - end[0])
         end = following

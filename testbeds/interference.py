@@ -85,9 +85,17 @@ class TransferInterference:
     def __post_init__(self) -> None:
         n = len(self.sizes_bytes)
         if n < 2 or list(self.sizes_bytes) != sorted(set(self.sizes_bytes)) or self.sizes_bytes[0] <= 0:
-            raise ConfigError(f"a transfer interference needs two or more increasing positive sizes, got {self.sizes_bytes}")
-        if len(self.send_s) != n or len(self.receive_s) != n or any(not 0 <= c < 1 for c in (*self.send_s, *self.receive_s)):
-            raise ConfigError(f"a transfer interference needs one send and one receive cost of 0-1 s per size, got {self}")
+            raise ConfigError(
+                f"a transfer interference needs two or more increasing positive sizes, got {self.sizes_bytes}"
+            )
+        if (
+            len(self.send_s) != n
+            or len(self.receive_s) != n
+            or any(not 0 <= c < 1 for c in (*self.send_s, *self.receive_s))
+        ):
+            raise ConfigError(
+                f"a transfer interference needs one send and one receive cost of 0-1 s per size, got {self}"
+            )
 
     def send(self, size_bytes: float) -> float:
         return by_size(self.sizes_bytes, self.send_s, size_bytes)
@@ -101,9 +109,13 @@ class TransferInterference:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransferInterference:
         try:
-            return cls(tuple(map(int, d["sizes_bytes"])), tuple(map(float, d["send_s"])), tuple(map(float, d["receive_s"])))
+            return cls(
+                tuple(map(int, d["sizes_bytes"])), tuple(map(float, d["send_s"])), tuple(map(float, d["receive_s"]))
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"not a transfer interference ({e!r}): needs sizes_bytes, send_s and receive_s lists") from e
+            raise ConfigError(
+                f"not a transfer interference ({e!r}): needs sizes_bytes, send_s and receive_s lists"
+            ) from e
 
 
 def by_size(sizes: Sequence[int], costs: Sequence[float], size_bytes: float) -> float:
@@ -154,7 +166,9 @@ def measure_receive(run: Callable[[], object], size: int, seconds: float, addres
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     args = [address, key.hex(), str(size), str(seconds), *map(str, GAP_S)]
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", _SENDER, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert sender.stdout is not None
         if sender.stdout.readline().strip() != "ready":
@@ -201,7 +215,11 @@ def measure_send(run: Callable[[], object], size: int, seconds: float, client: A
 
 
 def measure_interference(
-    sizes: Sequence[int] = SIZES_BYTES, *, seconds: float = SECONDS_PER_CASE, rounds: int = ROUNDS, echo: Callable[[str], None] = print,
+    sizes: Sequence[int] = SIZES_BYTES,
+    *,
+    seconds: float = SECONDS_PER_CASE,
+    rounds: int = ROUNDS,
+    echo: Callable[[str], None] = print,
 ) -> tuple[TransferInterference, TransferInterference, TransferInterference]:
     """Both sides for every size on this machine, ``rounds`` times over (about
     ``2 * len(sizes) * seconds * rounds``); returns the median over rounds and the lowest
@@ -220,7 +238,9 @@ def measure_interference(
         for _ in range(RUNS_PER_COMPUTATION):
             block()
 
-    echo(f"timing a computation while transfers of {len(sizes)} sizes overlap it, received and sent: {rounds} rounds of {seconds:g} s each")
+    echo(
+        f"timing a computation while transfers of {len(sizes)} sizes overlap it, received and sent: {rounds} rounds of {seconds:g} s each"
+    )
     receive: dict[int, list[float]] = {size: [] for size in sizes}
     send: dict[int, list[float]] = {size: [] for size in sizes}
     key = new_key()
@@ -248,7 +268,13 @@ def measure_interference(
         return TransferInterference(tuple(sizes), tuple(f(send[s]) for s in sizes), tuple(f(receive[s]) for s in sizes))
 
     middle = pick(statistics.median)
-    echo("  " + ", ".join(f"{s >> 10} KB: +{middle.receive(s) * 1e3:.2f} ms received, +{middle.send(s) * 1e3:.2f} ms sent" for s in sizes))
+    echo(
+        "  "
+        + ", ".join(
+            f"{s >> 10} KB: +{middle.receive(s) * 1e3:.2f} ms received, +{middle.send(s) * 1e3:.2f} ms sent"
+            for s in sizes
+        )
+    )
     return middle, pick(min), pick(max)
 
 

@@ -98,7 +98,9 @@ def sweep(*, everything: bool = False, dry_run: bool = False) -> Leftovers:
     elif os.geteuid() != 0:
         logger.info("not root: namespaces (if any) were not checked (%s)", why)
     tmp = Path(tempfile.gettempdir())
-    out.dirs = sorted(str(d) for d in tmp.glob("fz*-*") if d.is_dir() and PREFIX_RE.match(d.name) and _stale(d.name, everything))
+    out.dirs = sorted(
+        str(d) for d in tmp.glob("fz*-*") if d.is_dir() and PREFIX_RE.match(d.name) and _stale(d.name, everything)
+    )
     if not dry_run:
         for d in out.dirs:
             shutil.rmtree(d, ignore_errors=True)

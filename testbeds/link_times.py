@@ -58,7 +58,9 @@ class LinkCurve:
 
     def __post_init__(self) -> None:
         if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
-            raise ConfigError(f"a link curve needs two or more increasing sizes with one time each, got {self.sizes} / {self.seconds}")
+            raise ConfigError(
+                f"a link curve needs two or more increasing sizes with one time each, got {self.sizes} / {self.seconds}"
+            )
         if any(not 0 < s < 3600 for s in self.seconds):
             raise ConfigError(f"link curve times must be positive seconds, got {self.seconds}")
 
@@ -96,8 +98,11 @@ def with_link_times(topology: Topology, doc: Mapping[str, Any]) -> MeasuredTopol
     clusters = [w.cluster for w in topology.workers]
     curves = tuple(tuple(by_clusters.get((a, b)) for b in clusters) for a in clusters)
     return MeasuredTopology(
-        workers=topology.workers, bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s, latency_s=topology.latency_s,
-        driver_links=topology.driver_links, curves=curves,
+        workers=topology.workers,
+        bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s,
+        latency_s=topology.latency_s,
+        driver_links=topology.driver_links,
+        curves=curves,
     )
 
 
@@ -118,7 +123,9 @@ def link_classes(topology: Topology) -> dict[tuple[str, str], tuple[str, str]]:
     return out
 
 
-def measure(topology: str | Path, *, backend: str = "netns", sizes: Sequence[int] = SIZES, echo: Any = print) -> dict[str, Any]:
+def measure(
+    topology: str | Path, *, backend: str = "netns", sizes: Sequence[int] = SIZES, echo: Any = print
+) -> dict[str, Any]:
     """Bring the testbed up, time every link class, tear it down; the document
     :func:`with_link_times` reads."""
     from testbeds.net import open_testbed
@@ -139,13 +146,33 @@ def measure_testbed(tb: Any, *, sizes: Sequence[int] = SIZES, echo: Any = print)
         routes = tb.expose(dst, port)
         log = tb.workdir / f"answer-{dst}-{port}.log"
         with open(log, "w") as f:
-            server = tb.spawn(dst, [sys.executable, "-m", "testbeds.measure", "answer", "--listen", f"{tb.address(dst)}:{port}"], env=env, stdout=f)
+            server = tb.spawn(
+                dst,
+                [sys.executable, "-m", "testbeds.measure", "answer", "--listen", f"{tb.address(dst)}:{port}"],
+                env=env,
+                stdout=f,
+            )
         try:
             wait_for_line(log, r"ready", server, 30)
             client = tb.spawn(
-                src, [sys.executable, "-m", "testbeds.measure", "transfers", "--to", routes[src], "--sizes", ",".join(map(str, sizes)),
-                      "--repeats", str(REPEATS), "--idle", str(IDLE_S)],
-                env=env, stdout=subprocess.PIPE, text=True,
+                src,
+                [
+                    sys.executable,
+                    "-m",
+                    "testbeds.measure",
+                    "transfers",
+                    "--to",
+                    routes[src],
+                    "--sizes",
+                    ",".join(map(str, sizes)),
+                    "--repeats",
+                    str(REPEATS),
+                    "--idle",
+                    str(IDLE_S),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             out, _ = client.communicate(timeout=600)
         finally:
@@ -155,8 +182,18 @@ def measure_testbed(tb: Any, *, sizes: Sequence[int] = SIZES, echo: Any = print)
             raise FusionError(f"timing {src} -> {dst} failed (exit {client.returncode})")
         seconds = json.loads(out)["seconds"]
         links[f"{a}->{b}"] = {"hosts": [src, dst], "seconds": seconds}
-        echo(f"  {a} -> {b} ({src} -> {dst}): " + ", ".join(f"{s >> 10} KB {t * 1e3:.0f} ms" for s, t in zip(sizes, seconds)))
-    return {"topology": tb.label, "backend": tb.backend, "latency_mode": tb.latency_mode, "sizes": list(sizes), "idle_s": IDLE_S, "links": links}
+        echo(
+            f"  {a} -> {b} ({src} -> {dst}): "
+            + ", ".join(f"{s >> 10} KB {t * 1e3:.0f} ms" for s, t in zip(sizes, seconds, strict=False))
+        )
+    return {
+        "topology": tb.label,
+        "backend": tb.backend,
+        "latency_mode": tb.latency_mode,
+        "sizes": list(sizes),
+        "idle_s": IDLE_S,
+        "links": links,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

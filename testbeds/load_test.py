@@ -54,12 +54,24 @@ def lite_worker(coordinator: str, token: str, name: str, report: Path) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     t0 = time.monotonic()
-    stats: dict[str, Any] = {"name": name, "register_attempts": 0, "sent": 0, "acked": 0, "unknown": 0, "failed": 0, "errors": {}, "register_errors": {}}
+    stats: dict[str, Any] = {
+        "name": name,
+        "register_attempts": 0,
+        "sent": 0,
+        "acked": 0,
+        "unknown": 0,
+        "failed": 0,
+        "errors": {},
+        "register_errors": {},
+    }
     rtts: list[float] = []
     with grpc.insecure_channel(coordinator) as channel:
         stub = cgrpc.CoordinatorStub(channel)
-        request = cpb.RegisterRequest(name=name, address=f"{name}.invalid:1",  # serves nothing; never dialled
-                                      resources=cpb.WorkerResources(num_cores=1, device="cpu", device_name="lite"))
+        request = cpb.RegisterRequest(
+            name=name,
+            address=f"{name}.invalid:1",  # serves nothing; never dialled
+            resources=cpb.WorkerResources(num_cores=1, device="cpu", device_name="lite"),
+        )
         while not stop.is_set():
             stats["register_attempts"] += 1
             try:
@@ -97,7 +109,11 @@ def lite_worker(coordinator: str, token: str, name: str, report: Path) -> int:
             else:
                 stats["unknown"] += 1
         try:
-            stub.Deregister(cpb.DeregisterRequest(worker_id=response.worker_id, reason="load test over"), timeout=30, metadata=metadata)
+            stub.Deregister(
+                cpb.DeregisterRequest(worker_id=response.worker_id, reason="load test over"),
+                timeout=30,
+                metadata=metadata,
+            )
             stats["deregistered"] = True
         except grpc.RpcError as e:
             stats["deregistered"] = False
@@ -125,7 +141,9 @@ class ProcSampler:
         stat = Path(f"/proc/{self.pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; field 3 is fields[0]
         cpu_s = (int(fields[11]) + int(fields[12])) / self._ticks_per_s  # utime + stime
-        status = dict(line.split(":", 1) for line in Path(f"/proc/{self.pid}/status").read_text().splitlines() if ":" in line)
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{self.pid}/status").read_text().splitlines() if ":" in line
+        )
         return cpu_s, int(status["VmRSS"].split()[0]) * 1024, int(status["Threads"])
 
     def _run(self) -> None:
@@ -137,7 +155,14 @@ class ProcSampler:
             except (OSError, KeyError, ValueError):
                 return  # the process ended
             now = time.monotonic()
-            self.samples.append({"t": now, "cpu_percent": 100 * (cpu_s - prev_cpu) / (now - prev_t), "rss_bytes": rss, "threads": threads})
+            self.samples.append(
+                {
+                    "t": now,
+                    "cpu_percent": 100 * (cpu_s - prev_cpu) / (now - prev_t),
+                    "rss_bytes": rss,
+                    "threads": threads,
+                }
+            )
             prev_cpu, prev_t = cpu_s, now
 
     def start(self) -> None:
@@ -158,7 +183,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 # ----------------------------------------------------------------- the test
 def _job_file(path: Path, out: Path, real_workers: int) -> Path:
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name = "load-test"
         [model]
         name = "gpt2"
@@ -180,13 +206,20 @@ def _job_file(path: Path, out: Path, real_workers: int) -> Path:
         replicate_every = 50
         [output]
         dir = "{out}"
-    """))
+    """)
+    )
     return path
 
 
 def run_load(
-    *, workers: int, seconds: float, work_dir: Path, real_workers: int = 2, heartbeat_interval_s: float = 2.0,
-    heartbeat_timeout_s: float = 10.0, progress: bool = True,
+    *,
+    workers: int,
+    seconds: float,
+    work_dir: Path,
+    real_workers: int = 2,
+    heartbeat_interval_s: float = 2.0,
+    heartbeat_timeout_s: float = 10.0,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Run the load test; returns the result document (see the module docstring)."""
     from fusion.config import load_job
@@ -203,8 +236,13 @@ def run_load(
     lites: list[subprocess.Popen[bytes]] = []
     with Fleet(work_dir / "logs") as fleet:
         try:
-            address = fleet.start_coordinator(token=token, state_dir=work_dir / "state", heartbeat_interval_s=heartbeat_interval_s,
-                                              heartbeat_timeout_s=heartbeat_timeout_s, extra_args=["--log-level", "WARNING"])
+            address = fleet.start_coordinator(
+                token=token,
+                state_dir=work_dir / "state",
+                heartbeat_interval_s=heartbeat_interval_s,
+                heartbeat_timeout_s=heartbeat_timeout_s,
+                extra_args=["--log-level", "WARNING"],
+            )
             assert fleet.coordinator is not None
             client = CoordinatorClient(address, token)
             job_id = ""
@@ -227,18 +265,37 @@ def run_load(
             for i in range(workers):
                 name = f"{LITE_PREFIX}{i:03d}"
                 with open(work_dir / "logs" / f"{name}.log", "wb") as log:
-                    lites.append(subprocess.Popen(
-                        [sys.executable, "-m", "testbeds.load_test", "lite-worker", "--coordinator", address,
-                         "--token-file", str(token_file), "--name", name, "--report", str(reports / f"{name}.json")],
-                        stdout=log, stderr=subprocess.STDOUT, env=fleet.env, start_new_session=True,
-                    ))
+                    lites.append(
+                        subprocess.Popen(
+                            [
+                                sys.executable,
+                                "-m",
+                                "testbeds.load_test",
+                                "lite-worker",
+                                "--coordinator",
+                                address,
+                                "--token-file",
+                                str(token_file),
+                                "--name",
+                                name,
+                                "--report",
+                                str(reports / f"{name}.json"),
+                            ],
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=fleet.env,
+                            start_new_session=True,
+                        )
+                    )
             while True:
                 registered = [w for w in client.workers() if w.name.startswith(LITE_PREFIX)]
                 if len(registered) >= workers:
                     break
                 dead = [p for p in lites if p.poll() is not None]
                 if dead or time.monotonic() - t_spawn > 300:
-                    raise RuntimeError(f"{len(registered)}/{workers} lightweight workers registered; {len(dead)} exited")
+                    raise RuntimeError(
+                        f"{len(registered)}/{workers} lightweight workers registered; {len(dead)} exited"
+                    )
                 time.sleep(1.0)
             all_registered_s = time.monotonic() - t_spawn
             say(f"{workers} lightweight workers registered in {all_registered_s:.1f}s; measuring for {seconds:.0f}s")
@@ -258,8 +315,10 @@ def run_load(
                 views += 1
                 if progress and views % 6 == 0:
                     last = sampler.samples[-1] if sampler.samples else {"cpu_percent": 0.0, "rss_bytes": 0}
-                    say(f"{elapsed:.0f}s: coordinator {last['cpu_percent']:.0f}% CPU, {last['rss_bytes'] / 2**20:.0f} MiB; "
-                        f"stalest heartbeat {max_age_s:.2f}s; gone {len(gone)}")
+                    say(
+                        f"{elapsed:.0f}s: coordinator {last['cpu_percent']:.0f}% CPU, {last['rss_bytes'] / 2**20:.0f} MiB; "
+                        f"stalest heartbeat {max_age_s:.2f}s; gone {len(gone)}"
+                    )
             window_s = time.monotonic() - t_window
             job_state = client.status(job_id) if job_id else {}
             samples = sampler.stop()
@@ -297,20 +356,42 @@ def run_load(
         "heartbeats_lost": sent - acked,
         "heartbeats_failed": sum(w["failed"] for w in per_worker),
         "heartbeats_unknown": sum(w["unknown"] for w in per_worker),
-        "register_errors": {k: sum(w["register_errors"].get(k, 0) for w in per_worker) for k in sorted({k for w in per_worker for k in w["register_errors"]})},
-        "heartbeat_errors": {k: sum(w["errors"].get(k, 0) for w in per_worker) for k in sorted({k for w in per_worker for k in w["errors"]})},
-        "heartbeat_rtt_ms": {"p50": 1e3 * _percentile(rtts, 0.5), "p99": 1e3 * _percentile(rtts, 0.99), "max": 1e3 * max(rtts, default=0.0)},
+        "register_errors": {
+            k: sum(w["register_errors"].get(k, 0) for w in per_worker)
+            for k in sorted({k for w in per_worker for k in w["register_errors"]})
+        },
+        "heartbeat_errors": {
+            k: sum(w["errors"].get(k, 0) for w in per_worker)
+            for k in sorted({k for w in per_worker for k in w["errors"]})
+        },
+        "heartbeat_rtt_ms": {
+            "p50": 1e3 * _percentile(rtts, 0.5),
+            "p99": 1e3 * _percentile(rtts, 0.99),
+            "max": 1e3 * max(rtts, default=0.0),
+        },
         "max_gap_between_acks_s": max((w["max_gap_s"] for w in per_worker), default=0.0),
         "max_heartbeat_age_seen_by_coordinator_s": round(max_age_s, 3),
         "declared_gone": sorted(gone),
         "declared_gone_in_log": coordinator_log.count("declared gone"),
         "deregistered": sum(bool(w.get("deregistered")) for w in per_worker),
-        "coordinator_cpu_percent": {"mean": statistics.fmean(cpu) if cpu else 0.0, "p95": _percentile(cpu, 0.95), "max": max(cpu, default=0.0)},
-        "coordinator_rss_mib": {"start": rss[0] / 2**20 if rss else 0.0, "max": max(rss, default=0) / 2**20, "end": rss[-1] / 2**20 if rss else 0.0},
+        "coordinator_cpu_percent": {
+            "mean": statistics.fmean(cpu) if cpu else 0.0,
+            "p95": _percentile(cpu, 0.95),
+            "max": max(cpu, default=0.0),
+        },
+        "coordinator_rss_mib": {
+            "start": rss[0] / 2**20 if rss else 0.0,
+            "max": max(rss, default=0) / 2**20,
+            "end": rss[-1] / 2**20 if rss else 0.0,
+        },
         "coordinator_threads_max": max((int(s["threads"]) for s in window), default=0),
         "samples": len(window),
-        "job": {"id": job_id, "state_at_end_of_window": job_state.get("state"), "steps_in_window": (job_state.get("step", 0) - step_start) if job_id else 0,
-                "steps_per_s": round((job_state.get("step", 0) - step_start) / window_s, 2) if job_id else 0.0},
+        "job": {
+            "id": job_id,
+            "state_at_end_of_window": job_state.get("state"),
+            "steps_in_window": (job_state.get("step", 0) - step_start) if job_id else 0,
+            "steps_per_s": round((job_state.get("step", 0) - step_start) / window_s, 2) if job_id else 0.0,
+        },
         "cpu_count": os.cpu_count(),
     }
     return result
@@ -320,16 +401,33 @@ def format_table(r: dict[str, Any]) -> str:
     cpu, rss, rtt, job = r["coordinator_cpu_percent"], r["coordinator_rss_mib"], r["heartbeat_rtt_ms"], r["job"]
     rows = [
         ("lightweight workers / real workers", f"{r['workers']} / {r['real_workers']}"),
-        ("window", f"{r['window_s']:.0f} s (all registered after {r['all_registered_s']:.1f} s, {r['register_attempts']} Register calls)"),
-        ("heartbeats sent / acknowledged / lost", f"{r['heartbeats_sent']} / {r['heartbeats_acked']} / {r['heartbeats_lost']}"),
+        (
+            "window",
+            f"{r['window_s']:.0f} s (all registered after {r['all_registered_s']:.1f} s, {r['register_attempts']} Register calls)",
+        ),
+        (
+            "heartbeats sent / acknowledged / lost",
+            f"{r['heartbeats_sent']} / {r['heartbeats_acked']} / {r['heartbeats_lost']}",
+        ),
         ("heartbeat round trip p50 / p99 / max", f"{rtt['p50']:.1f} / {rtt['p99']:.1f} / {rtt['max']:.1f} ms"),
-        ("longest gap between acks (interval)", f"{r['max_gap_between_acks_s']:.2f} s ({r['heartbeat_interval_s']:.1f} s)"),
-        ("stalest heartbeat seen by the coordinator", f"{r['max_heartbeat_age_seen_by_coordinator_s']:.2f} s (timeout {r['heartbeat_timeout_s']:.0f} s)"),
+        (
+            "longest gap between acks (interval)",
+            f"{r['max_gap_between_acks_s']:.2f} s ({r['heartbeat_interval_s']:.1f} s)",
+        ),
+        (
+            "stalest heartbeat seen by the coordinator",
+            f"{r['max_heartbeat_age_seen_by_coordinator_s']:.2f} s (timeout {r['heartbeat_timeout_s']:.0f} s)",
+        ),
         ("workers declared gone", f"{len(r['declared_gone'])} (log: {r['declared_gone_in_log']})"),
         ("coordinator CPU mean / p95 / max", f"{cpu['mean']:.1f} / {cpu['p95']:.1f} / {cpu['max']:.1f} % of one core"),
         ("coordinator RSS start / max / end", f"{rss['start']:.0f} / {rss['max']:.0f} / {rss['end']:.0f} MiB"),
         ("coordinator threads (max)", str(r["coordinator_threads_max"])),
-        ("job during the window", f"{job['state_at_end_of_window']}, {job['steps_in_window']} steps ({job['steps_per_s']} steps/s)" if job["id"] else "none"),
+        (
+            "job during the window",
+            f"{job['state_at_end_of_window']}, {job['steps_in_window']} steps ({job['steps_per_s']} steps/s)"
+            if job["id"]
+            else "none",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k:<{width}} | {v} |" for k, v in [("metric", "value"), ("-" * width, "---"), *rows])
@@ -344,12 +442,28 @@ def main(argv: list[str] | None = None) -> int:
     lite.add_argument("--name", required=True)
     lite.add_argument("--report", required=True)
     p.add_argument("--workers", type=int, default=64, help="lightweight worker processes (default: %(default)s)")
-    p.add_argument("--seconds", type=float, default=300.0, help="measured window once all registered (default: %(default)s)")
-    p.add_argument("--real-workers", type=int, default=2, help="real fusion-workers running a GPT-2 tiny job (0: no job)")
-    p.add_argument("--heartbeat-interval", type=float, default=2.0, help="the coordinator's heartbeat interval (default: its own default, %(default)s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the coordinator's heartbeat timeout (default: %(default)s)")
+    p.add_argument(
+        "--seconds", type=float, default=300.0, help="measured window once all registered (default: %(default)s)"
+    )
+    p.add_argument(
+        "--real-workers", type=int, default=2, help="real fusion-workers running a GPT-2 tiny job (0: no job)"
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=2.0,
+        help="the coordinator's heartbeat interval (default: its own default, %(default)s)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="the coordinator's heartbeat timeout (default: %(default)s)",
+    )
     p.add_argument("--work-dir", default=None, help="logs and state (default: a temporary directory)")
-    p.add_argument("--out", default=str(RESULTS_DIR / "load-test"), help="write OUT.json and OUT.md (default: %(default)s)")
+    p.add_argument(
+        "--out", default=str(RESULTS_DIR / "load-test"), help="write OUT.json and OUT.md (default: %(default)s)"
+    )
     args = p.parse_args(argv)
     if args.command == "lite-worker":
         return lite_worker(args.coordinator, Path(args.token_file).read_text().strip(), args.name, Path(args.report))
@@ -357,16 +471,24 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="fusion-load-") as tmp:
         work = Path(args.work_dir or tmp)
-        result = run_load(workers=args.workers, seconds=args.seconds, work_dir=work, real_workers=args.real_workers,
-                          heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout)
+        result = run_load(
+            workers=args.workers,
+            seconds=args.seconds,
+            work_dir=work,
+            real_workers=args.real_workers,
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+        )
     table = format_table(result)
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     command = f"python -m testbeds.load_test --workers {args.workers} --seconds {args.seconds:g} --real-workers {args.real_workers}"
-    out.with_suffix(".md").write_text(f"# Coordinator load test\n\n`{command}` on {result['cpu_count']} CPU cores, "
-                                      f"{time.strftime('%Y-%m-%d')}.\n\n{table}\n")
+    out.with_suffix(".md").write_text(
+        f"# Coordinator load test\n\n`{command}` on {result['cpu_count']} CPU cores, "
+        f"{time.strftime('%Y-%m-%d')}.\n\n{table}\n"
+    )
     return 0 if result["heartbeats_lost"] == 0 and not result["declared_gone"] else 1
 
 

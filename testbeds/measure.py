@@ -71,7 +71,13 @@ def sink(address: str, *, warm_s: float = WARM_S) -> dict[str, float]:
     span_s = t_last - t_first
     ramp = (total - first) / span_s if span_s > 0 else 0.0
     steady = (total - warm_bytes) / (t_last - t_warm) if t_warm is not None and t_last > t_warm else ramp
-    return {"bytes": total, "seconds": span_s, "bytes_per_s": steady, "ramp_bytes_per_s": ramp, "mbps": steady * 8 / 1e6}
+    return {
+        "bytes": total,
+        "seconds": span_s,
+        "bytes_per_s": steady,
+        "ramp_bytes_per_s": ramp,
+        "mbps": steady * 8 / 1e6,
+    }
 
 
 def send(address: str, seconds: float, size_bytes: int | None = None) -> dict[str, float]:
@@ -168,11 +174,15 @@ def transfers(address: str, sizes: list[int], *, repeats: int, idle_s: float, wa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m testbeds.measure", description="Bulk throughput and RTT over a testbed link.")
+    p = argparse.ArgumentParser(
+        prog="python -m testbeds.measure", description="Bulk throughput and RTT over a testbed link."
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sk = sub.add_parser("sink", help="receive one bulk transfer, print its rate")
     sk.add_argument("--listen", required=True)
-    sk.add_argument("--warm", type=float, default=WARM_S, help="seconds left out of the steady rate (default: %(default)s)")
+    sk.add_argument(
+        "--warm", type=float, default=WARM_S, help="seconds left out of the steady rate (default: %(default)s)"
+    )
     snd = sub.add_parser("send", help="send bytes for a while")
     snd.add_argument("--to", required=True)
     snd.add_argument("--seconds", type=float, default=3.0)
@@ -181,12 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("rtt", help="ping-pong round-trip time")
     r.add_argument("--to", required=True)
     r.add_argument("--count", type=int, default=20)
-    sub.add_parser("answer", help="answer each length-prefixed message (for transfers)").add_argument("--listen", required=True)
+    sub.add_parser("answer", help="answer each length-prefixed message (for transfers)").add_argument(
+        "--listen", required=True
+    )
     t = sub.add_parser("transfers", help="time single messages of several sizes, each until its answer")
     t.add_argument("--to", required=True)
     t.add_argument("--sizes", required=True, help="bytes, comma-separated")
     t.add_argument("--repeats", type=int, default=3)
-    t.add_argument("--idle", type=float, default=0.1, help="seconds of quiet before each message (default: %(default)s)")
+    t.add_argument(
+        "--idle", type=float, default=0.1, help="seconds of quiet before each message (default: %(default)s)"
+    )
     args = p.parse_args(argv)
     if args.cmd == "answer":
         answer(args.listen)

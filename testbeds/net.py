@@ -156,7 +156,9 @@ class Testbed:
 
     def __init__(self, topology: Topology, *, prefix: str, label: str = "topology") -> None:
         if not PREFIX_RE.match(prefix):
-            raise ConfigError(f"testbed prefix {prefix!r} must look like 'fz<pid>-' (so that 'python -m testbeds down' finds it)")
+            raise ConfigError(
+                f"testbed prefix {prefix!r} must look like 'fz<pid>-' (so that 'python -m testbeds down' finds it)"
+            )
         self.topology = topology
         self.label = label
         self.prefix = prefix
@@ -187,14 +189,22 @@ class Testbed:
 
     def describe(self) -> str:
         """A few lines: backend, latency mode, each host's address and how to run a command in it."""
-        lines = [f"testbed {self.prefix.rstrip('-')} ({self.label}): backend {self.backend}, latency {self.latency_mode}"]
+        lines = [
+            f"testbed {self.prefix.rstrip('-')} ({self.label}): backend {self.backend}, latency {self.latency_mode}"
+        ]
         if self.backend == "netns" and self.latency_mode == "userspace":
-            lines.append("  (no sch_netem nor TUN in this kernel: latency is added only on fusion's peer-mapped path, by a user-space proxy)")
+            lines.append(
+                "  (no sch_netem nor TUN in this kernel: latency is added only on fusion's peer-mapped path, by a user-space proxy)"
+            )
         if self.latency_mode == "tun":
-            lines.append("  (no sch_netem in this kernel: a TUN delay line per host adds each link's latency to every packet)")
+            lines.append(
+                "  (no sch_netem in this kernel: a TUN delay line per host adds each link's latency to every packet)"
+            )
         width = max(len(h) for h in self.hosts)
         for h in self.hosts:
-            lines.append(f"  {h:<{width}}  {self.address(h):<15}  run: {' '.join(self.shell_prefix(h)) or '(this shell)'} CMD")
+            lines.append(
+                f"  {h:<{width}}  {self.address(h):<15}  run: {' '.join(self.shell_prefix(h)) or '(this shell)'} CMD"
+            )
         return "\n".join(lines)
 
     def shell_prefix(self, host: str) -> list[str]:
@@ -319,12 +329,16 @@ class Testbed:
         shutil.rmtree(self.workdir, ignore_errors=True)
         atexit.unregister(self.close)
         if errors:
-            raise TestbedError(f"testbed {self.prefix} teardown incomplete ({'; '.join(errors)}); run 'python -m testbeds down'")
+            raise TestbedError(
+                f"testbed {self.prefix} teardown incomplete ({'; '.join(errors)}); run 'python -m testbeds down'"
+            )
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -394,7 +408,9 @@ def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout_s: f
         if m:
             return m
         if proc.poll() is not None:
-            raise TestbedError(f"{path.stem} exited with code {proc.returncode} before ready; its log ends with:\n{text[-2000:]}")
+            raise TestbedError(
+                f"{path.stem} exited with code {proc.returncode} before ready; its log ends with:\n{text[-2000:]}"
+            )
         if time.monotonic() > deadline:
             raise TestbedError(f"{path.stem} not ready within {timeout_s:.0f}s; see {path}")
         time.sleep(0.05)

@@ -148,7 +148,12 @@ def _wait_gone(pids: Sequence[int], timeout_s: float) -> None:
 
 def netem_available(namespace: str) -> bool:
     """Whether this kernel has ``sch_netem``: try one on ``lo`` of a scratch namespace."""
-    r = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], check=False, capture_output=True, text=True)
+    r = subprocess.run(
+        ["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode == 0:
         subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], check=False, capture_output=True)
         return True
@@ -211,7 +216,9 @@ class NetnsTestbed(Testbed):
             self.latency_mode = "netem" if netem else "none"
         elif tun_available(self.switch):
             self.latency_mode = "tun"
-            logger.warning("this kernel has no sch_netem: link latency is added by a TUN delay line per host (every packet)")
+            logger.warning(
+                "this kernel has no sch_netem: link latency is added by a TUN delay line per host (every packet)"
+            )
         else:
             self.latency_mode = "userspace"
             logger.warning(
@@ -251,8 +258,13 @@ class NetnsTestbed(Testbed):
         # Packets handed back carry this host's own source address: accept them (accept_local,
         # no reverse-path filter) and forward them.
         with in_netns(ns):
-            for key, value in (("ip_forward", "1"), ("conf/all/rp_filter", "0"), (f"conf/{DELAY_TUN}/rp_filter", "0"),
-                               (f"conf/{DELAY_TUN}/accept_local", "1"), ("conf/all/send_redirects", "0")):
+            for key, value in (
+                ("ip_forward", "1"),
+                ("conf/all/rp_filter", "0"),
+                (f"conf/{DELAY_TUN}/rp_filter", "0"),
+                (f"conf/{DELAY_TUN}/accept_local", "1"),
+                ("conf/all/send_redirects", "0"),
+            ):
                 Path(f"/proc/sys/net/ipv4/{key}").write_text(value)
         log = self.workdir / f"delayline-{i}.log"
         argv = [sys.executable, "-m", "testbeds.delayline", "--tun", DELAY_TUN]
@@ -261,11 +273,18 @@ class NetnsTestbed(Testbed):
         with open(log, "w") as f:
             proc = self.spawn(self.hosts[i], argv, stdout=f, stderr=subprocess.STDOUT)
         wait_for_line(log, r"ready", proc, 30)
-        lines = [f"rule add iif {DELAY_TUN} lookup {DELAY_TABLE} pref 100", f"route add {SUBNET_PREFIX}.0.0/16 dev eth0 table {DELAY_TABLE}"]
+        lines = [
+            f"rule add iif {DELAY_TUN} lookup {DELAY_TABLE} pref 100",
+            f"route add {SUBNET_PREFIX}.0.0/16 dev eth0 table {DELAY_TABLE}",
+        ]
         lines += [f"route add {host_address(j)}/32 dev {DELAY_TUN} src {me}" for j in delayed]
-        r = subprocess.run(["ip", "-n", ns, "-batch", "-"], input="\n".join(lines) + "\n", check=False, capture_output=True, text=True)
+        r = subprocess.run(
+            ["ip", "-n", ns, "-batch", "-"], input="\n".join(lines) + "\n", check=False, capture_output=True, text=True
+        )
         if r.returncode != 0:
-            raise TestbedError(f"routing host {self.hosts[i]}'s delayed links through {DELAY_TUN} failed: {r.stderr.strip()}")
+            raise TestbedError(
+                f"routing host {self.hosts[i]}'s delayed links through {DELAY_TUN} failed: {r.stderr.strip()}"
+            )
 
     def _shape(self, i: int, netem: bool) -> None:
         """htb on host ``i``'s eth0: one class (and a netem leaf if available) per destination."""
@@ -285,13 +304,23 @@ class NetnsTestbed(Testbed):
             if netem:
                 latency_us = round(self.topology.latency_s[i][j] * 1e6)
                 limit = max(1000, int(rate_bytes_per_s * (self.topology.latency_s[i][j] + 0.1) / 1500))
-                lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: netem delay {latency_us}us limit {limit}")
+                lines.append(
+                    f"qdisc add dev eth0 parent 1:{cls} handle {cls}: netem delay {latency_us}us limit {limit}"
+                )
             elif j in delayed:
                 rtt = self.topology.latency_s[i][j] + self.topology.latency_s[j][i]
                 limit = max(100, int(rate_bytes_per_s * (DELAYED_QUEUE_RTTS * rtt + 0.05) / 1500))
                 lines.append(f"qdisc add dev eth0 parent 1:{cls} handle {cls}: pfifo limit {limit}")
-            lines.append(f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {host_address(j)}/32 flowid 1:{cls}")
-        r = subprocess.run(["tc", "-n", self.namespaces[i], "-batch", "-"], input="\n".join(lines) + "\n", check=False, capture_output=True, text=True)
+            lines.append(
+                f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {host_address(j)}/32 flowid 1:{cls}"
+            )
+        r = subprocess.run(
+            ["tc", "-n", self.namespaces[i], "-batch", "-"],
+            input="\n".join(lines) + "\n",
+            check=False,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise TestbedError(f"tc shaping of host {self.hosts[i]} failed: {r.stderr.strip()}")
 
@@ -321,8 +350,12 @@ class NetnsTestbed(Testbed):
         ns = self.namespace(src)
         fwd, bwd = self._delay(src, dst), self._delay(dst, src)
         proxy = LinkProxy(
-            (self.address(src), 0), (self.address(dst), port), fwd, bwd,
-            socket_factory=lambda: netns_socket(ns), name=f"{src}->{dst}:{port}",
+            (self.address(src), 0),
+            (self.address(dst), port),
+            fwd,
+            bwd,
+            socket_factory=lambda: netns_socket(ns),
+            name=f"{src}->{dst}:{port}",
         )
         self._proxies.append(proxy)
         return proxy.address
@@ -347,7 +380,9 @@ class NetnsTestbed(Testbed):
         traffic (fusion's, the coordinator's, gloo's), whichever latency mode is in use."""
         carried: dict[tuple[str, str], int] = {}
         for i, ns in enumerate(self.namespaces):
-            r = subprocess.run(["tc", "-n", ns, "-s", "class", "show", "dev", "eth0"], check=False, capture_output=True, text=True)
+            r = subprocess.run(
+                ["tc", "-n", ns, "-s", "class", "show", "dev", "eth0"], check=False, capture_output=True, text=True
+            )
             for m in _CLASS_SENT.finditer(r.stdout):
                 j = int(m.group(1), 16) - 16  # class minors are destination index + 16 (_shape)
                 if 0 <= j < len(self.hosts) and j != i:

@@ -83,8 +83,15 @@ class PauseCost:
 
     def __post_init__(self) -> None:
         n = len(self.pauses_s)
-        if n < 1 or len(self.idle_s) != n or len(self.loaded_s) != n or list(self.pauses_s) != sorted(set(self.pauses_s)):
-            raise ConfigError(f"a pause cost needs increasing pauses with one idle and one loaded cost each, got {self}")
+        if (
+            n < 1
+            or len(self.idle_s) != n
+            or len(self.loaded_s) != n
+            or list(self.pauses_s) != sorted(set(self.pauses_s))
+        ):
+            raise ConfigError(
+                f"a pause cost needs increasing pauses with one idle and one loaded cost each, got {self}"
+            )
         if self.pauses_s[0] <= 0 or any(not 0 <= c < 1 for c in (*self.idle_s, *self.loaded_s)):
             raise ConfigError(f"pause costs need positive pauses and costs of 0-1 s, got {self}")
 
@@ -104,7 +111,9 @@ class PauseCost:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PauseCost:
         try:
-            return cls(tuple(map(float, d["pauses_s"])), tuple(map(float, d["idle_s"])), tuple(map(float, d["loaded_s"])))
+            return cls(
+                tuple(map(float, d["pauses_s"])), tuple(map(float, d["idle_s"])), tuple(map(float, d["loaded_s"]))
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a pause cost document ({e!r}): needs pauses_s, idle_s and loaded_s lists") from e
 
@@ -122,8 +131,14 @@ class TransferPathCost:
     seconds: tuple[tuple[float, ...], ...]
 
     def __post_init__(self) -> None:
-        if len(self.sizes_bytes) < 2 or list(self.sizes_bytes) != sorted(set(self.sizes_bytes)) or self.sizes_bytes[0] <= 0:
-            raise ConfigError(f"a transfer path cost needs two or more increasing positive sizes, got {self.sizes_bytes}")
+        if (
+            len(self.sizes_bytes) < 2
+            or list(self.sizes_bytes) != sorted(set(self.sizes_bytes))
+            or self.sizes_bytes[0] <= 0
+        ):
+            raise ConfigError(
+                f"a transfer path cost needs two or more increasing positive sizes, got {self.sizes_bytes}"
+            )
         if len(self.pauses_s) < 2 or self.pauses_s[0] != 0 or list(self.pauses_s) != sorted(set(self.pauses_s)):
             raise ConfigError(f"a transfer path cost needs pauses from 0 up, increasing, got {self.pauses_s}")
         if len(self.seconds) != len(self.pauses_s) or any(len(row) != len(self.sizes_bytes) for row in self.seconds):
@@ -141,12 +156,20 @@ class TransferPathCost:
         return float(np.interp(np.log(pause_s), np.log(self.pauses_s[1:]), at_size[1:]))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sizes_bytes": list(self.sizes_bytes), "pauses_s": list(self.pauses_s), "seconds": [list(r) for r in self.seconds]}
+        return {
+            "sizes_bytes": list(self.sizes_bytes),
+            "pauses_s": list(self.pauses_s),
+            "seconds": [list(r) for r in self.seconds],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransferPathCost:
         try:
-            return cls(tuple(map(int, d["sizes_bytes"])), tuple(map(float, d["pauses_s"])), tuple(tuple(map(float, r)) for r in d["seconds"]))
+            return cls(
+                tuple(map(int, d["sizes_bytes"])),
+                tuple(map(float, d["pauses_s"])),
+                tuple(tuple(map(float, r)) for r in d["seconds"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a transfer path cost ({e!r}): needs sizes_bytes, pauses_s and seconds") from e
 
@@ -158,7 +181,9 @@ def probe_computation() -> Callable[[], None]:
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    block = torch.nn.Sequential(torch.nn.LayerNorm(128), torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    block = torch.nn.Sequential(
+        torch.nn.LayerNorm(128), torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128)
+    )
     x = torch.randn(4, 64, 128, generator=gen, requires_grad=True)
 
     def run() -> None:
@@ -198,7 +223,9 @@ def median_after_pauses(
     return {p: statistics.median(v) for p, v in times.items()}
 
 
-def measure(pauses: Sequence[float] = PAUSES_S, *, trials: int = TRIALS, echo: Callable[[str], None] = print) -> PauseCost:
+def measure(
+    pauses: Sequence[float] = PAUSES_S, *, trials: int = TRIALS, echo: Callable[[str], None] = print
+) -> PauseCost:
     """Both curves on this machine: other cores idle, then one other core computing (a
     child process, stopped by its pid whatever happens)."""
     run = probe_computation()
@@ -220,8 +247,12 @@ def measure(pauses: Sequence[float] = PAUSES_S, *, trials: int = TRIALS, echo: C
 
 
 def measure_transfer_path(
-    sizes: Sequence[int] = TRANSFER_SIZES_BYTES, pauses: Sequence[float] = TRANSFER_PAUSES_S, *, trials: int = TRIALS,
-    rounds: int = TRANSFER_ROUNDS, echo: Callable[[str], None] = print,
+    sizes: Sequence[int] = TRANSFER_SIZES_BYTES,
+    pauses: Sequence[float] = TRANSFER_PAUSES_S,
+    *,
+    trials: int = TRIALS,
+    rounds: int = TRANSFER_ROUNDS,
+    echo: Callable[[str], None] = print,
 ) -> tuple[TransferPathCost, TransferPathCost, TransferPathCost]:
     """Time the executors' tensor path (``Probe``, or ``ProbeWhole`` for a transfer of one
     chunk, as ``Send`` and ``SendWhole``: header checks and reassembly every transfer takes,
@@ -238,7 +269,9 @@ def measure_transfer_path(
     from testbeds.bench_core import EXECUTOR_WARM_UP_S
 
     per_round = max(3, trials // rounds)
-    echo(f"timing the executors' transfer path for {len(sizes)} sizes after {len(pauses)} pause lengths, {rounds} rounds of {per_round} trials")
+    echo(
+        f"timing the executors' transfer path for {len(sizes)} sizes after {len(pauses)} pause lengths, {rounds} rounds of {per_round} trials"
+    )
     keys = (0.0, *pauses)
     rows: dict[tuple[float, int], list[float]] = {(p, size): [] for p in keys for size in sizes}
     with LocalCluster(1, torch_threads=1) as cluster:
@@ -249,11 +282,16 @@ def measure_transfer_path(
             time.sleep(EXECUTOR_WARM_UP_S)  # the executor imports in the background for its first seconds
             for r in range(rounds):
                 for k, size in enumerate(sizes):
-                    times = median_after_pauses(lambda size=size: client.probe(size), pauses, trials=per_round, seed=r * len(sizes) + k)
+                    times = median_after_pauses(
+                        lambda size=size: client.probe(size), pauses, trials=per_round, seed=r * len(sizes) + k
+                    )
                     for p, t in times.items():
                         rows[(p, size)].append(t)
             for size in sizes:
-                echo(f"  {size >> 10} KB: " + ", ".join(f"{p * 1e3:g} ms quiet {statistics.median(rows[(p, size)]) * 1e3:.2f} ms" for p in keys))
+                echo(
+                    f"  {size >> 10} KB: "
+                    + ", ".join(f"{p * 1e3:g} ms quiet {statistics.median(rows[(p, size)]) * 1e3:.2f} ms" for p in keys)
+                )
         finally:
             pool.close()
 
@@ -293,10 +331,21 @@ def document_in(directory: Path) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.pause_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=TRIALS, help=f"timed runs per pause and load (default {TRIALS})")
-    p.add_argument("--interference-seconds", type=float, default=SECONDS_PER_CASE,
-                   help=f"seconds of timing per transfer size and side for the transfer interference (default {SECONDS_PER_CASE:g})")
-    p.add_argument("--interference-rounds", type=int, default=ROUNDS, help=f"rounds of the transfer interference (default {ROUNDS})")
-    p.add_argument("--out", default=str(RESULTS / "pause-cost.json"), help="JSON path (default: testbeds/results/pause-cost.json)")
+    p.add_argument(
+        "--interference-seconds",
+        type=float,
+        default=SECONDS_PER_CASE,
+        help=f"seconds of timing per transfer size and side for the transfer interference (default {SECONDS_PER_CASE:g})",
+    )
+    p.add_argument(
+        "--interference-rounds",
+        type=int,
+        default=ROUNDS,
+        help=f"rounds of the transfer interference (default {ROUNDS})",
+    )
+    p.add_argument(
+        "--out", default=str(RESULTS / "pause-cost.json"), help="JSON path (default: testbeds/results/pause-cost.json)"
+    )
     args = p.parse_args(argv)
     if args.trials < 3:
         print("error: --trials must be at least 3", file=sys.stderr)
@@ -311,10 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     doc = {
-        **cost.to_dict(), "trials": args.trials, "computation": "a transformer MLP block, forward and backward, 4 x 64 x 128, one thread",
+        **cost.to_dict(),
+        "trials": args.trials,
+        "computation": "a transformer MLP block, forward and backward, 4 x 64 x 128, one thread",
         "transfer_path": path.to_dict(),
         "transfer_path_round_range": {"lowest": lowest.to_dict()["seconds"], "highest": highest.to_dict()["seconds"]},
-        "interference": interference.to_dict(), "interference_round_range": {"lowest": least.to_dict(), "highest": most.to_dict()},
+        "interference": interference.to_dict(),
+        "interference_round_range": {"lowest": least.to_dict(), "highest": most.to_dict()},
     }
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(out)

@@ -81,8 +81,13 @@ class _Pump:
     """Moves one direction of one connection: a reader stamps chunks, a writer delivers them on time."""
 
     def __init__(
-        self, src: socket.socket, dst: socket.socket, shaper: LinkShaper, on_close: Callable[[], None],
-        on_done: Callable[[], None], name: str,
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        shaper: LinkShaper,
+        on_close: Callable[[], None],
+        on_done: Callable[[], None],
+        name: str,
     ) -> None:
         self.src, self.dst, self.shaper, self.on_close, self.on_done = src, dst, shaper, on_close, on_done
         self._queue: collections.deque[tuple[float, bytes]] = collections.deque()
@@ -160,8 +165,14 @@ class LinkProxy:
     """
 
     def __init__(
-        self, listen: tuple[str, int], target: tuple[str, int], forward: LinkShaper, backward: LinkShaper, *,
-        socket_factory: SocketFactory | None = None, name: str = "link",
+        self,
+        listen: tuple[str, int],
+        target: tuple[str, int],
+        forward: LinkShaper,
+        backward: LinkShaper,
+        *,
+        socket_factory: SocketFactory | None = None,
+        name: str = "link",
     ) -> None:
         self.target = target
         self.forward, self.backward = forward, backward
@@ -308,7 +319,10 @@ class ProxyTestbed(Testbed):
 
     def _route(self, src: str, dst: str, port: int) -> str:
         proxy = LinkProxy(
-            (self.address(src), 0), (self.address(dst), port), self.shaper(src, dst), self.shaper(dst, src),
+            (self.address(src), 0),
+            (self.address(dst), port),
+            self.shaper(src, dst),
+            self.shaper(dst, src),
             name=f"{src}->{dst}:{port}",
         )
         self._proxies.append(proxy)

@@ -144,7 +144,18 @@ def replay_step(
     replay = None
     for _ in range(MAX_PASSES if interference is not None else 1):
         replay, found = _replay_pass(
-            sg, workload, stage_workers, topology, micro_batches, schedule, cores, pause_cost, transfer_cost, interference, spans, slept,
+            sg,
+            workload,
+            stage_workers,
+            topology,
+            micro_batches,
+            schedule,
+            cores,
+            pause_cost,
+            transfer_cost,
+            interference,
+            spans,
+            slept,
         )
         if spans is not None and found == spans:
             break
@@ -153,7 +164,9 @@ def replay_step(
     return replay
 
 
-def profiled_sleep_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> list[tuple[float, float] | None]:
+def profiled_sleep_s(
+    workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology
+) -> list[tuple[float, float] | None]:
     """Per stage, the (forward, backward) seconds a ``profile``-emulated worker sleeps after
     each micro-batch's computation: ``slowdown - 1`` times the stage's profiled seconds
     (``None`` for a worker not emulated)."""
@@ -175,9 +188,18 @@ MAX_PASSES = 12
 
 
 def _replay_pass(
-    sg: StageGraph, workload: Workload, stage_workers: Sequence[int], topology: Topology, micro_batches: int, schedule: str,
-    cores: int, pause_cost: Callable[[float, bool], float] | None, transfer_cost: Callable[[float, float], float] | None,
-    interference: TransferInterference | None, spans: list[list[_Span]] | None, slept: list[tuple[float, float] | None] | None = None,
+    sg: StageGraph,
+    workload: Workload,
+    stage_workers: Sequence[int],
+    topology: Topology,
+    micro_batches: int,
+    schedule: str,
+    cores: int,
+    pause_cost: Callable[[float, bool], float] | None,
+    transfer_cost: Callable[[float, float], float] | None,
+    interference: TransferInterference | None,
+    spans: list[list[_Span]] | None,
+    slept: list[tuple[float, float] | None] | None = None,
 ) -> tuple[Replay, list[list[_Span]]]:
     """One pass of :func:`replay_step`; ``spans``: per stage, the transfer work the last pass
     placed there, which the computations it overlaps now pay; ``slept``: what a ``profile``
@@ -262,16 +284,31 @@ def _replay_pass(
     unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
     apply = max(rtt, default=0.0) + optimizer_s(workload, unemulated)
     step = max(done, default=0.0) + tied + apply + workload.step.control_s
-    fed = {s: max(feed_in[s]) for s in range(n) if sg.feed_bytes(s, workload.step.target_bytes) and topology.driver_links is not None}
+    fed = {
+        s: max(feed_in[s])
+        for s in range(n)
+        if sg.feed_bytes(s, workload.step.target_bytes) and topology.driver_links is not None
+    }
     replay = Replay(
-        step_s=float(step), stages_done_s=done, tied_s=tied, apply_s=apply, compute_s=tuple(computed), finished_s=finished,
-        run_step_s=max(rtt, default=0.0), fed_s=fed,
+        step_s=float(step),
+        stages_done_s=done,
+        tied_s=tied,
+        apply_s=apply,
+        compute_s=tuple(computed),
+        finished_s=finished,
+        run_step_s=max(rtt, default=0.0),
+        fed_s=fed,
     )
     return replay, found
 
 
 def _send(
-    queue: _SendQueue, ready: float, topology: Topology, src: int, dst: int, size: float,
+    queue: _SendQueue,
+    ready: float,
+    topology: Topology,
+    src: int,
+    dst: int,
+    size: float,
     path_cost: Callable[[float, float], float] | None,
 ) -> tuple[float, float, float]:
     """One transfer through ``queue``; ``path_cost(size, pause)``: the executors' own work
@@ -287,7 +324,9 @@ def _send(
     return left, path_s, queue.send(ready, one_way, busy, back)
 
 
-def _feed(sg: StageGraph, workers: list[int], topology: Topology, target_bytes: int, m: int, *, start: float) -> list[list[float]]:
+def _feed(
+    sg: StageGraph, workers: list[int], topology: Topology, target_bytes: int, m: int, *, start: float
+) -> list[list[float]]:
     """Per stage and micro-batch, when the driver's inputs and targets for it have arrived
     (one synchronous send after another per stage, the stages fed in parallel)."""
     out = []

@@ -49,7 +49,13 @@ class TestbedRun:
     __test__ = False
 
     def __init__(
-        self, tb: Testbed, log_dir: Path, *, workers_per_host: int = 1, torch_threads: int = 1, echo: Callable[[str], None] = print,
+        self,
+        tb: Testbed,
+        log_dir: Path,
+        *,
+        workers_per_host: int = 1,
+        torch_threads: int = 1,
+        echo: Callable[[str], None] = print,
         slowdowns: Mapping[str, float] | None = None,
     ) -> None:
         if workers_per_host < 1:
@@ -79,11 +85,28 @@ class TestbedRun:
         """Start the coordinator and every worker; return once all joined."""
         tb = self.tb
         port = tb.free_port(self.head)
-        proc, log = self._spawn_logged(self.head, "coordinator", [
-            "-m", "fusion.cli.coordinator", "--host", tb.address(self.head), "--port", str(port),
-            "--token-file", str(self.token_file), "--state-dir", str(self.log_dir / "state"),
-            "--heartbeat-interval", "1", "--heartbeat-timeout", "20", "--log-level", "INFO",
-        ])
+        proc, log = self._spawn_logged(
+            self.head,
+            "coordinator",
+            [
+                "-m",
+                "fusion.cli.coordinator",
+                "--host",
+                tb.address(self.head),
+                "--port",
+                str(port),
+                "--token-file",
+                str(self.token_file),
+                "--state-dir",
+                str(self.log_dir / "state"),
+                "--heartbeat-interval",
+                "1",
+                "--heartbeat-timeout",
+                "20",
+                "--log-level",
+                "INFO",
+            ],
+        )
         m = wait_for_line(log, r"listening on (\S+:\d+)", proc, READY_TIMEOUT_S)
         self.coordinator = m.group(1)
         self.echo(f"coordinator on {self.head} at {self.coordinator} (log {log})")
@@ -91,11 +114,27 @@ class TestbedRun:
         for host, name in worker_names(tb, self.workers_per_host):
             port = tb.free_port(host)
             tb.expose(host, port)  # before it starts: every peer map routes it from the first channel
-            proc, log = self._spawn_logged(host, f"worker-{name}", [
-                "-m", "fusion.cli.worker", "--coordinator", self.coordinator, "--token-file", str(self.token_file),
-                "--name", name, "--listen", f"{tb.address(host)}:{port}", "--torch-threads", str(self.torch_threads),
-                "--log-level", "INFO", *slowdown_args(self.slowdowns.get(host)),
-            ])
+            proc, log = self._spawn_logged(
+                host,
+                f"worker-{name}",
+                [
+                    "-m",
+                    "fusion.cli.worker",
+                    "--coordinator",
+                    self.coordinator,
+                    "--token-file",
+                    str(self.token_file),
+                    "--name",
+                    name,
+                    "--listen",
+                    f"{tb.address(host)}:{port}",
+                    "--torch-threads",
+                    str(self.torch_threads),
+                    "--log-level",
+                    "INFO",
+                    *slowdown_args(self.slowdowns.get(host)),
+                ],
+            )
             started.append((name, proc, log))
         for _name, proc, log in started:
             wait_for_line(log, r"fusion-worker ready", proc, READY_TIMEOUT_S)
@@ -104,7 +143,14 @@ class TestbedRun:
     def fusion(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
         """Run ``fusion ARGS`` on the first host against this run's coordinator."""
         env = {**self.env, "FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
-        proc = self.tb.spawn(self.head, [sys.executable, "-m", "fusion.cli.main", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = self.tb.spawn(
+            self.head,
+            [sys.executable, "-m", "fusion.cli.main", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -117,7 +163,9 @@ class TestbedRun:
         spec = load_job(job_file)
         num_workers = len(self.tb.hosts) * self.workers_per_host
         if spec.cluster.min_workers > num_workers:
-            raise TestbedError(f"{job_file} needs min_workers = {spec.cluster.min_workers}; this testbed has {num_workers} worker(s)")
+            raise TestbedError(
+                f"{job_file} needs min_workers = {spec.cluster.min_workers}; this testbed has {num_workers} worker(s)"
+            )
         r = self.fusion("submit", str(Path(job_file).resolve()))
         if r.returncode != 0:
             raise TestbedError(f"fusion submit failed: {r.stderr.strip() or r.stdout.strip()}")
@@ -128,8 +176,12 @@ class TestbedRun:
         """Echo the job's log lines until it ends; return its final ``fusion status --json``."""
         env = {**self.env, "FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
         proc = self.tb.spawn(
-            self.head, [sys.executable, "-m", "fusion.cli.main", "logs", job_id, "--follow"], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            self.head,
+            [sys.executable, "-m", "fusion.cli.main", "logs", job_id, "--follow"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
 
         def pump() -> None:
@@ -178,13 +230,22 @@ def summary_lines(status: dict[str, Any]) -> list[str]:
     ]
     plan = status.get("plan")
     if plan:
-        lines.append(f"  plan ({plan['strategy']}): " + ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"]))
+        lines.append(
+            f"  plan ({plan['strategy']}): "
+            + ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"])
+        )
     return lines
 
 
 def run_job_on_testbed(
-    tb: Testbed, job_file: str | Path, log_dir: Path, *, workers_per_host: int = 1, timeout_s: float = 3600.0,
-    echo: Callable[[str], None] = print, slowdowns: Mapping[str, float] | None = None,
+    tb: Testbed,
+    job_file: str | Path,
+    log_dir: Path,
+    *,
+    workers_per_host: int = 1,
+    timeout_s: float = 3600.0,
+    echo: Callable[[str], None] = print,
+    slowdowns: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Start the fleet on ``tb``, run the job to its end, return its final status."""
     job_file = Path(job_file)
@@ -199,5 +260,8 @@ def run_job_on_testbed(
     carried = {k: v for k, v in tb.link_bytes().items() if v}
     if carried:
         how = "htb counters, frames of all traffic" if tb.backend == "netns" else "user-space proxies"
-        echo(f"  bytes over the emulated links ({how}): " + ", ".join(f"{s}->{d} {n:,}" for (s, d), n in sorted(carried.items())))
+        echo(
+            f"  bytes over the emulated links ({how}): "
+            + ", ".join(f"{s}->{d} {n:,}" for (s, d), n in sorted(carried.items()))
+        )
     return status

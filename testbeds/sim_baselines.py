@@ -22,7 +22,9 @@ from testbeds.sim_costs import JobCosts, SystemResult, slowest_link, with_throug
 from testbeds.sim_topologies import shared_cores_factor
 
 
-def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None, emulation: str = "wall") -> SystemResult:
+def simulate_ddp(
+    job: JobCosts, topology: Topology, *, cores: int | None = None, emulation: str = "wall"
+) -> SystemResult:
     """Every host holds the model and runs ``B / N`` samples; gradients are ring all-reduced.
 
     ``cores``: on a one-machine testbed all ``N`` ranks compute at once on that many cores
@@ -46,7 +48,9 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None,
     need = factor * param_bytes + activations
     short = [w.name for w in topology.workers if w.memory_bytes is not None and need > w.memory_bytes]
     if short:
-        return SystemResult(name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has")
+        return SystemResult(
+            name="ddp", step_s=None, note=f"n/a: the whole model needs {need / GIB:.1f} GiB, more than {short[0]} has"
+        )
     cores_factor = shared_cores_factor(topology.workers, cores)
     samples = per_rank_samples / mb  # micro-batches' worth of samples each rank computes
     scale = [_emulated_scale(job.reference_flops, w, cores_factor, emulation) * samples for w in topology.workers]
@@ -54,7 +58,9 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None,
     ready = ddp_bucket_ready_s(wl)
     buckets = len(ready) or ddp_buckets(param_bytes)
     # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
-    optimizer_s = wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
+    optimizer_s = (
+        wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
+    )
     if ready and DDP_REPLAY_STEPS * replay_messages(n, [size for size, _ in ready]) <= MAX_REPLAY_MESSAGES:
         step_s = ddp_replay_step_s(topology, ready, scale, optimizer_s, job.buffer_bytes)
         allreduce_s, model = step_s - compute_s - optimizer_s, "replay"
@@ -66,9 +72,17 @@ def simulate_ddp(job: JobCosts, topology: Topology, *, cores: int | None = None,
     slow_bytes, slow_mbps = slowest_link(topology, ring_bytes)
     return with_throughput(
         SystemResult(
-            name="ddp", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=n,
+            name="ddp",
+            step_s=step_s,
+            slowest_link_bytes=slow_bytes,
+            slowest_link_mbps=slow_mbps,
+            hosts_used=n,
             detail={
-                "compute_s": compute_s, "allreduce_s": allreduce_s, "optimizer_s": optimizer_s, "buckets": buckets, "allreduce_model": model,
+                "compute_s": compute_s,
+                "allreduce_s": allreduce_s,
+                "optimizer_s": optimizer_s,
+                "buckets": buckets,
+                "allreduce_model": model,
                 "buffer_bytes": job.buffer_bytes,
             },
         ),
@@ -94,7 +108,9 @@ def _emulated_scale(reference_flops: float, w: WorkerSpec, contention: float, em
     return reference_flops / w.effective_flops * contention
 
 
-def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None = None, emulation: str = "wall") -> SystemResult:
+def simulate_pipelining(
+    job: JobCosts, topology: Topology, *, cores: int | None = None, emulation: str = "wall"
+) -> SystemResult:
     """GPipe over the first ``min(N, blocks)`` hosts with the even split.
 
     ``cores``: the ranks share that many cores (one-machine testbed). In GPipe's steady state
@@ -111,11 +127,15 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     spec = job.spec
     num_stages = min(len(topology), len(job.blocks))
     if num_stages < 2:
-        return SystemResult(name="pipelining", step_s=None, note=f"n/a: the model has {len(job.blocks)} block(s), a pipeline needs 2")
+        return SystemResult(
+            name="pipelining", step_s=None, note=f"n/a: the model has {len(job.blocks)} block(s), a pipeline needs 2"
+        )
     unit_stage = gpipe_stages(job, num_stages)
     wl = job.workload()
     contention = max(1.0, num_stages / cores) if cores else 1.0
-    scale = np.array([_emulated_scale(job.reference_flops, topology.workers[s], contention, emulation) for s in range(num_stages)])
+    scale = np.array(
+        [_emulated_scale(job.reference_flops, topology.workers[s], contention, emulation) for s in range(num_stages)]
+    )
     # From the node profile, each node's backward timed on its own autograd nodes: the GPipe
     # program's own stages timed in isolation (testbeds.stage_profile) were the worse price
     # in 8 of 12 full benchmark cells (testbeds/results/bench-notes.md).
@@ -144,7 +164,9 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
         for pid, size in unit:
             stage_params[unit_stage[u]][pid] = size
     param_bytes = np.array([sum(p.values()) for p in stage_params], dtype=np.float64)
-    raw = np.array([job.reference_flops / topology.workers[s].flops for s in range(num_stages)])  # optimizer: not emulated
+    raw = np.array(
+        [job.reference_flops / topology.workers[s].flops for s in range(num_stages)]
+    )  # optimizer: not emulated
     step_s += wl.step.optimizer_s_per_byte * float((param_bytes * raw).max())
     holders: dict[int, list[int]] = {}
     for s, p in enumerate(stage_params):
@@ -157,7 +179,11 @@ def simulate_pipelining(job: JobCosts, topology: Topology, *, cores: int | None 
     slow_bytes, slow_mbps = slowest_link(topology, link_bytes)
     return with_throughput(
         SystemResult(
-            name="pipelining", step_s=step_s, slowest_link_bytes=slow_bytes, slowest_link_mbps=slow_mbps, hosts_used=num_stages,
+            name="pipelining",
+            step_s=step_s,
+            slowest_link_bytes=slow_bytes,
+            slowest_link_mbps=slow_mbps,
+            hosts_used=num_stages,
             detail={"stages": topology.names()[:num_stages], "tied_sync_s": tied_s},
         ),
         job,

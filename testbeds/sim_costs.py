@@ -53,11 +53,18 @@ class JobCosts:
         return float(self.dag.reference_flops or 1.0e12)
 
     def workload(self) -> Workload:
-        return workload_from_dag(self.dag, optimizer=self.spec.train.optimizer, momentum=self.spec.train.momentum, step=self.step)
+        return workload_from_dag(
+            self.dag, optimizer=self.spec.train.optimizer, momentum=self.spec.train.momentum, step=self.step
+        )
 
 
 def job_costs(
-    spec: JobSpec, *, costs: str = "profile", step: StepCosts | None = None, repeats: int = 3, profile: dict[str, Any] | None = None
+    spec: JobSpec,
+    *,
+    costs: str = "profile",
+    step: StepCosts | None = None,
+    repeats: int = 3,
+    profile: dict[str, Any] | None = None,
 ) -> JobCosts:
     """Capture the job's model and cost every node: profiled here, taken from ``profile``
     (``{"nodes", "matmul_flops", "optimizer_s_per_byte", "compute_factor"}`` as the
@@ -93,7 +100,9 @@ def job_costs(
                 }
             finally:
                 torch.set_num_threads(torch_threads)
-        nodes = scale_node_times(profile["nodes"], profile.get("compute_factor") or 1.0)  # as the coordinator calibrated them
+        nodes = scale_node_times(
+            profile["nodes"], profile.get("compute_factor") or 1.0
+        )  # as the coordinator calibrated them
         dag = captured.dag.with_profile(nodes, reference_flops=float(profile["matmul_flops"]))
         opt_s = float(profile["optimizer_s_per_byte"])
     else:
@@ -107,7 +116,12 @@ def job_costs(
         base = dataclasses.replace(base, optimizer_s_per_byte=opt_s)
     base = dataclasses.replace(base, target_bytes=y.numel() * y.element_size())
     return JobCosts(
-        spec=spec, dag=dag, step=base, blocks=block_names(model), tokens_per_sample=tokens, costs=costs,
+        spec=spec,
+        dag=dag,
+        step=base,
+        blocks=block_names(model),
+        tokens_per_sample=tokens,
+        costs=costs,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
     )
 

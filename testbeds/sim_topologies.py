@@ -105,8 +105,14 @@ PACED_SENDS = "paced"
 
 
 def testbed_topology(
-    topology: Topology, reference_flops: float | None, *, latency: bool = True, payload_share: float = 1.0,
-    emulated: Mapping[str, float] | None = None, compute_factors: Mapping[str, float] | None = None, paced_sends: bool = True,
+    topology: Topology,
+    reference_flops: float | None,
+    *,
+    latency: bool = True,
+    payload_share: float = 1.0,
+    emulated: Mapping[str, float] | None = None,
+    compute_factors: Mapping[str, float] | None = None,
+    paced_sends: bool = True,
 ) -> Topology:
     """Every host at this machine's speed and on this machine (the workers share its CPU, as
     their coordinator sees from the boot id they report), as one-host testbeds run them;
@@ -123,7 +129,10 @@ def testbed_topology(
     if reference_flops:
         workers = tuple(
             dataclasses.replace(
-                w, flops=reference_flops / factors.get(w.name, 1.0), slowdown=emulated.get(w.name, 1.0), machine=TESTBED_MACHINE
+                w,
+                flops=reference_flops / factors.get(w.name, 1.0),
+                slowdown=emulated.get(w.name, 1.0),
+                machine=TESTBED_MACHINE,
             )
             for w in workers
         )

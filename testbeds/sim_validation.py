@@ -66,8 +66,13 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
         doc = json.loads(path.read_text())
         rows.extend(
             validate_doc(
-                doc, path.stem, cores=cores, links=link_times_beside(doc, path.parent), pause=pause_cost_beside(path.parent),
-                transfer_path=transfer_path_beside(path.parent), interference=interference_beside(path.parent),
+                doc,
+                path.stem,
+                cores=cores,
+                links=link_times_beside(doc, path.parent),
+                pause=pause_cost_beside(path.parent),
+                transfer_path=transfer_path_beside(path.parent),
+                interference=interference_beside(path.parent),
             )
         )
     return rows
@@ -87,8 +92,14 @@ def link_times_beside(doc: dict[str, Any], directory: Path) -> dict[str, Any] | 
 
 
 def validate_doc(
-    doc: dict[str, Any], label: str, *, cores: int | None = None, links: dict[str, Any] | None = None, pause: PauseCost | None = None,
-    transfer_path: TransferPathCost | None = None, interference: TransferInterference | None = None,
+    doc: dict[str, Any],
+    label: str,
+    *,
+    cores: int | None = None,
+    links: dict[str, Any] | None = None,
+    pause: PauseCost | None = None,
+    transfer_path: TransferPathCost | None = None,
+    interference: TransferInterference | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`validate` for one benchmark result document; ``links``: the testbed's measured
     link times (:func:`link_times_beside`), which then price the gloo baselines' transfers
@@ -101,25 +112,36 @@ def validate_doc(
     what a transfer costs a computation it overlaps in its process, which fusion's and
     uniform's computations then pay in the profiled prediction (like the pause cost, the
     compute a run measured includes it)."""
-    sims = simulate_doc(doc, cores=cores, links=links, pause=pause, transfer_path=transfer_path, interference=interference)
+    sims = simulate_doc(
+        doc, cores=cores, links=links, pause=pause, transfer_path=transfer_path, interference=interference
+    )
     rows = []
     for name, step_s in ((n, r.get("step_s")) for n, r in doc["systems"].items()):
         sim = sims.profiled.get(name, {}).get("step_s")
         cal = sims.calibrated.get(name, {}).get("step_s")
         probed = (sims.probed or {}).get(name, {}).get("step_s")
-        rows.append({
-            "bench": label, "system": name, "measured_step_s": step_s, "simulated_step_s": sim,
-            "error": (sim - step_s) / step_s if sim and step_s else None,
-            "machine_drift": sims.machine_drift.get(name), "probed_step_s": probed,
-            "probed_error": (probed - step_s) / step_s if probed and step_s else None,
-            "compute_factor": sims.compute_factor, "calibrated_step_s": cal,
-            "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
-            "links": "measured" if links else "configured",
-            "pause_cost": pause is not None and name in ("fusion", "uniform"),
-            "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
-            "interference": interference is not None and name in ("fusion", "uniform"),
-            "driver_links": "measured" if sims.driver_links_measured and name in ("fusion", "uniform") else "configured",
-        })
+        rows.append(
+            {
+                "bench": label,
+                "system": name,
+                "measured_step_s": step_s,
+                "simulated_step_s": sim,
+                "error": (sim - step_s) / step_s if sim and step_s else None,
+                "machine_drift": sims.machine_drift.get(name),
+                "probed_step_s": probed,
+                "probed_error": (probed - step_s) / step_s if probed and step_s else None,
+                "compute_factor": sims.compute_factor,
+                "calibrated_step_s": cal,
+                "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
+                "links": "measured" if links else "configured",
+                "pause_cost": pause is not None and name in ("fusion", "uniform"),
+                "transfer_path": transfer_path is not None and name in ("fusion", "uniform"),
+                "interference": interference is not None and name in ("fusion", "uniform"),
+                "driver_links": "measured"
+                if sims.driver_links_measured and name in ("fusion", "uniform")
+                else "configured",
+            }
+        )
     return rows
 
 
@@ -142,8 +164,13 @@ class SimulatedRun:
 
 
 def simulate_doc(
-    doc: dict[str, Any], *, cores: int | None = None, links: dict[str, Any] | None = None, pause: PauseCost | None = None,
-    transfer_path: TransferPathCost | None = None, interference: TransferInterference | None = None,
+    doc: dict[str, Any],
+    *,
+    cores: int | None = None,
+    links: dict[str, Any] | None = None,
+    pause: PauseCost | None = None,
+    transfer_path: TransferPathCost | None = None,
+    interference: TransferInterference | None = None,
 ) -> SimulatedRun:
     """The two predictions :func:`validate_doc` compares (its arguments, the same meaning)."""
     cores = cores or os.cpu_count() or 1
@@ -157,7 +184,9 @@ def simulate_doc(
     emulation = doc.get("emulation", "wall")  # runs before --emulation stretched by the wall time
 
     def run_all(
-        speed: float, host_factors: dict[str, dict[str, float]] | None = None, unseen_compute: bool = False,
+        speed: float,
+        host_factors: dict[str, dict[str, float]] | None = None,
+        unseen_compute: bool = False,
         drift: Mapping[str, float] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Every measured system; ``host_factors``: per system, hosts whose compute the run
@@ -172,8 +201,13 @@ def simulate_doc(
 
         def topo(with_latency: bool, name: str) -> Any:
             return testbed_topology(
-                topology, speed / drift.get(name, 1.0), latency=with_latency, payload_share=share, emulated=emulated,
-                compute_factors=host_factors.get(name), paced_sends=doc.get("sends") == PACED_SENDS,
+                topology,
+                speed / drift.get(name, 1.0),
+                latency=with_latency,
+                payload_share=share,
+                emulated=emulated,
+                compute_factors=host_factors.get(name),
+                paced_sends=doc.get("sends") == PACED_SENDS,
             )
 
         # The measured message times are gloo's pattern (a receiver silent until the whole
@@ -189,25 +223,44 @@ def simulate_doc(
             if name in measured:
                 given = doc["systems"][name].get("plan")
                 sims[name] = simulate_plan(
-                    job, topo(mode != "none", name), strategy=strategy, compression=compression, driver=0, given=given, cores=cores,
-                    pause_cost=pause if unseen_compute else None, transfer_cost=transfer_path,
-                    interference=interference if unseen_compute else None, driver_links=driver_links, emulation=emulation,
+                    job,
+                    topo(mode != "none", name),
+                    strategy=strategy,
+                    compression=compression,
+                    driver=0,
+                    given=given,
+                    cores=cores,
+                    pause_cost=pause if unseen_compute else None,
+                    transfer_cost=transfer_path,
+                    interference=interference if unseen_compute else None,
+                    driver_links=driver_links,
+                    emulation=emulation,
                 ).to_dict()
         return sims
 
     raw = run_all(job.reference_flops, unseen_compute=True)
     drift = machine_drift(doc)
     probed = run_all(job.reference_flops, unseen_compute=True, drift=drift) if drift else None
-    host_factors = {name: f for name in ("fusion", "uniform") if (f := _stage_factors(doc, name, raw.get(name), spec.train.micro_batches))}
+    host_factors = {
+        name: f
+        for name in ("fusion", "uniform")
+        if (f := _stage_factors(doc, name, raw.get(name), spec.train.micro_batches))
+    }
     mean = [float(np.mean(list(f.values()))) for f in host_factors.values()]
     factor = float(np.mean(mean)) if mean else 1.0
     # ddp and pipelining record no compute time: they take the mean factor of fusion's and uniform's.
     if mean:
-        calibrated = run_all(job.reference_flops / factor, {n: {h: v / factor for h, v in f.items()} for n, f in host_factors.items()})
+        calibrated = run_all(
+            job.reference_flops / factor, {n: {h: v / factor for h, v in f.items()} for n, f in host_factors.items()}
+        )
     else:  # nothing measured to calibrate on: the profile's compute, still without the pause cost
         calibrated = run_all(job.reference_flops) if pause is not None or interference is not None else raw
     return SimulatedRun(
-        profiled=raw, calibrated=calibrated, compute_factor=factor, driver_links_measured=driver_links is not None, probed=probed,
+        profiled=raw,
+        calibrated=calibrated,
+        compute_factor=factor,
+        driver_links_measured=driver_links is not None,
+        probed=probed,
         machine_drift=drift,
     )
 
@@ -261,7 +314,7 @@ def _stage_factors(doc: dict[str, Any], name: str, sim: dict[str, Any] | None, m
     got = doc["systems"].get(name, {}).get("compute_s") or {}
     detail = (sim or {}).get("detail", {})
     predicted: dict[str, float] = {}
-    for host, stage_s in zip(detail.get("stages", []), detail.get("stage_compute_s", [])):
+    for host, stage_s in zip(detail.get("stages", []), detail.get("stage_compute_s", []), strict=False):
         predicted[host] = predicted.get(host, 0.0) + micro_batches * stage_s
     slowdown = (doc.get("emulated_slowdown") or {}) if doc.get("emulation") == "profile" else {}
     factors = {}
@@ -278,30 +331,46 @@ def add_simulation(doc: dict[str, Any], directory: Path) -> None:
     its error against the measured one (:func:`validate_doc`: the plans fusion and uniform
     ran, the run's profile, and the same with compute calibrated on the run; the testbed's
     measured link times and the machine's pause costs where ``directory`` holds them)."""
-    pause, path, interference = pause_cost_beside(directory), transfer_path_beside(directory), interference_beside(directory)
+    pause, path, interference = (
+        pause_cost_beside(directory),
+        transfer_path_beside(directory),
+        interference_beside(directory),
+    )
     doc["sim_pause_cost"], doc["sim_transfer_path"] = pause is not None, path is not None
     doc["sim_interference"] = interference is not None
     for v in validate_doc(
-        doc, doc["topology"], links=link_times_beside(doc, directory), pause=pause, transfer_path=path, interference=interference,
+        doc,
+        doc["topology"],
+        links=link_times_beside(doc, directory),
+        pause=pause,
+        transfer_path=path,
+        interference=interference,
     ):
         row = doc["systems"][v["system"]]
         row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
         row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
-        row["machine_drift"], row["probed_step_s"], row["probed_error"] = v["machine_drift"], v["probed_step_s"], v["probed_error"]
+        row["machine_drift"], row["probed_step_s"], row["probed_error"] = (
+            v["machine_drift"],
+            v["probed_step_s"],
+            v["probed_error"],
+        )
         doc["compute_factor"] = v["compute_factor"]
         doc["sim_links"] = v["links"]
         if v["system"] in ("fusion", "uniform"):
             doc["sim_driver_links"] = v["driver_links"]
 
 
-def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_json: bool = False, command: str = "") -> int:
+def print_validation(
+    rows: list[dict[str, Any]], *, out: str | None = None, as_json: bool = False, command: str = ""
+) -> int:
     """Print (and with ``out``, write ``out.md``, headed by ``command``, and ``out.json``) the
     comparison and its summary."""
     summary: dict[str, Any] = {"rows": rows}
     for key in ("error", "probed_error", "calibrated_error"):
         errors = [float(abs(r[key])) for r in rows if r.get(key) is not None]
         summary[key] = {
-            "within_10pct": sum(e <= 0.10 for e in errors), "compared": len(errors),
+            "within_10pct": sum(e <= 0.10 for e in errors),
+            "compared": len(errors),
             "median_abs": float(np.median(errors)) if errors else None,
         }
     lines = [
@@ -319,12 +388,15 @@ def print_validation(rows: list[dict[str, Any]], *, out: str | None = None, as_j
             f"{f(r.get('probed_error'), '+.0%')} | {f(r['compute_factor'], '.2f')} | {f(r['calibrated_step_s'], '.4g')} | {f(r['calibrated_error'], '+.0%')} |"
         )
     for key, label in (
-        ("error", "profiled here"), ("probed_error", "profiled here, at the machine's probed speed around the runs"),
+        ("error", "profiled here"),
+        ("probed_error", "profiled here, at the machine's probed speed around the runs"),
         ("calibrated_error", "compute calibrated on the run"),
     ):
         s_ = summary[key]
         if s_["compared"]:
-            lines.append(f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; median |error| {f(s_['median_abs'], '.0%')}")
+            lines.append(
+                f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; median |error| {f(s_['median_abs'], '.0%')}"
+            )
     lines.append(
         "\nmachine x: how many times slower the machine computed around a system's runs than while fusion's coordinator "
         "profiled (`testbeds.speed_trace.ModelProbe`, timed by the benchmark before and after each run); the probed "

@@ -74,8 +74,15 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- systems
 def simulate_plan(
-    job: JobCosts, topology: Topology, *, strategy: str, compression: str, time_budget_s: float | None = None,
-    driver: int | None = 0, given: list[dict[str, Any]] | None = None, cores: int | None = None,
+    job: JobCosts,
+    topology: Topology,
+    *,
+    strategy: str,
+    compression: str,
+    time_budget_s: float | None = None,
+    driver: int | None = 0,
+    given: list[dict[str, Any]] | None = None,
+    cores: int | None = None,
     pause_cost: Callable[[float, bool], float] | None = None,
     transfer_cost: Callable[[float, float], float] | None = None,
     interference: TransferInterference | None = None,
@@ -134,24 +141,41 @@ def simulate_plan(
     if act_factor or grad_factor:
         wl.edges = [
             (
-                s, d,
+                s,
+                d,
                 int(size * act_factor.get((int(unit_stage[s]), int(unit_stage[d])), 1.0)),
                 int(gsize * grad_factor.get((int(unit_stage[s]), int(unit_stage[d])), 1.0)),
             )
             for s, d, size, gsize in wl.edges
         ]
         wl._edge_arrays = None
-        est = estimate(wl, unit_stage, stage_workers, topology, micro_batches=request.micro_batches, schedule=request.schedule)
+        est = estimate(
+            wl, unit_stage, stage_workers, topology, micro_batches=request.micro_batches, schedule=request.schedule
+        )
     m = request.micro_batches
     per_pair: dict[tuple[int, int], float] = {}
     for (a, c), size in est.link_bytes.items():
         wa, wc = stage_workers[a], stage_workers[c]
-        per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0))
+        per_pair[(wa, wc)] = per_pair.get((wa, wc), 0.0) + m * size * (
+            1 + grad_factor.get((a, c), 1.0) / act_factor.get((a, c), 1.0)
+        )
     slow_bytes, slow_mbps = slowest_link(topology, per_pair)
-    control_path_s = est.step_s - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
+    control_path_s = (
+        est.step_s
+        - estimate(wl, unit_stage, stage_workers, free_driver, micro_batches=m, schedule=request.schedule).step_s
+    )
     replay = replay_step(
-        wl, unit_stage, stage_workers, topology, micro_batches=m, schedule=request.schedule, cores=cores or 1, pause_cost=pause_cost,
-        transfer_cost=transfer_cost, interference=interference, emulation=emulation,
+        wl,
+        unit_stage,
+        stage_workers,
+        topology,
+        micro_batches=m,
+        schedule=request.schedule,
+        cores=cores or 1,
+        pause_cost=pause_cost,
+        transfer_cost=transfer_cost,
+        interference=interference,
+        emulation=emulation,
     )
     return with_throughput(
         SystemResult(
@@ -163,7 +187,10 @@ def simulate_plan(
             detail={
                 "stages": [topology.workers[w].name for w in stage_workers],
                 "uncompressed_step_s": predicted,
-                "keep_ratios": {f"{topology.workers[stage_workers[a]].name}->{topology.workers[stage_workers[c]].name}": r for (a, c), r in ratios.items()},
+                "keep_ratios": {
+                    f"{topology.workers[stage_workers[a]].name}->{topology.workers[stage_workers[c]].name}": r
+                    for (a, c), r in ratios.items()
+                },
                 "bottleneck_s": est.bottleneck_s,
                 "estimator_step_s": est.step_s,
                 "stage_compute_s": list(est.stage_compute_s),
@@ -179,7 +206,9 @@ def simulate_plan(
     )
 
 
-def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topology: Topology, request: Any, spec: JobSpec) -> tuple[dict, dict, dict]:
+def _compression_factors(
+    est: Any, marks: dict, stage_workers: list[int], topology: Topology, request: Any, spec: JobSpec
+) -> tuple[dict, dict, dict]:
     """Bytes after/before for each compressed cut and direction, at AdaTopK's ratio (or top-k's)."""
     from compress.controller import AdaTopK
     from compress.topk import num_kept, topk_encoded_size
@@ -201,8 +230,12 @@ def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topolo
                 ratio = start_ratio
             else:
                 ratio = AdaTopK(min_keep_ratio=request.min_keep_ratio).ratio(
-                    (a, c, direction), numel=numel, dense_bytes=dense, bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s[i][j],
-                    latency_s=topology.latency_s[i][j], target_s=max(target, 1e-6),
+                    (a, c, direction),
+                    numel=numel,
+                    dense_bytes=dense,
+                    bandwidth_bytes_per_s=topology.bandwidth_bytes_per_s[i][j],
+                    latency_s=topology.latency_s[i][j],
+                    target_s=max(target, 1e-6),
                 )
             factors[direction] = 1.0 if ratio >= 1.0 else topk_encoded_size(numel, num_kept(numel, ratio)) / dense
             if direction == "activations":
@@ -212,8 +245,14 @@ def _compression_factors(est: Any, marks: dict, stage_workers: list[int], topolo
 
 
 def simulate(
-    job: JobCosts, topology: Topology, systems: tuple[str, ...] = SYSTEMS, *, time_budget_s: float | None = None,
-    driver: int | None = None, cores: int | None = None, emulation: str = "wall",
+    job: JobCosts,
+    topology: Topology,
+    systems: tuple[str, ...] = SYSTEMS,
+    *,
+    time_budget_s: float | None = None,
+    driver: int | None = None,
+    cores: int | None = None,
+    emulation: str = "wall",
 ) -> dict[str, Any]:
     """Every requested system on one topology, with fusion's speed-up over each baseline.
 
@@ -229,11 +268,19 @@ def simulate(
         t0 = time.perf_counter()
         if name == "fusion":
             results[name] = simulate_plan(
-                job, topology, strategy="opfence", compression="adatopk", time_budget_s=time_budget_s, driver=driver, cores=cores,
+                job,
+                topology,
+                strategy="opfence",
+                compression="adatopk",
+                time_budget_s=time_budget_s,
+                driver=driver,
+                cores=cores,
                 emulation=emulation,
             )
         elif name == "uniform":
-            results[name] = simulate_plan(job, topology, strategy="uniform", compression="none", driver=driver, cores=cores, emulation=emulation)
+            results[name] = simulate_plan(
+                job, topology, strategy="uniform", compression="none", driver=driver, cores=cores, emulation=emulation
+            )
         elif name == "ddp":
             results[name] = simulate_ddp(job, topology, cores=cores, emulation=emulation)
         elif name == "pipelining":
@@ -279,21 +326,54 @@ def markdown_table(title: str, report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m testbeds.simulate", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", action="append", default=[], help="TOML path, shipped name or paper-N; repeat for several")
+    p = argparse.ArgumentParser(
+        prog="python -m testbeds.simulate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--topology", action="append", default=[], help="TOML path, shipped name or paper-N; repeat for several"
+    )
     p.add_argument("--job", default=None, help="job file (TOML)")
-    p.add_argument("--validate", nargs="+", default=None, metavar="BENCH_JSON",
-                   help="instead: simulate the runs of these `testbeds.bench --json` results and compare with what they measured")
-    p.add_argument("--driver", default=None,
-                   help="host of fusion's coordinator, whose control path is then priced (default: the first host with "
-                        "--compute testbed, as testbeds.bench runs it; else none: the driver sits with the first stage)")
-    p.add_argument("--cores", type=int, default=None, help="with --compute testbed: cores the hosts share (default: this machine's)")
+    p.add_argument(
+        "--validate",
+        nargs="+",
+        default=None,
+        metavar="BENCH_JSON",
+        help="instead: simulate the runs of these `testbeds.bench --json` results and compare with what they measured",
+    )
+    p.add_argument(
+        "--driver",
+        default=None,
+        help="host of fusion's coordinator, whose control path is then priced (default: the first host with "
+        "--compute testbed, as testbeds.bench runs it; else none: the driver sits with the first stage)",
+    )
+    p.add_argument(
+        "--cores",
+        type=int,
+        default=None,
+        help="with --compute testbed: cores the hosts share (default: this machine's)",
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s")
-    p.add_argument("--costs", choices=("profile", "flops"), default="profile", help="node costs: profiled here, or FLOPs / host speed")
-    p.add_argument("--compute", choices=("topology", "testbed"), default="topology", help="host speeds from the file, or all at this machine's")
-    p.add_argument("--no-latency", action="store_true", help="zero every link latency (a testbed without latency emulation)")
+    p.add_argument(
+        "--costs",
+        choices=("profile", "flops"),
+        default="profile",
+        help="node costs: profiled here, or FLOPs / host speed",
+    )
+    p.add_argument(
+        "--compute",
+        choices=("topology", "testbed"),
+        default="topology",
+        help="host speeds from the file, or all at this machine's",
+    )
+    p.add_argument(
+        "--no-latency", action="store_true", help="zero every link latency (a testbed without latency emulation)"
+    )
     p.add_argument("--step-costs", default=None, help="JSON file of StepCosts fields (control_s, micro_batch_s, ...)")
-    p.add_argument("--time-budget", type=float, default=None, help="OP-Fence search budget in seconds (default: the planner's)")
+    p.add_argument(
+        "--time-budget", type=float, default=None, help="OP-Fence search budget in seconds (default: the planner's)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", default=None, help="also write PATH.md and PATH.json")
     args = p.parse_args(argv)
@@ -303,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         from testbeds.sim_validation import print_validation, validate
 
-        return print_validation(validate([Path(v) for v in args.validate]), out=args.out, as_json=args.json, command=command)
+        return print_validation(
+            validate([Path(v) for v in args.validate]), out=args.out, as_json=args.json, command=command
+        )
     if not args.job or not args.topology:
         p.error("give --job and at least one --topology (or --validate)")
     try:
@@ -321,12 +403,23 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 driver = topology.index(args.driver)
             cores = (args.cores or os.cpu_count() or 1) if args.compute == "testbed" else None
-            reports[Path(name).stem] = simulate(job, topology, systems, time_budget_s=args.time_budget, driver=driver, cores=cores)
+            reports[Path(name).stem] = simulate(
+                job, topology, systems, time_budget_s=args.time_budget, driver=driver, cores=cores
+            )
     except FusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    doc = {"job": spec.to_dict(), "compute": args.compute, "step_costs": dataclasses.asdict(job.step), "reference_flops": job.reference_flops, "topologies": reports}
-    text = "\n".join(markdown_table(f"{name} ({r['num_hosts']} hosts, {job.costs} costs, {args.compute} speeds)", r) for name, r in reports.items())
+    doc = {
+        "job": spec.to_dict(),
+        "compute": args.compute,
+        "step_costs": dataclasses.asdict(job.step),
+        "reference_flops": job.reference_flops,
+        "topologies": reports,
+    }
+    text = "\n".join(
+        markdown_table(f"{name} ({r['num_hosts']} hosts, {job.costs} costs, {args.compute} speeds)", r)
+        for name, r in reports.items()
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2, default=float) + "\n")

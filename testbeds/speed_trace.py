@@ -92,7 +92,11 @@ def trace(spec: JobSpec, *, seconds: float, window_s: float) -> dict[str, Any]:
         w["relative"] = w["median_step_s"] / overall
     rel = sorted(w["relative"] for w in windows)
     return {
-        "job": spec.name, "seconds": seconds, "window_s": window_s, "median_step_s": overall, "windows": windows,
+        "job": spec.name,
+        "seconds": seconds,
+        "window_s": window_s,
+        "median_step_s": overall,
+        "windows": windows,
         "slowest_over_fastest_window": rel[-1] / rel[0] if rel else None,
         "share_of_windows_over_1_25x_the_fastest": sum(r > 1.25 * rel[0] for r in rel) / len(rel) if rel else None,
     }
@@ -100,14 +104,22 @@ def trace(spec: JobSpec, *, seconds: float, window_s: float) -> dict[str, Any]:
 
 def markdown(doc: dict[str, Any], command: str) -> str:
     lines = [
-        "# How steady the machine's speed is", "", f"`{command}`", "",
+        "# How steady the machine's speed is",
+        "",
+        f"`{command}`",
+        "",
         f"{doc['job']}: one micro-batch's forward and backward, one thread, back to back for {doc['seconds']:.0f} s; "
         f"median step {doc['median_step_s'] * 1e3:.2f} ms. Slowest window over fastest: "
         f"{doc['slowest_over_fastest_window']:.2f}x; windows over 1.25x the fastest: "
-        f"{doc['share_of_windows_over_1_25x_the_fastest']:.0%}.", "",
-        "| window start s | steps | median step ms | over the trace's median |", "|---:|---:|---:|---:|",
+        f"{doc['share_of_windows_over_1_25x_the_fastest']:.0%}.",
+        "",
+        "| window start s | steps | median step ms | over the trace's median |",
+        "|---:|---:|---:|---:|",
     ]
-    lines += [f"| {w['start_s']:.0f} | {w['steps']} | {w['median_step_s'] * 1e3:.2f} | {w['relative']:.2f} |" for w in doc["windows"]]
+    lines += [
+        f"| {w['start_s']:.0f} | {w['steps']} | {w['median_step_s'] * 1e3:.2f} | {w['relative']:.2f} |"
+        for w in doc["windows"]
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -62,7 +62,9 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _time_once(module: torch.nn.Module, args: tuple[Any, ...], backward: Callable[[object], None]) -> tuple[float, float]:
+def _time_once(
+    module: torch.nn.Module, args: tuple[Any, ...], backward: Callable[[object], None]
+) -> tuple[float, float]:
     """Forward and backward seconds of one stage on its recorded inputs."""
     inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
     t0 = time.perf_counter()
@@ -127,7 +129,11 @@ def profile_pipeline_stages(spec: JobSpec, num_stages: int) -> list[dict[str, fl
                     spent += fwd + bwd
             rounds += 1
         return [
-            {"fwd_time_s": trimmed_mean([f for f, _ in got], TRIM), "bwd_time_s": trimmed_mean([b for _, b in got], TRIM)} for got in samples
+            {
+                "fwd_time_s": trimmed_mean([f for f, _ in got], TRIM),
+                "bwd_time_s": trimmed_mean([b for _, b in got], TRIM),
+            }
+            for got in samples
         ]
     finally:
         torch.set_num_threads(threads)
@@ -140,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
     args = parser.parse_args(argv)
     for i, s in enumerate(profile_pipeline_stages(load_job(args.job), args.stages)):
-        print(f"stage {i}: forward {s['fwd_time_s'] * 1e3:.2f} ms, backward {s['bwd_time_s'] * 1e3:.2f} ms ({s['bwd_time_s'] / s['fwd_time_s']:.2f}x)")
+        print(
+            f"stage {i}: forward {s['fwd_time_s'] * 1e3:.2f} ms, backward {s['bwd_time_s'] * 1e3:.2f} ms ({s['bwd_time_s'] / s['fwd_time_s']:.2f}x)"
+        )
     return 0
 
 

@@ -75,17 +75,27 @@ def summarize(docs: Sequence[dict[str, Any]]) -> tuple[list[str], list[tuple[str
         if topo in wide_topologies and speed.get("uniform") is not None:
             wide.setdefault(model, []).append((topo, speed["uniform"]))
         if slowest_link_mbps(topo) <= SLOW_LINK_MBPS and speed.get("ddp") is not None:
-            targets.append((f"fusion >= {DDP_TARGET:g}x ddp {label}", f"{speed['ddp']:.2f}", speed["ddp"] >= DDP_TARGET))
+            targets.append(
+                (f"fusion >= {DDP_TARGET:g}x ddp {label}", f"{speed['ddp']:.2f}", speed["ddp"] >= DDP_TARGET)
+            )
         if d.get("efficiency") is not None:
-            targets.append((f"efficiency >= {EFFICIENCY_TARGET} {label}", f"{d['efficiency']:.2f}", d["efficiency"] >= EFFICIENCY_TARGET))
+            targets.append(
+                (
+                    f"efficiency >= {EFFICIENCY_TARGET} {label}",
+                    f"{d['efficiency']:.2f}",
+                    d["efficiency"] >= EFFICIENCY_TARGET,
+                )
+            )
         if gap is not None:
             targets.append((f"final loss within 3 % of uniform {label}", f"gap {gap:.2%}", gap <= LOSS_GAP_TARGET))
     for model, measured in wide.items():
-        targets.append((
-            f"fusion >= {wide_goal}x uniform on {' or '.join(wide_topologies)} ({model})",
-            ", ".join(f"{topo} {x:.2f}" for topo, x in measured),
-            any(x >= wide_goal for _, x in measured),
-        ))
+        targets.append(
+            (
+                f"fusion >= {wide_goal}x uniform on {' or '.join(wide_topologies)} ({model})",
+                ", ".join(f"{topo} {x:.2f}" for topo, x in measured),
+                any(x >= wide_goal for _, x in measured),
+            )
+        )
     return rows, targets
 
 
@@ -126,14 +136,22 @@ def render(docs: Sequence[dict[str, Any]], notes: str = "", *, source: str = "te
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.summary", description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, help="folder with bench-<topology>-<model>.json files")
-    p.add_argument("--notes", type=Path, default=None, help="markdown appended after the tables (default: bench-notes.md there, if any)")
+    p.add_argument(
+        "--notes",
+        type=Path,
+        default=None,
+        help="markdown appended after the tables (default: bench-notes.md there, if any)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output file (default: RESULTS/bench-summary.md)")
     args = p.parse_args(argv)
     files = sorted(args.results.glob("bench-*-*.json"))
     docs = [json.loads(f.read_text()) for f in files]
     docs = [d for d in docs if "systems" in d and "fusion" in d["systems"]]
     if not docs:
-        print(f"error: no benchmark JSON (bench-<topology>-<model>.json with a fusion row) in {args.results}", file=sys.stderr)
+        print(
+            f"error: no benchmark JSON (bench-<topology>-<model>.json with a fusion row) in {args.results}",
+            file=sys.stderr,
+        )
         return 2
     notes_path = args.notes or args.results / "bench-notes.md"
     notes = notes_path.read_text() if notes_path.exists() else ""

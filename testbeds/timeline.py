@@ -116,7 +116,9 @@ def pick_job(events: Iterable[dict[str, Any]], job: str | None = None) -> str:
             raise FusionError(f"job {job!r} finished no traced step; traced jobs: {sorted(finished) or 'none'}")
         return job
     if not finished:
-        raise FusionError("the trace has no finished step (no driver 'applied' event): trace the coordinator's host too")
+        raise FusionError(
+            "the trace has no finished step (no driver 'applied' event): trace the coordinator's host too"
+        )
     return max(finished, key=lambda j: (len(stages[j]), finished[j]))
 
 
@@ -149,7 +151,8 @@ def step_timelines(events: Sequence[dict[str, Any]], job: str) -> list[StepTimel
             continue
         t0 = driver["step"]
         timeline = StepTimeline(
-            step=step, step_s=driver["applied"] - t0,
+            step=step,
+            step_s=driver["applied"] - t0,
             run_step_s=driver["run_step"] - t0 if "run_step" in driver else None,
             forward_backward_s=driver["forward_backward"] - t0 if "forward_backward" in driver else None,
         )
@@ -197,7 +200,9 @@ def transfers(events: Sequence[dict[str, Any]], job: str, steps: Iterable[int] |
             free_at[pair] = answered[key]
             busy = sum(max(0.0, min(b, arrived[key]) - max(a, start)) for a, b in spans.get(src, []))
             computing = arrived[key] > start and busy > 0.5 * (arrived[key] - start)
-            out.append(Transfer(step, src, dst, kind, mb, sent[key], start, arrived[key], answered[key], first, computing))
+            out.append(
+                Transfer(step, src, dst, kind, mb, sent[key], start, arrived[key], answered[key], first, computing)
+            )
     return out
 
 
@@ -212,8 +217,12 @@ def link_summary(found: Sequence[Transfer]) -> list[dict[str, Any]]:
         first = [x for x in xs if x.first]
         rest = [x for x in xs if not x.first]
         row: dict[str, Any] = {"src": src, "dst": dst, "transfers": len(xs)}
-        for label, group in (("first", first), ("rest", rest), ("rest_sender_idle", [x for x in rest if not x.sender_computing]),
-                             ("rest_sender_computing", [x for x in rest if x.sender_computing])):
+        for label, group in (
+            ("first", first),
+            ("rest", rest),
+            ("rest_sender_idle", [x for x in rest if not x.sender_computing]),
+            ("rest_sender_computing", [x for x in rest if x.sender_computing]),
+        ):
             row[label] = {
                 "n": len(group),
                 "one_way_ms": round(statistics.median(x.one_way_s for x in group) * 1e3, 2) if group else None,
@@ -232,13 +241,19 @@ def summarize(directory: Path, *, job: str | None = None, skip: int = 0) -> dict
         raise FusionError(f"job {job} has no traced step after the first {skip}")
     found = transfers(events, job, [s.step for s in steps])
     return {
-        "job": job, "directory": str(directory), "unreadable_lines": bad,
+        "job": job,
+        "directory": str(directory),
+        "unreadable_lines": bad,
         "steps": [
-            {"step": s.step, "step_ms": round(s.step_s * 1e3, 1), "run_step_ms": _round_ms(s.run_step_s),
-             "forward_backward_ms": _round_ms(s.forward_backward_s),
-             "done_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.done_s.items())},
-             "compute_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.compute_s.items())},
-             "fed_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.fed_s.items())}}
+            {
+                "step": s.step,
+                "step_ms": round(s.step_s * 1e3, 1),
+                "run_step_ms": _round_ms(s.run_step_s),
+                "forward_backward_ms": _round_ms(s.forward_backward_s),
+                "done_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.done_s.items())},
+                "compute_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.compute_s.items())},
+                "fed_ms": {str(k): round(v * 1e3, 1) for k, v in sorted(s.fed_s.items())},
+            }
             for s in steps
         ],
         "median_step_ms": round(statistics.median(s.step_s for s in steps) * 1e3, 1),
@@ -265,12 +280,18 @@ def replay_comparison(doc: dict[str, Any], bench_json: Path, system: str | None 
     replayed = [n for n in ("uniform", "fusion") if n in bench["systems"]]
     system = system or (replayed[0] if replayed else None)
     if system not in replayed:
-        raise FusionError(f"{bench_json} has no fusion or uniform run to replay" if system is None else
-                          f"{system!r} is not a replayed system of {bench_json}: choose from {replayed}")
+        raise FusionError(
+            f"{bench_json} has no fusion or uniform run to replay"
+            if system is None
+            else f"{system!r} is not a replayed system of {bench_json}: choose from {replayed}"
+        )
     directory = bench_json.parent
     sims = simulate_doc(
-        bench, links=link_times_beside(bench, directory), pause=pause_cost_beside(directory),
-        transfer_path=transfer_path_beside(directory), interference=interference_beside(directory),
+        bench,
+        links=link_times_beside(bench, directory),
+        pause=pause_cost_beside(directory),
+        transfer_path=transfer_path_beside(directory),
+        interference=interference_beside(directory),
     )
     traced: dict[str, list[float]] = {}
     for step in doc["steps"]:
@@ -279,14 +300,30 @@ def replay_comparison(doc: dict[str, Any], bench_json: Path, system: str | None 
     profiled = _replayed_events(sims.profiled.get(system))
     calibrated = _replayed_events(sims.calibrated.get(system))
     rows = [
-        {"what": name, "traced_ms": round(statistics.median(values), 1), "profiled_ms": profiled.get(name), "calibrated_ms": calibrated.get(name)}
+        {
+            "what": name,
+            "traced_ms": round(statistics.median(values), 1),
+            "profiled_ms": profiled.get(name),
+            "calibrated_ms": calibrated.get(name),
+        }
         for name, values in traced.items()
     ]
-    return {"bench": str(bench_json), "system": system, "measured_step_ms": round(float(bench["systems"][system]["step_s"]) * 1e3, 1), "rows": rows}
+    return {
+        "bench": str(bench_json),
+        "system": system,
+        "measured_step_ms": round(float(bench["systems"][system]["step_s"]) * 1e3, 1),
+        "rows": rows,
+    }
 
 
-def _events(run_step: float | None, fed: dict[Any, float], finished: dict[Any, float], computed: dict[Any, float],
-            heard: float | None, step: float | None) -> dict[str, float]:
+def _events(
+    run_step: float | None,
+    fed: dict[Any, float],
+    finished: dict[Any, float],
+    computed: dict[Any, float],
+    heard: float | None,
+    step: float | None,
+) -> dict[str, float]:
     """The compared events by name, in the table's order (milliseconds; absent ones left out)."""
     out = {"RunStep answered": run_step}
     out.update({f"stage {k} fed": v for k, v in fed.items()})
@@ -298,7 +335,14 @@ def _events(run_step: float | None, fed: dict[Any, float], finished: dict[Any, f
 
 def _traced_events(step: dict[str, Any]) -> dict[str, float]:
     """One step of :func:`summarize`'s document as :func:`_events`."""
-    return _events(step["run_step_ms"], step["fed_ms"], step["done_ms"], step["compute_ms"], step["forward_backward_ms"], step["step_ms"])
+    return _events(
+        step["run_step_ms"],
+        step["fed_ms"],
+        step["done_ms"],
+        step["compute_ms"],
+        step["forward_backward_ms"],
+        step["step_ms"],
+    )
 
 
 def _replayed_events(result: dict[str, Any] | None) -> dict[str, float]:
@@ -311,9 +355,12 @@ def _replayed_events(result: dict[str, Any] | None) -> dict[str, float]:
         return {str(k): round(v * 1e3, 1) for k, v in enumerate(d.get(key, []))}
 
     return _events(
-        _round_ms(d.get("replay_run_step_s")), {k: round(v * 1e3, 1) for k, v in d.get("replay_fed_s", {}).items()},
-        per_stage("replay_finished_s"), per_stage("replay_compute_s"),
-        round(max(d["replay_done_s"]) * 1e3, 1) if d.get("replay_done_s") else None, _round_ms(result["step_s"]),
+        _round_ms(d.get("replay_run_step_s")),
+        {k: round(v * 1e3, 1) for k, v in d.get("replay_fed_s", {}).items()},
+        per_stage("replay_finished_s"),
+        per_stage("replay_compute_s"),
+        round(max(d["replay_done_s"]) * 1e3, 1) if d.get("replay_done_s") else None,
+        _round_ms(result["step_s"]),
     )
 
 
@@ -342,14 +389,18 @@ def render(doc: dict[str, Any]) -> str:
     lines = [
         f"Job `{doc['job']}`: {len(doc['steps'])} steps, median {doc['median_step_ms']} ms (ms from each step's start).",
         "",
-        "| step | step | RunStep | fed (last input) | " + " | ".join(f"stage {k} done / computed" for k in stages) + " | all heard |",
+        "| step | step | RunStep | fed (last input) | "
+        + " | ".join(f"stage {k} done / computed" for k in stages)
+        + " | all heard |",
         "|---:|---:|---:|---|" + "---:|" * len(stages) + "---:|",
     ]
     for s in doc["steps"]:
         cells = [f"{s['done_ms'].get(str(k), '-')} / {s['compute_ms'].get(str(k), '-')}" for k in stages]
         fed = ", ".join(f"{k}: {v}" for k, v in s["fed_ms"].items()) or "-"
         lines.append(
-            f"| {s['step']} | {s['step_ms']} | {s['run_step_ms']} | {fed} | " + " | ".join(cells) + f" | {s['forward_backward_ms']} |"
+            f"| {s['step']} | {s['step_ms']} | {s['run_step_ms']} | {fed} | "
+            + " | ".join(cells)
+            + f" | {s['forward_backward_ms']} |"
         )
     lines += [
         "",
@@ -374,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("directory", type=Path, help="the FUSION_TRACE_DIR of a run")
     p.add_argument("--job", default=None, help="job id (default: the one with the most finished steps)")
     p.add_argument("--skip", type=int, default=0, help="first steps left out (warm-up; default: %(default)s)")
-    p.add_argument("--replay", type=Path, default=None, metavar="BENCH_JSON",
-                   help="also set the simulator's replay of the traced run (its testbeds.bench result) beside the trace")
+    p.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        metavar="BENCH_JSON",
+        help="also set the simulator's replay of the traced run (its testbeds.bench result) beside the trace",
+    )
     p.add_argument("--system", default=None, help="with --replay: fusion or uniform (default: uniform if it ran)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the tables")
     p.add_argument("--out", default=None, help="also write OUT.md and OUT.json")
@@ -395,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         text += "\n" + render_comparison(doc["replay"])
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
-        Path(args.out + ".md").write_text(f"# Executor timeline\n\n`python -m testbeds.timeline {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}")
+        Path(args.out + ".md").write_text(
+            f"# Executor timeline\n\n`python -m testbeds.timeline {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}"
+        )
     print(json.dumps(doc, indent=2) if args.json else text)
     return 0
 

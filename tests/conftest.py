@@ -29,7 +29,8 @@ os.environ.setdefault("FUSION_CALIBRATE_S", "0.3")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--device", default="cpu",
+        "--device",
+        default="cpu",
         help="device the parity tests train on, in the workers and the reference (cpu, cuda, cuda:N)",
     )
 

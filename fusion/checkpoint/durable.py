@@ -49,13 +49,17 @@ class CheckpointDir:
     def _paths(self, step: int) -> tuple[Path, Path]:
         return self.root / f"ckpt-{step:09d}.safetensors", self.root / f"ckpt-{step:09d}.json"
 
-    def write(self, step: int, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> CheckpointFile:
+    def write(
+        self, step: int, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    ) -> CheckpointFile:
         """Write the state after ``step`` optimizer steps; prune to the newest ``keep``."""
         self.root.mkdir(parents=True, exist_ok=True)
         data, sha = encode(state, {**(metadata or {}), "step": str(step), "format": "fusion-checkpoint-1"})
         blob, meta = self._paths(step)
         _write_atomic(blob, data)
-        _write_atomic(meta, json.dumps({"step": step, "sha256": sha, "size_bytes": len(data), "file": blob.name}).encode())
+        _write_atomic(
+            meta, json.dumps({"step": step, "sha256": sha, "size_bytes": len(data), "file": blob.name}).encode()
+        )
         for old in self.list()[: -self.keep]:
             for p in self._paths(old.step):
                 p.unlink(missing_ok=True)
@@ -72,7 +76,11 @@ class CheckpointDir:
             try:
                 rec = json.loads(meta.read_text())
                 path = self.root / str(rec["file"])
-                out.append(CheckpointFile(step=int(rec["step"]), path=path, sha256=str(rec["sha256"]), size_bytes=int(rec["size_bytes"])))
+                out.append(
+                    CheckpointFile(
+                        step=int(rec["step"]), path=path, sha256=str(rec["sha256"]), size_bytes=int(rec["size_bytes"])
+                    )
+                )
             except (OSError, ValueError, KeyError, TypeError):
                 continue
         return sorted((c for c in out if c.path.is_file()), key=lambda c: c.step)
@@ -91,7 +99,9 @@ class CheckpointDir:
             raise CheckpointError(f"checkpoint {ckpt.path} has {len(data)} bytes, {ckpt.size_bytes} were written")
         return decode(data, ckpt.sha256, what=f"checkpoint {ckpt.path}")
 
-    def load_latest_valid(self, on_skip: Callable[[CheckpointFile, CheckpointError], None] | None = None) -> tuple[CheckpointFile, dict[str, torch.Tensor]] | None:
+    def load_latest_valid(
+        self, on_skip: Callable[[CheckpointFile, CheckpointError], None] | None = None
+    ) -> tuple[CheckpointFile, dict[str, torch.Tensor]] | None:
         """The newest checkpoint that passes its checks; corrupt ones are skipped (and reported)."""
         for ckpt in reversed(self.list()):
             try:

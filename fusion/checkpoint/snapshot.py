@@ -97,13 +97,26 @@ def make_snapshot(job_id: str, stage_idx: int, key: str, step: int, tensors: Map
 
 def snapshot_of(job_id: str, stage_idx: int, key: str, step: int, data: bytes) -> Snapshot:
     """A snapshot of already serialised state (hashes it)."""
-    return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=hashlib.sha256(data).hexdigest())
+    return Snapshot(
+        job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=hashlib.sha256(data).hexdigest()
+    )
 
 
 class Assembler:
     """Rebuilds a snapshot from chunks; ``finish`` refuses anything short, long or corrupt."""
 
-    def __init__(self, job_id: str, stage_idx: int, key: str, step: int, size_bytes: int, sha256: str, *, replica: bool, max_bytes: int = MAX_SNAPSHOT_BYTES) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        stage_idx: int,
+        key: str,
+        step: int,
+        size_bytes: int,
+        sha256: str,
+        *,
+        replica: bool,
+        max_bytes: int = MAX_SNAPSHOT_BYTES,
+    ) -> None:
         if not job_id or not key:
             raise CheckpointError("a snapshot stream must name its job and stage key in the first chunk")
         if size_bytes > max_bytes:
@@ -128,8 +141,12 @@ class Assembler:
         data, self._buf = self._buf, bytearray()  # no second copy of a blob that may be gigabytes
         actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
-            raise CheckpointError(f"snapshot of stage {stage_idx} at step {step} is corrupt: its SHA-256 does not match")
-        return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=sha256, replica=replica)
+            raise CheckpointError(
+                f"snapshot of stage {stage_idx} at step {step} is corrupt: its SHA-256 does not match"
+            )
+        return Snapshot(
+            job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=sha256, replica=replica
+        )
 
 
 def chunks_of(data: bytes | bytearray, chunk_bytes: int) -> Iterator[memoryview]:
@@ -172,7 +189,9 @@ class SnapshotStore:
                 if snap is not None:
                     return snap
             held = sorted({s for r in (False, True) for s in self._items.get((job_id, key, r), {})})
-            raise NotFoundError(f"no snapshot of stage {key} of job {job_id!r} at step {step} here (held steps: {held or 'none'})")
+            raise NotFoundError(
+                f"no snapshot of stage {key} of job {job_id!r} at step {step} here (held steps: {held or 'none'})"
+            )
 
     def list(self, job_id: str) -> list[Snapshot]:
         with self._lock:

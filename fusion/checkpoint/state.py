@@ -101,12 +101,14 @@ def restore_state(
     optimizer.state.clear()
     for name, p in module.named_parameters():
         prefix = f"{OPTIM}{name}/"
-        entries = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        entries = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         if entries:
             # AdamW keeps ``step`` on the CPU unless it is capturable; everything else lives with p.
-            optimizer.state[p] = {k: (v.clone() if k == "step" else v.to(p.device, copy=True)) for k, v in entries.items()}
+            optimizer.state[p] = {
+                k: (v.clone() if k == "step" else v.to(p.device, copy=True)) for k, v in entries.items()
+            }
     if load_residuals is not None:
-        load_residuals({k[len(RESIDUAL):]: v for k, v in state.items() if k.startswith(RESIDUAL)})
+        load_residuals({k[len(RESIDUAL) :]: v for k, v in state.items() if k.startswith(RESIDUAL)})
     if restore_rng and RNG + "cpu" in state:
         torch.set_rng_state(state[RNG + "cpu"])
         if RNG + "cuda" in state and torch.cuda.is_available():
@@ -125,14 +127,16 @@ def merge_states(states: Iterable[Mapping[str, torch.Tensor]], canonical: Callab
     for state in states:
         for key, t in state.items():
             if key.startswith(PARAM):
-                whole.setdefault(PARAM + canonical(key[len(PARAM):]), t)
+                whole.setdefault(PARAM + canonical(key[len(PARAM) :]), t)
             elif key.startswith(OPTIM):
-                name, _, slot = key[len(OPTIM):].rpartition("/")
+                name, _, slot = key[len(OPTIM) :].rpartition("/")
                 whole.setdefault(f"{OPTIM}{canonical(name)}/{slot}", t)
     return whole
 
 
-def stage_subset(whole: Mapping[str, torch.Tensor], names: Iterable[str], canonical: Callable[[str], str]) -> TensorState:
+def stage_subset(
+    whole: Mapping[str, torch.Tensor], names: Iterable[str], canonical: Callable[[str], str]
+) -> TensorState:
     """The part of a whole-model state that a stage holding ``names`` needs, under its names."""
     out: TensorState = {}
     for name in names:
@@ -142,7 +146,7 @@ def stage_subset(whole: Mapping[str, torch.Tensor], names: Iterable[str], canoni
         prefix = f"{OPTIM}{c}/"
         for key, t in whole.items():
             if key.startswith(prefix):
-                out[f"{OPTIM}{name}/{key[len(prefix):]}"] = t
+                out[f"{OPTIM}{name}/{key[len(prefix) :]}"] = t
     return out
 
 
@@ -153,4 +157,4 @@ def model_state(state_dict: Mapping[str, torch.Tensor]) -> TensorState:
 
 def parameters_of(state: Mapping[str, torch.Tensor]) -> TensorState:
     """The ``state_dict`` inside a state (``param/`` entries, prefix removed)."""
-    return {k[len(PARAM):]: t for k, t in state.items() if k.startswith(PARAM)}
+    return {k[len(PARAM) :]: t for k, t in state.items() if k.startswith(PARAM)}

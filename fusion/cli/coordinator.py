@@ -31,26 +31,67 @@ STATE_DB = "coordinator.sqlite"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fusion-coordinator", description="Run a fusion coordinator: workers join it, jobs are submitted to it.")
+    p = argparse.ArgumentParser(
+        prog="fusion-coordinator", description="Run a fusion coordinator: workers join it, jobs are submitted to it."
+    )
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=7077, help="port (0 picks a free one; default: %(default)s)")
-    p.add_argument("--token", default=None, help="token workers and job owners must present (default: $FUSION_TOKEN, else generated)")
-    p.add_argument("--token-file", default=None, help="read the token from this file")
-    p.add_argument("--state-dir", default="./fusion-state", help="where the SQLite state (and a generated token) live (default: %(default)s)")
-    p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between worker heartbeats (default: %(default)s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker is declared gone (default: %(default)s)")
     p.add_argument(
-        "--calibrate-seconds", type=float, default=None,
+        "--token",
+        default=None,
+        help="token workers and job owners must present (default: $FUSION_TOKEN, else generated)",
+    )
+    p.add_argument("--token-file", default=None, help="read the token from this file")
+    p.add_argument(
+        "--state-dir",
+        default="./fusion-state",
+        help="where the SQLite state (and a generated token) live (default: %(default)s)",
+    )
+    p.add_argument(
+        "--heartbeat-interval", type=float, default=2.0, help="seconds between worker heartbeats (default: %(default)s)"
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat before a worker is declared gone (default: %(default)s)",
+    )
+    p.add_argument(
+        "--calibrate-seconds",
+        type=float,
+        default=None,
         help=f"compute seconds the executor calibration measures per model before planning (default: $FUSION_CALIBRATE_S or {CALIBRATE_MIN_S})",
     )
     p.add_argument("--device", default="cpu", help="device stages run on (cpu, cuda, cuda:N; default: %(default)s)")
     p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM)")
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
-    p.add_argument("--tls-ca", default=None, help="CA bundle that signed the workers' executor certificates (TLS to workers)")
-    p.add_argument("--register-burst", type=float, default=32.0, help="registrations one IP may make at once (default: %(default)s)")
-    p.add_argument("--registers-per-s", type=float, default=2.0, help="sustained registrations per second per IP (default: %(default)s)")
-    p.add_argument("--auth-failure-burst", type=float, default=30.0, help="failed authentications per IP before it is refused for a while (default: %(default)s)")
-    p.add_argument("--auth-failures-per-s", type=float, default=0.5, help="failed authentications per second per IP tolerated after the burst (default: %(default)s)")
+    p.add_argument(
+        "--tls-ca", default=None, help="CA bundle that signed the workers' executor certificates (TLS to workers)"
+    )
+    p.add_argument(
+        "--register-burst",
+        type=float,
+        default=32.0,
+        help="registrations one IP may make at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--registers-per-s",
+        type=float,
+        default=2.0,
+        help="sustained registrations per second per IP (default: %(default)s)",
+    )
+    p.add_argument(
+        "--auth-failure-burst",
+        type=float,
+        default=30.0,
+        help="failed authentications per IP before it is refused for a while (default: %(default)s)",
+    )
+    p.add_argument(
+        "--auth-failures-per-s",
+        type=float,
+        default=0.5,
+        help="failed authentications per second per IP tolerated after the burst (default: %(default)s)",
+    )
     add_log_arg(p)
     return p
 

@@ -67,7 +67,9 @@ def add_demo_parser(sub: Any) -> None:
     """Register ``fusion demo`` on the ``fusion`` sub-command parser."""
     from fusion.cli.env import add_log_arg
 
-    sp = sub.add_parser("demo", help="train a small GPT-2 on local workers, end to end", description=__doc__.splitlines()[0])
+    sp = sub.add_parser(
+        "demo", help="train a small GPT-2 on local workers, end to end", description=__doc__.splitlines()[0]
+    )
     sp.add_argument("--workers", type=int, default=3, help="number of local worker processes (default: %(default)s)")
     sp.add_argument("--job", default=None, help="a job file to run instead of the built-in GPT-2 job")
     sp.add_argument("--out", default="fusion-demo", help="output directory (default: ./%(default)s)")
@@ -130,14 +132,22 @@ def run_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(state)  # a fresh coordinator each demo; job outputs stay
     t0 = time.monotonic()
     threads = max(1, (os.cpu_count() or 1) // args.workers)
-    print(f"fusion demo: {spec.model.name} ({spec.model.preset or 'custom'}), {spec.train.steps} steps, {args.workers} workers; logs in {out / 'logs'}")
+    print(
+        f"fusion demo: {spec.model.name} ({spec.model.preset or 'custom'}), {spec.train.steps} steps, {args.workers} workers; logs in {out / 'logs'}"
+    )
     with Fleet(out / "logs") as fleet:
         address = fleet.start_coordinator(token=token, state_dir=state)
         print(f"  coordinator on {address}")
         names = [f"demo-worker-{i}" for i in range(args.workers)]
         for name in names:
-            fleet.start_worker(name, token=token, torch_threads=threads, allow_code=args.job is not None,
-                               extra_args=["--device", args.device], wait=False)
+            fleet.start_worker(
+                name,
+                token=token,
+                torch_threads=threads,
+                allow_code=args.job is not None,
+                extra_args=["--device", args.device],
+                wait=False,
+            )
         fleet.wait_workers(names)
         print(f"  {args.workers} workers joined ({time.monotonic() - t0:.1f}s)")
         with CoordinatorClient(address, token) as client:
@@ -165,7 +175,9 @@ def run_demo(args: argparse.Namespace) -> int:
     summary = _read_summary(job_dir)
     tail = _last_losses(job_dir, 20)
     smooth = f" (mean of the last {len(tail)} steps: {sum(tail) / len(tail):.3f})" if tail else ""
-    print(f"done in {wall:.1f}s: loss {summary.get('first_loss', float('nan')):.3f} -> {summary.get('final_loss', float('nan')):.3f}{smooth}")
+    print(
+        f"done in {wall:.1f}s: loss {summary.get('first_loss', float('nan')):.3f} -> {summary.get('final_loss', float('nan')):.3f}{smooth}"
+    )
     print(f"  model:   {job_dir / 'model.safetensors'}")
     print(f"  curve:   {job_dir / 'loss.png'}")
     print(f"  metrics: {job_dir / 'metrics.jsonl'}")

@@ -50,13 +50,19 @@ def env_log_level() -> str:
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     """``--coordinator``, ``--token`` and ``--token-file``."""
-    parser.add_argument("--coordinator", default=env_coordinator(), help="coordinator HOST:PORT (default: $FUSION_COORDINATOR or %(default)s)")
+    parser.add_argument(
+        "--coordinator",
+        default=env_coordinator(),
+        help="coordinator HOST:PORT (default: $FUSION_COORDINATOR or %(default)s)",
+    )
     parser.add_argument("--token", default=None, help="the coordinator's token (default: $FUSION_TOKEN)")
     parser.add_argument("--token-file", default=None, help="read the token from this file")
 
 
 def add_log_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default=env_log_level(), help="DEBUG, INFO, WARNING (default: $FUSION_LOG_LEVEL or WARNING)")
+    parser.add_argument(
+        "--log-level", default=env_log_level(), help="DEBUG, INFO, WARNING (default: $FUSION_LOG_LEVEL or WARNING)"
+    )
 
 
 def resolve_token(token: str | None, token_file: str | None, *, required: bool = True) -> str | None:
@@ -78,7 +84,9 @@ def resolve_token(token: str | None, token_file: str | None, *, required: bool =
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
 
 
 def run_cli(body: Callable[[], int]) -> int:

@@ -1,13 +1,13 @@
 """``fusion``: the job owner's command line.
 
-    fusion submit JOB.toml          # prints the job id as its last word
-    fusion status [JOB_ID] [--json]
-    fusion jobs [--json]
-    fusion cancel JOB_ID
-    fusion logs JOB_ID [--follow]
-    fusion workers
-    fusion plan JOB.toml --workers N [--json]
-    fusion demo [--workers 3] [--job FILE] [--out DIR]
+fusion submit JOB.toml          # prints the job id as its last word
+fusion status [JOB_ID] [--json]
+fusion jobs [--json]
+fusion cancel JOB_ID
+fusion logs JOB_ID [--follow]
+fusion workers
+fusion plan JOB.toml --workers N [--json]
+fusion demo [--workers 3] [--job FILE] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 from fusion.cli.env import add_connection_args, add_log_arg, env_tls_ca, resolve_token, run_cli, setup_logging
 from fusion.config import JobSpec, OutputSpec, load_job
-from fusion.errors import ConfigError
 from fusion.coordinator.client import CoordinatorClient
+from fusion.errors import ConfigError
 from fusion.tls import set_client_ca
 
 
@@ -66,7 +66,9 @@ def _format_status(s: dict[str, Any]) -> str:
         stages = ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"])
         lines.append(f"  plan: {plan['strategy']}: {stages}")
     for e in s.get("events", [])[-5:]:
-        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e.get('event')}: {e.get('message', '')}")
+        lines.append(
+            f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e.get('event')}: {e.get('message', '')}"
+        )
     return "\n".join(lines)
 
 
@@ -79,7 +81,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         workers = c.workers()
         jobs = c.jobs()
     if args.json:
-        print(json.dumps({"workers": [{"name": w.name, "address": w.address, "state": w.state, "job_id": w.job_id} for w in workers], "jobs": jobs}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "workers": [
+                        {"name": w.name, "address": w.address, "state": w.state, "job_id": w.job_id} for w in workers
+                    ],
+                    "jobs": jobs,
+                },
+                indent=2,
+            )
+        )
         return 0
     live = [w for w in workers if w.state != "gone"]
     print(f"coordinator {args.coordinator}: {len(live)} worker(s), {len(jobs)} job(s)")
@@ -134,7 +146,9 @@ def cmd_workers(args: argparse.Namespace) -> int:
         r = w.resources
         # Workers that show the same machine share its compute (the planner keeps a model whole there).
         machine = r.machine if len(r.machine) <= 20 else f"{r.machine[:8]}…{r.machine[-8:]}"
-        print(f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  {r.memory_bytes / 2**30:6.1f} GiB  {machine}")
+        print(
+            f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  {r.memory_bytes / 2**30:6.1f} GiB  {machine}"
+        )
     return 0
 
 
@@ -198,7 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         if connect:
             add_connection_args(sp)
-            sp.add_argument("--tls-ca", default=env_tls_ca(), help="CA bundle that signed the coordinator's certificate: talk TLS (default: $FUSION_TLS_CA)")
+            sp.add_argument(
+                "--tls-ca",
+                default=env_tls_ca(),
+                help="CA bundle that signed the coordinator's certificate: talk TLS (default: $FUSION_TLS_CA)",
+            )
         add_log_arg(sp)
         return sp
 
@@ -225,10 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("job", nargs="?", help="path to the job file (or --job)")
     sp.add_argument("--job", dest="job_opt", default=None, help="path to the job file")
     sp.add_argument("--topology", default=None, help="topology file (TOML, as in testbeds/topologies/)")
-    sp.add_argument("--driver", default=None, metavar="HOST",
-                    help="with --topology: the host the coordinator runs on (its feed and control links are priced; default: not priced)")
-    sp.add_argument("--workers", type=int, default=2, help="without --topology: N equal workers on 10 Gbps (default: %(default)s)")
-    sp.add_argument("--strategy", default=None, choices=["opfence", "uniform", "compute", "exhaustive"], help="override [plan] strategy")
+    sp.add_argument(
+        "--driver",
+        default=None,
+        metavar="HOST",
+        help="with --topology: the host the coordinator runs on (its feed and control links are priced; default: not priced)",
+    )
+    sp.add_argument(
+        "--workers", type=int, default=2, help="without --topology: N equal workers on 10 Gbps (default: %(default)s)"
+    )
+    sp.add_argument(
+        "--strategy",
+        default=None,
+        choices=["opfence", "uniform", "compute", "exhaustive"],
+        help="override [plan] strategy",
+    )
     sp.add_argument("--json", action="store_true", help="print the plan as JSON")
     sp.set_defaults(func=cmd_plan)
     sp = command("profile", "measure a job on the idle workers (model, links, executor overhead)")

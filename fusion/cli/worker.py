@@ -12,9 +12,9 @@ import threading
 
 import torch
 
-from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
 from executor.emulation import EMULATIONS
 from executor.guard import FAULT_HELP, Fault
+from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
 from fusion.errors import AuthError
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 from fusion.worker import Worker
@@ -25,27 +25,64 @@ READY = "fusion-worker ready"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fusion-worker", description="Join a fusion coordinator and train pieces of its jobs.")
+    p = argparse.ArgumentParser(
+        prog="fusion-worker", description="Join a fusion coordinator and train pieces of its jobs."
+    )
     add_connection_args(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}", help="name shown to the job owner (default: HOST-PID)")
-    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for peers to reach this worker (default: %(default)s; port 0 picks one)")
-    p.add_argument("--advertise", default=None, help="HOST:PORT peers should dial, if not the listen address (NAT, containers)")
-    p.add_argument("--allow-code", action="store_true", help="allow job owners' own model code (module:factory); built-in models need no flag")
-    p.add_argument("--machine", default=None, metavar="LABEL",
-                   help="workers with the same label share compute, and the planner will not count on them computing at once "
-                        "(default: this kernel's boot id and the device, so worker processes on one machine's CPU share)")
+    p.add_argument(
+        "--name",
+        default=f"{socket.gethostname()}-{os.getpid()}",
+        help="name shown to the job owner (default: HOST-PID)",
+    )
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        help="HOST:PORT for peers to reach this worker (default: %(default)s; port 0 picks one)",
+    )
+    p.add_argument(
+        "--advertise", default=None, help="HOST:PORT peers should dial, if not the listen address (NAT, containers)"
+    )
+    p.add_argument(
+        "--allow-code",
+        action="store_true",
+        help="allow job owners' own model code (module:factory); built-in models need no flag",
+    )
+    p.add_argument(
+        "--machine",
+        default=None,
+        metavar="LABEL",
+        help="workers with the same label share compute, and the planner will not count on them computing at once "
+        "(default: this kernel's boot id and the device, so worker processes on one machine's CPU share)",
+    )
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--tls-cert", default=None, help="serve this worker's executor with TLS: certificate chain (PEM) valid for the advertised address")
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        help="serve this worker's executor with TLS: certificate chain (PEM) valid for the advertised address",
+    )
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
-    p.add_argument("--tls-ca", default=None, help="CA bundle that signed the coordinator's and the peers' certificates (turns TLS on for every call this worker makes)")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help="CA bundle that signed the coordinator's and the peers' certificates (turns TLS on for every call this worker makes)",
+    )
     p.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
-    p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="FACTOR",
-                   help="testbed emulation: behave as a device FACTOR times slower (each computation is followed by a sleep "
-                        "of FACTOR - 1 times its length; the reported speed is divided by FACTOR). Default: %(default)s, none")
-    p.add_argument("--emulation", choices=EMULATIONS, default="wall",
-                   help="what --emulate-slowdown multiplies: each computation's wall time here, or the coordinator's profile of it, "
-                        "so that what this machine adds to a computation is paid once (default: %(default)s)")
+    p.add_argument(
+        "--emulate-slowdown",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="testbed emulation: behave as a device FACTOR times slower (each computation is followed by a sleep "
+        "of FACTOR - 1 times its length; the reported speed is divided by FACTOR). Default: %(default)s, none",
+    )
+    p.add_argument(
+        "--emulation",
+        choices=EMULATIONS,
+        default="wall",
+        help="what --emulate-slowdown multiplies: each computation's wall time here, or the coordinator's profile of it, "
+        "so that what this machine adds to a computation is paid once (default: %(default)s)",
+    )
     add_log_arg(p)
     return p
 
@@ -64,9 +101,17 @@ def main(argv: list[str] | None = None) -> int:
             set_client_ca(args.tls_ca)
         warn_if_exposed(args.listen.rpartition(":")[0], tls, "this worker's executor")
         worker = Worker(
-            coordinator=args.coordinator, token=token, name=args.name, listen=args.listen,
-            advertise=args.advertise, device=args.device, allow_code=args.allow_code,
-            tls=tls, fault=Fault.parse(args.inject_fault), machine=args.machine, slowdown=args.emulate_slowdown,
+            coordinator=args.coordinator,
+            token=token,
+            name=args.name,
+            listen=args.listen,
+            advertise=args.advertise,
+            device=args.device,
+            allow_code=args.allow_code,
+            tls=tls,
+            fault=Fault.parse(args.inject_fault),
+            machine=args.machine,
+            slowdown=args.emulate_slowdown,
             emulation=args.emulation,
         )
         stop = threading.Event()
@@ -81,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException:
             worker.stop("failed to start")
             raise
-        print(f"{READY}: {worker.name} serving on {worker.address}, joined {args.coordinator} as {worker.worker_id}", flush=True)
+        print(
+            f"{READY}: {worker.name} serving on {worker.address}, joined {args.coordinator} as {worker.worker_id}",
+            flush=True,
+        )
         stop.wait()
         print(f"fusion-worker {worker.name} leaving", flush=True)
         worker.stop("stopped by its operator")

@@ -43,25 +43,41 @@ class CoordinatorClient:
         def call(req: Any, timeout: float) -> Any:
             return method(req, timeout=timeout, metadata=metadata)
 
-        return call_with_retry(call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts)
+        return call_with_retry(
+            call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts
+        )
 
     # ------------------------------------------------------------- workers
     def register(self, name: str, address: str, resources: cpb.WorkerResources) -> cpb.RegisterResponse:
-        return self._call(self.stub.Register, cpb.RegisterRequest(name=name, address=address, resources=resources), "Register")
+        return self._call(
+            self.stub.Register, cpb.RegisterRequest(name=name, address=address, resources=resources), "Register"
+        )
 
     def heartbeat(self, worker_id: str) -> bool:
-        return bool(self._call(self.stub.Heartbeat, cpb.HeartbeatRequest(worker_id=worker_id), "Heartbeat", attempts=1).known)
+        return bool(
+            self._call(self.stub.Heartbeat, cpb.HeartbeatRequest(worker_id=worker_id), "Heartbeat", attempts=1).known
+        )
 
     def deregister(self, worker_id: str, reason: str) -> None:
         # Long deadline: the coordinator answers once the worker's jobs have handed its state off.
-        self._call(self.stub.Deregister, cpb.DeregisterRequest(worker_id=worker_id, reason=reason), "Deregister", attempts=2, timeout_s=150.0)
+        self._call(
+            self.stub.Deregister,
+            cpb.DeregisterRequest(worker_id=worker_id, reason=reason),
+            "Deregister",
+            attempts=2,
+            timeout_s=150.0,
+        )
 
     def workers(self) -> list[cpb.WorkerInfo]:
         return list(self._call(self.stub.ListWorkers, cpb.ListWorkersRequest(), "ListWorkers").workers)
 
     # ------------------------------------------------------------- jobs
     def submit(self, spec: JobSpec) -> str:
-        return str(self._call(self.stub.SubmitJob, cpb.SubmitJobRequest(spec_json=spec.to_json(indent=None)), "SubmitJob").job_id)
+        return str(
+            self._call(
+                self.stub.SubmitJob, cpb.SubmitJobRequest(spec_json=spec.to_json(indent=None)), "SubmitJob"
+            ).job_id
+        )
 
     def status(self, job_id: str) -> dict[str, Any]:
         return json.loads(self._call(self.stub.GetJob, cpb.GetJobRequest(job_id=job_id), "GetJob").status_json)
@@ -72,10 +88,23 @@ class CoordinatorClient:
     def cancel(self, job_id: str) -> str:
         return str(self._call(self.stub.CancelJob, cpb.CancelJobRequest(job_id=job_id), "CancelJob").state)
 
-    def profile(self, spec: JobSpec, *, check: bool, steps: int = 0, max_workers: int = 0, device: str = "", timeout_s: float = 3600.0) -> dict[str, Any]:
+    def profile(
+        self,
+        spec: JobSpec,
+        *,
+        check: bool,
+        steps: int = 0,
+        max_workers: int = 0,
+        device: str = "",
+        timeout_s: float = 3600.0,
+    ) -> dict[str, Any]:
         """Have the coordinator measure ``spec`` on its idle workers (``fusion profile``); one attempt."""
-        request = cpb.ProfileWorkersRequest(spec_json=spec.to_json(indent=None), check=check, steps=steps, max_workers=max_workers, device=device)
-        return json.loads(self._call(self.stub.ProfileWorkers, request, "ProfileWorkers", attempts=1, timeout_s=timeout_s).result_json)
+        request = cpb.ProfileWorkersRequest(
+            spec_json=spec.to_json(indent=None), check=check, steps=steps, max_workers=max_workers, device=device
+        )
+        return json.loads(
+            self._call(self.stub.ProfileWorkers, request, "ProfileWorkers", attempts=1, timeout_s=timeout_s).result_json
+        )
 
     def logs(self, job_id: str, after_seq: int = 0) -> tuple[list[str], int]:
         r = self._call(self.stub.GetLogs, cpb.GetLogsRequest(job_id=job_id, after_seq=after_seq), "GetLogs")

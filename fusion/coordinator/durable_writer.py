@@ -38,10 +38,16 @@ class DurableWriter:
 
     def submit(self, step: int, driver: PipelineDriver) -> None:
         if self._thread is not None and self._thread.is_alive():
-            logger.info("job %s: durable checkpoint at step %d skipped (the previous one is still being written)", self.runner.job_id, step)
+            logger.info(
+                "job %s: durable checkpoint at step %d skipped (the previous one is still being written)",
+                self.runner.job_id,
+                step,
+            )
             return
         keys, addresses = list(driver.stage_keys), list(driver.addresses)
-        self._thread = threading.Thread(target=self._write, args=(step, keys, addresses, driver.canonical), name=f"durable-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(step, keys, addresses, driver.canonical), name=f"durable-{step}", daemon=True
+        )
         self._thread.start()
 
     def _write(self, step: int, keys: list[str], addresses: list[str], canonical: Callable[[str], str]) -> None:
@@ -49,12 +55,30 @@ class DurableWriter:
         t0 = time.perf_counter()
         try:
             states = run_parallel(
-                [lambda k=k, a=a: _fetch_when_ready(ExecutorClient(a, r.pool), r.job_id, k, step).tensors() for k, a in zip(keys, addresses)],
+                [
+                    lambda k=k, a=a: _fetch_when_ready(ExecutorClient(a, r.pool), r.job_id, k, step).tensors()
+                    for k, a in zip(keys, addresses, strict=False)
+                ],
                 name="durable-fetch",
             )
             ckpt = r.checkpoints.write(step, merge_states(states, canonical), {"job_id": r.job_id})
-            r.store.add_checkpoint(r.job_id, step=step, path=str(ckpt.path), sha256=ckpt.sha256, size_bytes=ckpt.size_bytes, keep=r.spec.checkpoint.keep)
-            r.store.log(r.job_id, "event", {"event": "checkpoint", "message": f"durable checkpoint at step {step}: {ckpt.path.name}, {ckpt.size_bytes / 1e6:.1f} MB in {time.perf_counter() - t0:.2f}s", "step": step})
+            r.store.add_checkpoint(
+                r.job_id,
+                step=step,
+                path=str(ckpt.path),
+                sha256=ckpt.sha256,
+                size_bytes=ckpt.size_bytes,
+                keep=r.spec.checkpoint.keep,
+            )
+            r.store.log(
+                r.job_id,
+                "event",
+                {
+                    "event": "checkpoint",
+                    "message": f"durable checkpoint at step {step}: {ckpt.path.name}, {ckpt.size_bytes / 1e6:.1f} MB in {time.perf_counter() - t0:.2f}s",
+                    "step": step,
+                },
+            )
         except (FusionError, OSError) as e:
             logger.warning("job %s: durable checkpoint at step %d failed: %s", r.job_id, step, e)
 

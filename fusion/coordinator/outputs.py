@@ -36,7 +36,14 @@ os.umask(_UMASK)
 
 
 def job_summary(
-    job_id: str, spec: JobSpec, state: str, reason: str | None, losses: Sequence[float], *, wall_s: float, workers: Sequence[str],
+    job_id: str,
+    spec: JobSpec,
+    state: str,
+    reason: str | None,
+    losses: Sequence[float],
+    *,
+    wall_s: float,
+    workers: Sequence[str],
     recoveries: int,
 ) -> dict[str, Any]:
     """``summary.json``: how the job ended, its losses' ends and what it ran on."""
@@ -139,7 +146,11 @@ class JobOutputs:
 
 
 def metrics_record(
-    stats: StepStats, x: torch.Tensor, names: list[str], bandwidth: Callable[[int, int], float | None], predicted_step_s: float | None
+    stats: StepStats,
+    x: torch.Tensor,
+    names: list[str],
+    bandwidth: Callable[[int, int], float | None],
+    predicted_step_s: float | None,
 ) -> dict[str, Any]:
     """One line of ``metrics.jsonl`` for a finished step: loss, speed (tokens too when the
     input ``x`` is token ids), bytes and the current bandwidth estimate per link (by
@@ -189,6 +200,12 @@ def read_history(path: Path, before: int) -> list[tuple[int, float]]:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and "loss" in rec and "step" in rec and "event" not in rec and int(rec["step"]) < before:
+        if (
+            isinstance(rec, dict)
+            and "loss" in rec
+            and "step" in rec
+            and "event" not in rec
+            and int(rec["step"]) < before
+        ):
             out[int(rec["step"])] = float(rec["loss"])
     return sorted(out.items())

@@ -107,7 +107,9 @@ class ProfileCache:
     """In-memory cache of model profiles keyed by (fingerprint, device); the coordinator
     backs it with SQLite through ``load``/``store`` callables."""
 
-    def __init__(self, load: Callable[[str], str | None] | None = None, store: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self, load: Callable[[str], str | None] | None = None, store: Callable[[str, str], None] | None = None
+    ) -> None:
         self._mem: dict[str, ModelProfile] = {}
         self._load = load
         self._store = store
@@ -133,7 +135,14 @@ class ProfileCache:
 
 
 def profile_model(
-    spec: JobSpec, dag: OpDag, worker: Endpoint, pool: ChannelPool, *, device: str = "cpu", cache: ProfileCache | None = None, repeats: int = 5
+    spec: JobSpec,
+    dag: OpDag,
+    worker: Endpoint,
+    pool: ChannelPool,
+    *,
+    device: str = "cpu",
+    cache: ProfileCache | None = None,
+    repeats: int = 5,
 ) -> ModelProfile:
     """Profile the job's model on ``worker`` (or take it from the cache)."""
     shapes = ";".join(f"{dag.node(n).value.dtype}{list(dag.node(n).value.shape or ())}" for n in dag.input_names())
@@ -146,7 +155,9 @@ def profile_model(
             logger.info("profile of %s taken from the cache", dag.fingerprint)
             return hit
     request = epb.ProfileModelRequest(
-        model=epb.ModelSpec(name=spec.model.name, preset=spec.model.preset or "", kwargs_json=json.dumps(spec.model.kwargs)),
+        model=epb.ModelSpec(
+            name=spec.model.name, preset=spec.model.preset or "", kwargs_json=json.dumps(spec.model.kwargs)
+        ),
         example_inputs=[value_spec(n, dag.node(n).value) for n in dag.input_names()],
         device=device,
         train_json=json.dumps(spec.train.to_dict()),
@@ -173,7 +184,9 @@ def costed_dag(dag: OpDag, profile: ModelProfile) -> OpDag:
     ``compute_factor`` (the executor's compute over the profile's)."""
     from fusion.profiling import scale_node_times
 
-    return dag.with_profile(scale_node_times(profile.nodes, profile.compute_factor or 1.0), reference_flops=profile.matmul_flops)
+    return dag.with_profile(
+        scale_node_times(profile.nodes, profile.compute_factor or 1.0), reference_flops=profile.matmul_flops
+    )
 
 
 def stage_profiled_s(profile: ModelProfile, stages: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:
@@ -202,7 +215,9 @@ def probe_keys_for(addresses: Sequence[str], pool: ChannelPool) -> str:
     return json.dumps(keys)
 
 
-def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = PROBE_SIZES) -> tuple[list[list[float]], list[list[float]]]:
+def probe_links(
+    workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = PROBE_SIZES
+) -> tuple[list[list[float]], list[list[float]]]:
     """(latency_s, bandwidth_bytes_per_s) matrices between ``workers``, measured both ways."""
     n = len(workers)
     lat = [[0.0] * n for _ in range(n)]
@@ -213,7 +228,9 @@ def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequen
         if not others:
             return
         client = ExecutorClient(workers[i].address, pool)
-        request = epb.ProbeLinksRequest(addresses=others, sizes_bytes=list(sizes), repeats=5, auth=probe_keys_for(others, pool))
+        request = epb.ProbeLinksRequest(
+            addresses=others, sizes_bytes=list(sizes), repeats=5, auth=probe_keys_for(others, pool)
+        )
         response = client._call(client.stub.ProbeLinks, request, "ProbeLinks", 120.0 + 5.0 * len(others))
         by_address = {f.address: f for f in response.links}
         for j, w in enumerate(workers):
@@ -221,7 +238,9 @@ def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequen
                 continue
             fit = by_address.get(w.address)
             if fit is None or fit.error:
-                raise RemoteError(f"worker {workers[i].name} cannot reach {w.name} ({w.address}): {fit.error if fit else 'no answer'}")
+                raise RemoteError(
+                    f"worker {workers[i].name} cannot reach {w.name} ({w.address}): {fit.error if fit else 'no answer'}"
+                )
             lat[i][j] = fit.latency_s
             bw[i][j] = fit.bandwidth_bytes_per_s
 
@@ -234,7 +253,9 @@ def probe_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequen
 DRIVER_PROBE_SIZES = (1 << 10, 64 << 10, 256 << 10)
 
 
-def probe_driver_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = DRIVER_PROBE_SIZES, repeats: int = 3) -> list[tuple[float, float]]:
+def probe_driver_links(
+    workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = DRIVER_PROBE_SIZES, repeats: int = 3
+) -> list[tuple[float, float]]:
     """Per worker, ``(round_trip_s, bandwidth_bytes_per_s)`` of the driver's calls to it,
     fitted over the same tensor path the feed uses (one worker at a time, so the fits do
     not share this host's CPU or uplink)."""
@@ -248,10 +269,15 @@ def probe_driver_links(workers: Sequence[Endpoint], pool: ChannelPool, *, sizes:
     return links
 
 
-def measured_topology(workers: Sequence[Endpoint], latency: list[list[float]], bandwidth: list[list[float]]) -> Topology:
+def measured_topology(
+    workers: Sequence[Endpoint], latency: list[list[float]], bandwidth: list[list[float]]
+) -> Topology:
     """A topology from profiled numbers (each worker is its own cluster label; OP-Fence
     finds the real clusters from the bandwidths)."""
-    specs = [WorkerSpec(name=w.name, cluster=w.name, flops=w.matmul_flops, memory_bytes=w.memory_bytes, machine=w.machine) for w in workers]
+    specs = [
+        WorkerSpec(name=w.name, cluster=w.name, flops=w.matmul_flops, memory_bytes=w.memory_bytes, machine=w.machine)
+        for w in workers
+    ]
     return Topology.from_measurements(specs, latency, bandwidth)
 
 
@@ -280,8 +306,18 @@ CALIBRATE_TRIM = 0.1
 
 
 def calibrate_executor(
-    spec: JobSpec, model: Any, captured: Any, dataset: Any, worker: Endpoint, pool: ChannelPool, profile: ModelProfile, *,
-    device: str = "cpu", steps: int = 5, min_time_s: float = CALIBRATE_MIN_S, driver_link: tuple[float, float] = (0.0, float("inf")),
+    spec: JobSpec,
+    model: Any,
+    captured: Any,
+    dataset: Any,
+    worker: Endpoint,
+    pool: ChannelPool,
+    profile: ModelProfile,
+    *,
+    device: str = "cpu",
+    steps: int = 5,
+    min_time_s: float = CALIBRATE_MIN_S,
+    driver_link: tuple[float, float] = (0.0, float("inf")),
 ) -> ExecutorOverhead:
     """Time the whole model as one stage on ``worker`` with 1 and with ``M`` micro-batches.
 
@@ -311,7 +347,11 @@ def calibrate_executor(
         raise FusionError(f"calibration needs steps >= 1 and min_time_s >= 0, got {steps} and {min_time_s}")
     mb = spec.micro_batch_size
     counts = sorted({1, max(2, spec.train.micro_batches)})
-    profiled = sum(float(v.get("fwd_time_s", 0.0)) + float(v.get("bwd_time_s", 0.0)) for k, v in profile.nodes.items() if not k.startswith("__"))
+    profiled = sum(
+        float(v.get("fwd_time_s", 0.0)) + float(v.get("bwd_time_s", 0.0))
+        for k, v in profile.nodes.items()
+        if not k.startswith("__")
+    )
     stages = split_stages(captured.dag, {n.name: 0 for n in captured.dag.compute_nodes()})
     jobs = [spec.replace(data={"batch_size": mb * count}, train={"micro_batches": count}) for count in counts]
     drivers: list[Any] = []
@@ -321,8 +361,15 @@ def calibrate_executor(
         for count, job in zip(counts, jobs, strict=True):
             _, example_y = example_micro_batch(job, dataset)
             driver = PipelineDriver(
-                job_id=f"calibrate-{count}-{time.monotonic_ns()}", job=job, model=model, captured=captured, stages=stages,
-                addresses=[worker.address], example_target=example_y, device=device, pool=pool,
+                job_id=f"calibrate-{count}-{time.monotonic_ns()}",
+                job=job,
+                model=model,
+                captured=captured,
+                stages=stages,
+                addresses=[worker.address],
+                example_target=example_y,
+                device=device,
+                pool=pool,
             )
             drivers.append(driver)
             driver.load()
@@ -343,7 +390,9 @@ def calibrate_executor(
     finally:
         for driver in drivers:
             driver.close()
-    logger.info("calibrated the executor on %s over %d steps of each micro-batch count %s", worker.name, step - 1, counts)
+    logger.info(
+        "calibrated the executor on %s over %d steps of each micro-batch count %s", worker.name, step - 1, counts
+    )
     # The M-micro-batch steps (the last count) are the ones plans resemble; their compute sets the level.
     measured = trimmed_mean(compute[-1], CALIBRATE_TRIM) / (counts[-1] * profiled) if profiled > 0 else 0.0
     factor = measured if measured > 0 else 1.0
@@ -354,13 +403,20 @@ def calibrate_executor(
     # so is the driver's path to this worker (estimator: control round trips and the feed).
     optimizer_s = profile.optimizer_s_per_byte * captured.dag.total_param_bytes
     example_x, example_y = example_micro_batch(spec, dataset)
-    driver_s = DRIVER_CONTROL_ROUND_TRIPS * driver_link[0] + feed_s(driver_link, [wire_bytes(example_x), wire_bytes(example_y)])
+    driver_s = DRIVER_CONTROL_ROUND_TRIPS * driver_link[0] + feed_s(
+        driver_link, [wire_bytes(example_x), wire_bytes(example_y)]
+    )
     fixed = max(rest_s[0] - per_mb - optimizer_s - driver_s, 0.0)
     return ExecutorOverhead(step_s=fixed, micro_batch_s=per_mb, compute_factor=factor)
 
 
 def plan_request(
-    spec: JobSpec, profile: ModelProfile, round_trip_s: float, *, strategy: str | None = None, overhead: ExecutorOverhead | None = None,
+    spec: JobSpec,
+    profile: ModelProfile,
+    round_trip_s: float,
+    *,
+    strategy: str | None = None,
+    overhead: ExecutorOverhead | None = None,
     target_bytes: int = 0,
 ) -> PlanRequest:
     """The planner's view of the job."""
@@ -433,11 +489,23 @@ def measure(
     # and the planner could pick the one farther from the driver.
     reported = machine_speeds(workers)
     base = reported[home] or profile.matmul_flops
-    scaled = [replace(w, matmul_flops=profile.matmul_flops * (speed or base) / base) for w, speed in zip(workers, reported, strict=True)]
+    scaled = [
+        replace(w, matmul_flops=profile.matmul_flops * (speed or base) / base)
+        for w, speed in zip(workers, reported, strict=True)
+    ]
     topology = measured_topology(scaled, lat, bw).with_driver_links(driver_links)
     if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None or profile.compute_factor is None:
         calibrated = calibrate_executor(
-            spec, model, captured, dataset, workers[home], pool, profile, device=device, min_time_s=calibrate_s, driver_link=driver_links[home]
+            spec,
+            model,
+            captured,
+            dataset,
+            workers[home],
+            pool,
+            profile,
+            device=device,
+            min_time_s=calibrate_s,
+            driver_link=driver_links[home],
         )
         profile.overhead_step_s, profile.overhead_micro_batch_s = calibrated.step_s, calibrated.micro_batch_s
         profile.compute_factor = calibrated.compute_factor
@@ -498,7 +566,12 @@ class LinkTable:
         """Measured bandwidth between each ordered pair of ``addresses`` by index (a job's
         stages, on those workers); unmeasured pairs and a stage with itself left out."""
         with self._lock:
-            fits = {(i, j): self._links.get((a, b)) for i, a in enumerate(addresses) for j, b in enumerate(addresses) if i != j}
+            fits = {
+                (i, j): self._links.get((a, b))
+                for i, a in enumerate(addresses)
+                for j, b in enumerate(addresses)
+                if i != j
+            }
         return {pair: fit[1] for pair, fit in fits.items() if fit is not None}
 
     def observe(self, a: str, b: str, size_bytes: int, seconds: float) -> None:
@@ -515,7 +588,11 @@ class LinkTable:
             self._links[(a, b)] = (latency, (1 - REFRESH_WEIGHT) * bandwidth + REFRESH_WEIGHT * observed)
 
     def observe_step(
-        self, sent_bytes: Mapping[tuple[int, int], int], sent_s: Mapping[tuple[int, int], float], addresses: Sequence[str], micro_batches: int
+        self,
+        sent_bytes: Mapping[tuple[int, int], int],
+        sent_s: Mapping[tuple[int, int], float],
+        addresses: Sequence[str],
+        micro_batches: int,
     ) -> None:
         """Fold one step's transfers between stages (bytes and seconds per stage pair, the
         stages on ``addresses``) into the links, one message per micro-batch."""
@@ -526,4 +603,7 @@ class LinkTable:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:
-            return {f"{a}->{b}": {"latency_s": lat, "bandwidth_bytes_per_s": bw} for (a, b), (lat, bw) in self._links.items()}
+            return {
+                f"{a}->{b}": {"latency_s": lat, "bandwidth_bytes_per_s": bw}
+                for (a, b), (lat, bw) in self._links.items()
+            }

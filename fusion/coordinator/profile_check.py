@@ -55,18 +55,23 @@ class CheckRow:
         return abs(self.predicted_step_s - self.measured_step_s) / self.measured_step_s
 
     def memory_errors(self) -> list[float]:
-        return [abs(p - m) / m for p, m in zip(self.predicted_memory, self.measured_memory) if m > 0]
+        return [abs(p - m) / m for p, m in zip(self.predicted_memory, self.measured_memory, strict=False) if m > 0]
 
     def memory_under(self) -> float:
         """Worst under-prediction of memory as a fraction (0 if never under)."""
-        return max((max(0.0, (m - p) / m) for p, m in zip(self.predicted_memory, self.measured_memory) if m > 0), default=0.0)
+        return max(
+            (max(0.0, (m - p) / m) for p, m in zip(self.predicted_memory, self.measured_memory, strict=False) if m > 0), default=0.0
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CheckRow:
         """Inverse of :meth:`to_dict` (for the CLI, which receives rows as JSON)."""
         return cls(
-            label=str(d["plan"]), stages=int(d["stages"]), predicted_step_s=float(d["predicted_step_s"]),
-            measured_step_s=float(d["measured_step_s"]), predicted_memory=[int(b) for b in d["predicted_memory_bytes"]],
+            label=str(d["plan"]),
+            stages=int(d["stages"]),
+            predicted_step_s=float(d["predicted_step_s"]),
+            measured_step_s=float(d["measured_step_s"]),
+            predicted_memory=[int(b) for b in d["predicted_memory_bytes"]],
             measured_memory=[int(b) for b in d["measured_memory_bytes"]],
         )
 
@@ -84,7 +89,16 @@ class CheckRow:
 
 
 def run_plan(
-    spec: JobSpec, model: Any, captured: Any, dataset: Any, plan: Plan, workers: dict[str, str], pool: ChannelPool, *, steps: int, device: str,
+    spec: JobSpec,
+    model: Any,
+    captured: Any,
+    dataset: Any,
+    plan: Plan,
+    workers: dict[str, str],
+    pool: ChannelPool,
+    *,
+    steps: int,
+    device: str,
     topology: Topology | None = None,
 ) -> tuple[float, list[int]]:
     """Run ``plan`` for ``steps`` timed steps after a warm-up step, then one more step that
@@ -96,10 +110,23 @@ def run_plan(
     links: dict[tuple[int, int], float] = {}
     if topology is not None:
         idx = [topology.names().index(s.worker) for s in plan.stages]
-        links = {(a, b): topology.bandwidth_bytes_per_s[idx[a]][idx[b]] for a in range(len(idx)) for b in range(len(idx)) if idx[a] != idx[b]}
+        links = {
+            (a, b): topology.bandwidth_bytes_per_s[idx[a]][idx[b]]
+            for a in range(len(idx))
+            for b in range(len(idx))
+            if idx[a] != idx[b]
+        }
     driver = PipelineDriver(
-        job_id=f"check-{uuid.uuid4().hex[:8]}", job=spec, model=model, captured=captured, stages=stages,
-        addresses=[workers[s.worker] for s in plan.stages], example_target=example_y, device=device, pool=pool, link_bytes_per_s=links,
+        job_id=f"check-{uuid.uuid4().hex[:8]}",
+        job=spec,
+        model=model,
+        captured=captured,
+        stages=stages,
+        addresses=[workers[s.worker] for s in plan.stages],
+        example_target=example_y,
+        device=device,
+        pool=pool,
+        link_bytes_per_s=links,
     )
     times: list[float] = []
     peaks = [0] * len(stages)
@@ -145,7 +172,9 @@ def check_estimator(
     rows = []
     for label, meas in configs:
         plan = plan_job(spec, meas, strategy=label.split("/")[0])
-        measured_s, measured_mem = run_plan(spec, model, captured, dataset, plan, by_name, pool, steps=steps, device=device, topology=meas.topology)
+        measured_s, measured_mem = run_plan(
+            spec, model, captured, dataset, plan, by_name, pool, steps=steps, device=device, topology=meas.topology
+        )
         row = CheckRow(
             label=label,
             stages=len(plan.stages),
@@ -175,7 +204,9 @@ def format_rows(rows: Sequence[CheckRow]) -> str:
     for r in rows:
         pm = "/".join(f"{b / 1e6:.1f}" for b in r.predicted_memory)
         mm = "/".join(f"{b / 1e6:.1f}" for b in r.measured_memory)
-        lines.append(f"{r.label:<12} {r.stages:>6} {r.predicted_step_s:>9.4f} {r.measured_step_s:>9.4f} {100 * r.time_error:>5.1f}%  {pm:>18} {mm:>18}")
+        lines.append(
+            f"{r.label:<12} {r.stages:>6} {r.predicted_step_s:>9.4f} {r.measured_step_s:>9.4f} {100 * r.time_error:>5.1f}%  {pm:>18} {mm:>18}"
+        )
     s = summarize(rows)
     lines.append(
         f"time MAPE {100 * s['time_mape']:.1f}%  memory MAPE {100 * s['memory_mape']:.1f}%  "
@@ -187,7 +218,10 @@ def format_rows(rows: Sequence[CheckRow]) -> str:
 def measurement_report(spec: JobSpec, m: Measurements, endpoints: Sequence[Endpoint], num_nodes: int) -> dict[str, Any]:
     """What ``fusion profile`` (without ``--check``) shows, as JSON-able data."""
     graph = m.profile.nodes.get("__graph__", {})
-    top = sorted(((v["fwd_time_s"] + v["bwd_time_s"], k) for k, v in m.profile.nodes.items() if not k.startswith("__")), reverse=True)[:8]
+    top = sorted(
+        ((v["fwd_time_s"] + v["bwd_time_s"], k) for k, v in m.profile.nodes.items() if not k.startswith("__")),
+        reverse=True,
+    )[:8]
     names = m.topology.names()
     return {
         "model": spec.model.name,
@@ -202,22 +236,43 @@ def measurement_report(spec: JobSpec, m: Measurements, endpoints: Sequence[Endpo
         "overhead_micro_batch_s": m.overhead.micro_batch_s,
         "slowest_nodes": [{"node": name, "time_s": t} for t, name in top],
         "links": [
-            {"src": a, "dst": b, "latency_s": m.topology.latency_s[i][j], "bandwidth_bytes_per_s": m.topology.bandwidth_bytes_per_s[i][j]}
-            for i, a in enumerate(names) for j, b in enumerate(names) if i != j
+            {
+                "src": a,
+                "dst": b,
+                "latency_s": m.topology.latency_s[i][j],
+                "bandwidth_bytes_per_s": m.topology.bandwidth_bytes_per_s[i][j],
+            }
+            for i, a in enumerate(names)
+            for j, b in enumerate(names)
+            if i != j
         ],
     }
 
 
 def profile_report(
-    spec: JobSpec, endpoints: Sequence[Endpoint], *, pool: ChannelPool, check: bool, steps: int = 5, device: str = "cpu",
+    spec: JobSpec,
+    endpoints: Sequence[Endpoint],
+    *,
+    pool: ChannelPool,
+    check: bool,
+    steps: int = 5,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Measure ``spec`` on ``endpoints`` (and with ``check`` run plans); the ``fusion profile --json`` document.
 
     ``pool`` must sign calls with the workers' control keys (the coordinator's pool does).
     """
     if check:
-        rows, _ = check_estimator(spec, endpoints, pool=pool, steps=steps, device=device,
-                                  progress=lambda r: logger.info("profile check ran %s: predicted %.4fs, measured %.4fs", r.label, r.predicted_step_s, r.measured_step_s))
+        rows, _ = check_estimator(
+            spec,
+            endpoints,
+            pool=pool,
+            steps=steps,
+            device=device,
+            progress=lambda r: logger.info(
+                "profile check ran %s: predicted %.4fs, measured %.4fs", r.label, r.predicted_step_s, r.measured_step_s
+            ),
+        )
         return {"plans": [r.to_dict() for r in rows], **summarize(rows)}
     model = build_job_model(spec)
     dataset = build_job_dataset(spec)

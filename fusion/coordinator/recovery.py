@@ -55,13 +55,15 @@ def snapshot_holdings(job_id: str, addresses: Iterable[str], pool: ChannelPool) 
 
     def ask(address: str) -> list[tuple[str, int]]:
         try:
-            return [(i.stage_key, int(i.step)) for i in ExecutorClient(address, pool).list_snapshots(job_id, timeout_s=5.0)]
+            return [
+                (i.stage_key, int(i.step)) for i in ExecutorClient(address, pool).list_snapshots(job_id, timeout_s=5.0)
+            ]
         except FusionError as e:
             logger.info("listing snapshots on %s failed: %s", address, e)
             return []
 
     held: Holdings = {}
-    for address, keys in zip(addresses, run_parallel([lambda a=a: ask(a) for a in addresses], name="list-snapshots")):
+    for address, keys in zip(addresses, run_parallel([lambda a=a: ask(a) for a in addresses], name="list-snapshots"), strict=False):
         for key in keys:
             held.setdefault(key, []).append(address)
     return held
@@ -84,7 +86,9 @@ class RestorePoint:
         return f"snapshots in workers' memory (step {self.step})"
 
 
-def choose_restore_point(old_keys: Sequence[str], held: Holdings, durable: Sequence[CheckpointFile], *, at_most: int | None = None) -> RestorePoint:
+def choose_restore_point(
+    old_keys: Sequence[str], held: Holdings, durable: Sequence[CheckpointFile], *, at_most: int | None = None
+) -> RestorePoint:
     """The newest step every old stage can be restored to (snapshots win ties)."""
     steps = {step for _, step in held}
     complete = [s for s in steps if all(held.get((k, s)) for k in old_keys) and (at_most is None or s <= at_most)]
@@ -137,7 +141,12 @@ class WholeState:
             assert p.durable is not None
             return self.checkpoints.load(p.durable)
         fetched = run_parallel(
-            [lambda k=k: ExecutorClient(self.held[(k, p.step)][0], self.pool).get_snapshot(self.job_id, k, p.step).tensors() for k in self.old_keys],
+            [
+                lambda k=k: (
+                    ExecutorClient(self.held[(k, p.step)][0], self.pool).get_snapshot(self.job_id, k, p.step).tensors()
+                )
+                for k in self.old_keys
+            ],
             name="fetch-snapshot",
         )
         return merge_states(fetched, self.canonical)
@@ -180,7 +189,6 @@ def restore_stages(driver: PipelineDriver, point: RestorePoint, held: Holdings, 
     return sources
 
 
-
 def choose_buddies(
     stage_addresses: Sequence[str], addresses: Sequence[str], link: Callable[[str, str], tuple[float, float] | None]
 ) -> dict[int, str]:
@@ -209,7 +217,10 @@ def choose_buddies(
 
 
 def snapshot_request(
-    spec: JobSpec, step: int, buddies: Mapping[int, str], stage_addresses: Sequence[str],
+    spec: JobSpec,
+    step: int,
+    buddies: Mapping[int, str],
+    stage_addresses: Sequence[str],
     link: Callable[[str, str], tuple[float, float] | None],
 ) -> SnapshotRequest | None:
     """What to snapshot after ``step``: nothing between checkpoints; replicas to ``buddies``
@@ -238,7 +249,7 @@ def diagnose(e: BaseException, workers: Sequence[tuple[str, str]], pool: Channel
     if not isinstance(e, FusionError):
         return reason
     alive = answering([address for _, address in workers], pool, (1.0,))
-    gone = [f"{name} ({address})" for (name, address), ok in zip(workers, alive) if not ok]
+    gone = [f"{name} ({address})" for (name, address), ok in zip(workers, alive, strict=False) if not ok]
     return f"worker {', '.join(gone)} stopped answering: {reason}" if gone else reason
 
 

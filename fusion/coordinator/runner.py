@@ -210,7 +210,14 @@ class JobRunner(threading.Thread):
                 step = self._between_steps(step)
                 x, y = job_batch(self.spec, self.dataset, step)
                 try:
-                    stats = self.driver.train_step(step, (x,), y, snapshot=snapshot_request(self.spec, step, self.buddies, [w.address for w in self.stage_workers], self.links.get))
+                    stats = self.driver.train_step(
+                        step,
+                        (x,),
+                        y,
+                        snapshot=snapshot_request(
+                            self.spec, step, self.buddies, [w.address for w in self.stage_workers], self.links.get
+                        ),
+                    )
                 except FusionError as e:
                     if self._stopping() is not None:
                         raise
@@ -224,13 +231,20 @@ class JobRunner(threading.Thread):
             if self._durable is not None:
                 self._durable.wait()
             state_dict = self.driver.state_dict()
-            outputs.write_model(state_dict, metadata={"job_id": self.job_id, "model": self.spec.model.name, "steps": str(self.spec.train.steps)})
+            outputs.write_model(
+                state_dict,
+                metadata={"job_id": self.job_id, "model": self.spec.model.name, "steps": str(self.spec.train.steps)},
+            )
             self._plot(outputs)
             outputs.write_summary(self._summary("succeeded", None, t_start))
             self.store.transition(self.job_id, "succeeded")
         except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
             stop = self._stopping()
-            state, reason = stop if stop is not None else ("failed", diagnose(e, [(w.name, w.address) for w in self.workers], self.pool))
+            state, reason = (
+                stop
+                if stop is not None
+                else ("failed", diagnose(e, [(w.name, w.address) for w in self.workers], self.pool))
+            )
             if stop is None and not isinstance(e, FusionError):
                 logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
             # Record the end at once (the summary is quick); the plot and the clean-up after
@@ -255,7 +269,9 @@ class JobRunner(threading.Thread):
             self.on_done(self)
 
     def _after_step(self, stats: StepStats, x: Any, step: int) -> None:
-        self.links.observe_step(stats.sent_bytes, stats.sent_s, [w.address for w in self.stage_workers], self.spec.train.micro_batches)
+        self.links.observe_step(
+            stats.sent_bytes, stats.sent_s, [w.address for w in self.stage_workers], self.spec.train.micro_batches
+        )
         record = self._record(stats, x)
         assert self._outputs is not None
         self._outputs.append_metrics(record)
@@ -292,18 +308,34 @@ class JobRunner(threading.Thread):
         endpoints = [self._endpoint(w) for w in workers]
         t0 = time.perf_counter()
         m = measure(
-            self.spec, self.model, self.captured, self.dataset, endpoints, self.pool, device=self.device, cache=self.profiles,
+            self.spec,
+            self.model,
+            self.captured,
+            self.dataset,
+            endpoints,
+            self.pool,
+            device=self.device,
+            cache=self.profiles,
             calibrate_s=self.calibrate_s,
         )
         for i, a in enumerate(endpoints):
             for j, b in enumerate(endpoints):
                 if i != j:
-                    self.links.set(a.address, b.address, m.topology.latency_s[i][j], m.topology.bandwidth_bytes_per_s[i][j])
+                    self.links.set(
+                        a.address, b.address, m.topology.latency_s[i][j], m.topology.bandwidth_bytes_per_s[i][j]
+                    )
         self._measurements = m
         self._measured = [w.worker_id for w in workers]
         if self._outputs is not None:
             self._outputs.write_measured(m.to_dict())
-        self.store.log(self.job_id, "event", {"event": "measured", "message": f"profiled the model and {len(endpoints)} workers' links in {time.perf_counter() - t0:.1f}s"})
+        self.store.log(
+            self.job_id,
+            "event",
+            {
+                "event": "measured",
+                "message": f"profiled the model and {len(endpoints)} workers' links in {time.perf_counter() - t0:.1f}s",
+            },
+        )
 
     def _planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
         """The workers to plan over: all but the job's spares (at least one)."""
@@ -318,7 +350,15 @@ class JobRunner(threading.Thread):
         indices = [self._measured.index(w.worker_id) for w in workers]
         return plan_job(self.spec, self._measurements.subset(indices))
 
-    def _configure(self, workers: Sequence[WorkerRow], *, why: str, same_stages: bool, replace: dict[str, WorkerRow] | None = None, note: str = "") -> None:
+    def _configure(
+        self,
+        workers: Sequence[WorkerRow],
+        *,
+        why: str,
+        same_stages: bool,
+        replace: dict[str, WorkerRow] | None = None,
+        note: str = "",
+    ) -> None:
         """Build (and load) the driver for a new placement.
 
         ``same_stages``: keep the current stages and swap workers per ``replace`` (old worker
@@ -329,7 +369,10 @@ class JobRunner(threading.Thread):
         if same_stages:
             assert replace is not None
             stage_workers = [replace.get(w.worker_id, w) for w in self.stage_workers]
-            plan = dataclasses.replace(self.plan, stages=tuple(dataclasses.replace(s, worker=w.name) for s, w in zip(self.plan.stages, stage_workers)))
+            plan = dataclasses.replace(
+                self.plan,
+                stages=tuple(dataclasses.replace(s, worker=w.name) for s, w in zip(self.plan.stages, stage_workers, strict=False)),
+            )
             stages = self.stages
         else:
             plan = self._plan_over(workers)
@@ -340,7 +383,15 @@ class JobRunner(threading.Thread):
         if old is not None:
             # The old stages go; their snapshots stay (the restore reads them).
             addresses = {w.address for w in self.workers}
-            run_parallel([lambda a=a: _quiet(lambda: ExecutorClient(a, self.pool).unload_job(self.job_id, keep_snapshots=True)) for a in addresses], name="unload")
+            run_parallel(
+                [
+                    lambda a=a: _quiet(
+                        lambda: ExecutorClient(a, self.pool).unload_job(self.job_id, keep_snapshots=True)
+                    )
+                    for a in addresses
+                ],
+                name="unload",
+            )
         self.plan, self.stages, self.stage_workers = plan, stages, stage_workers
         driver = self._make_driver(plan, stages, stage_workers)
         with self._lock:
@@ -354,16 +405,28 @@ class JobRunner(threading.Thread):
         in_plan = {w.worker_id for w in stage_workers}
         spares = [w.address for w in self.workers if w.worker_id not in in_plan]
         run_parallel([lambda a=a: _quiet(lambda: driver.admit([a])) for a in spares], name="admit")
-        self.buddies = choose_buddies([w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get)
+        self.buddies = choose_buddies(
+            [w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get
+        )
         predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
         where = ", ".join(w.name for w in stage_workers)
         buddies = ", ".join(f"{stage_workers[i].name}→{self._name_of(a)}" for i, a in sorted(self.buddies.items()))
-        self._event(why, f"{note}{plan.strategy}: {len(stages)} stage(s) on {where}{predicted}; replicas {buddies or 'none'} ({time.perf_counter() - t0:.2f}s)",
-                    to_metrics=why != "planned", stages=[w.name for w in stage_workers], buddies={stage_workers[i].name: self._name_of(a) for i, a in self.buddies.items()})
+        self._event(
+            why,
+            f"{note}{plan.strategy}: {len(stages)} stage(s) on {where}{predicted}; replicas {buddies or 'none'} ({time.perf_counter() - t0:.2f}s)",
+            to_metrics=why != "planned",
+            stages=[w.name for w in stage_workers],
+            buddies={stage_workers[i].name: self._name_of(a) for i, a in self.buddies.items()},
+        )
 
-    def _make_driver(self, plan: Plan, stages: Sequence[StageSpec], stage_workers: Sequence[WorkerRow]) -> PipelineDriver:
+    def _make_driver(
+        self, plan: Plan, stages: Sequence[StageSpec], stage_workers: Sequence[WorkerRow]
+    ) -> PipelineDriver:
         spec = self.spec
-        settings = cut_settings([(c.src_stage, c.dst_stage, c.codec, c.keep_ratio) for c in plan.cuts], directions=spec.compression.directions)
+        settings = cut_settings(
+            [(c.src_stage, c.dst_stage, c.codec, c.keep_ratio) for c in plan.cuts],
+            directions=spec.compression.directions,
+        )
         addresses = [w.address for w in stage_workers]
         controller = None
         if spec.compression.mode == "adatopk" and settings:
@@ -372,10 +435,21 @@ class JobRunner(threading.Thread):
                 link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
             )
         return PipelineDriver(
-            job_id=self.job_id, job=spec, model=self.model, captured=self.captured, stages=stages, addresses=addresses,
-            example_target=self.example_y, device=self.device, pool=self.pool, cut_settings=settings, ratio_controller=controller,
+            job_id=self.job_id,
+            job=spec,
+            model=self.model,
+            captured=self.captured,
+            stages=stages,
+            addresses=addresses,
+            example_target=self.example_y,
+            device=self.device,
+            pool=self.pool,
+            cut_settings=settings,
+            ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
-            profiled_s=stage_profiled_s(self._measurements.profile, [s.nodes for s in stages]) if self._measurements is not None else None,
+            profiled_s=stage_profiled_s(self._measurements.profile, [s.nodes for s in stages])
+            if self._measurements is not None
+            else None,
         )
 
     def _name_of(self, address: str) -> str:
@@ -399,9 +473,11 @@ class JobRunner(threading.Thread):
 
         # A refused connection is a dead process; a slow answer on a loaded machine is not,
         # so it gets a second, longer chance before the worker is dropped.
-        for w, ok in zip(self.workers, answering([w.address for w in self.workers], self.pool, (2.0, 8.0))):
+        for w, ok in zip(self.workers, answering([w.address for w in self.workers], self.pool, (2.0, 8.0)), strict=False):
             if not ok:
-                lost.setdefault(w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {failure_reason(error)}", "gone"))
+                lost.setdefault(
+                    w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {failure_reason(error)}", "gone")
+                )
         return lost
 
     def _recover(self, error: FusionError, failed_step: int) -> int:
@@ -418,7 +494,12 @@ class JobRunner(threading.Thread):
             w = next((w for w in self.workers if w.worker_id == wid), None)
             if w is None:
                 continue
-            self._event("worker_excluded" if state == "excluded" else "worker_lost", reason, worker=w.name, failed_step=failed_step)
+            self._event(
+                "worker_excluded" if state == "excluded" else "worker_lost",
+                reason,
+                worker=w.name,
+                failed_step=failed_step,
+            )
             self.release(self, w, state)
         dropped = [w.address for w in self.workers if w.worker_id in lost]
         self.workers = [w for w in self.workers if w.worker_id not in lost]
@@ -431,10 +512,21 @@ class JobRunner(threading.Thread):
         t_placed = time.perf_counter()
         point = self._restore(old_keys, held)
         t_end = time.perf_counter()
-        phases = {"find_lost_s": t_found - t0, "list_snapshots_s": t_held - t_found, "place_and_load_s": t_placed - t_held, "restore_s": t_end - t_placed}
-        self._event("resumed_at_step", f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) after {t_end - t0:.2f}s "
-                    f"({', '.join(f'{k[:-2]} {v:.2f}s' for k, v in phases.items())})",
-                    step=point.step, failed_step=failed_step, recover_s=round(t_end - t0, 3), **{k: round(v, 3) for k, v in phases.items()})
+        phases = {
+            "find_lost_s": t_found - t0,
+            "list_snapshots_s": t_held - t_found,
+            "place_and_load_s": t_placed - t_held,
+            "restore_s": t_end - t_placed,
+        }
+        self._event(
+            "resumed_at_step",
+            f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) after {t_end - t0:.2f}s "
+            f"({', '.join(f'{k[:-2]} {v:.2f}s' for k, v in phases.items())})",
+            step=point.step,
+            failed_step=failed_step,
+            recover_s=round(t_end - t0, 3),
+            **{k: round(v, 3) for k, v in phases.items()},
+        )
         return point.step
 
     def _place(self, *, lost: set[str]) -> None:
@@ -447,7 +539,7 @@ class JobRunner(threading.Thread):
             self._configure(self.stage_workers, why="replaced", same_stages=True, replace={})
             return
         if len(spares) >= len(gone):
-            replace = {w.worker_id: s for w, s in zip(gone, spares)}
+            replace = {w.worker_id: s for w, s in zip(gone, spares, strict=False)}
             note = ", ".join(f"{w.name} → {replace[w.worker_id].name}" for w in gone) + "; "
             self._configure(self.stage_workers, why="replaced", same_stages=True, replace=replace, note=note)
             return
@@ -471,8 +563,14 @@ class JobRunner(threading.Thread):
             durable = [c for c in self.checkpoints.list() if c.path not in bad]
             point = choose_restore_point(old_keys, held, durable, at_most=at_most)
             whole = WholeState(
-                point, job_id=self.job_id, old_keys=old_keys, held=held, pool=self.pool, checkpoints=self.checkpoints,
-                initial=self.model.state_dict, canonical=self.driver.canonical,
+                point,
+                job_id=self.job_id,
+                old_keys=old_keys,
+                held=held,
+                pool=self.pool,
+                checkpoints=self.checkpoints,
+                initial=self.model.state_dict,
+                canonical=self.driver.canonical,
             )
             try:
                 sources = restore_stages(self.driver, point, held, whole)
@@ -485,7 +583,12 @@ class JobRunner(threading.Thread):
             text = "; ".join(f"stage {i} ({self.stage_workers[i].name}) from {s}" for i, s in sorted(sources.items()))
             self._event("restored_from", text, step=point.step, source=point.source)
             self._history = [(s, loss) for s, loss in self._history if s < point.step]
-            self.store.set_progress(self.job_id, step=point.step, loss=self._history[-1][1] if self._history else float("nan"), samples_per_s=0.0)
+            self.store.set_progress(
+                self.job_id,
+                step=point.step,
+                loss=self._history[-1][1] if self._history else float("nan"),
+                samples_per_s=0.0,
+            )
             return point
 
     def _resume_from_durable(self) -> int:
@@ -519,7 +622,9 @@ class JobRunner(threading.Thread):
                 self._event("worker_lost", reason, worker=w.name, failed_step=step)
                 self.workers.remove(w)
                 self.release(self, w, "gone")
-                self.buddies = choose_buddies([w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get)
+                self.buddies = choose_buddies(
+                    [w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get
+                )
         if leaving:
             self._handoff(step, leaving)
             return step
@@ -537,13 +642,24 @@ class JobRunner(threading.Thread):
     def _faster_with_joiners(self) -> bool:
         current = self.plan.predicted_step_s
         candidate = self._plan_over(self._planning_set(self.workers))
-        faster = current is not None and candidate.predicted_step_s is not None and candidate.predicted_step_s < JOINER_GAIN * current
-        self._event("replan_considered", f"with {len(self.workers)} workers the plan would take {candidate.predicted_step_s}s/step vs {current}s now: {'re-planning' if faster else 'keeping the plan'}")
+        faster = (
+            current is not None
+            and candidate.predicted_step_s is not None
+            and candidate.predicted_step_s < JOINER_GAIN * current
+        )
+        self._event(
+            "replan_considered",
+            f"with {len(self.workers)} workers the plan would take {candidate.predicted_step_s}s/step vs {current}s now: {'re-planning' if faster else 'keeping the plan'}",
+        )
         return faster
 
     def _handoff(self, step: int, leaving: set[str]) -> None:
         names = [w.name for w in self.workers if w.worker_id in leaving]
-        self._event("worker_leaving", f"{', '.join(names)} asked to leave; handing off their state at step {step}", workers=names)
+        self._event(
+            "worker_leaving",
+            f"{', '.join(names)} asked to leave; handing off their state at step {step}",
+            workers=names,
+        )
         self._reconfigure_planned(step, exclude=leaving, why="replanned")
         with self._lock:
             events = [self._leaving[wid] for wid in leaving]
@@ -558,7 +674,10 @@ class JobRunner(threading.Thread):
         t0 = time.perf_counter()
         driver = self.driver
         old_keys = list(driver.stage_keys)
-        run_parallel([lambda i=i: driver.clients[i].take_snapshot(self.job_id, i, step) for i in range(len(driver.stages))], name="take-snapshot")
+        run_parallel(
+            [lambda i=i: driver.clients[i].take_snapshot(self.job_id, i, step) for i in range(len(driver.stages))],
+            name="take-snapshot",
+        )
         held = snapshot_holdings(self.job_id, [w.address for w in self.workers], self.pool)
         keep = [w for w in self.workers if w.worker_id not in exclude]
         if not keep:
@@ -569,14 +688,22 @@ class JobRunner(threading.Thread):
             self._configure(self._planning_set(keep), why=why, same_stages=False)
             self._restore(old_keys, held, at_most=step)
         finally:
-            self.workers = [w for w in held_workers if w.worker_id not in exclude] + [w for w in held_workers if w.worker_id in exclude]
-        self._event("resumed_at_step", f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)", step=step)
+            self.workers = [w for w in held_workers if w.worker_id not in exclude] + [
+                w for w in held_workers if w.worker_id in exclude
+            ]
+        self._event(
+            "resumed_at_step",
+            f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)",
+            step=step,
+        )
 
     # ------------------------------------------------------------- records
     def _record(self, stats: StepStats, x: Any) -> dict[str, Any]:
         workers = self.stage_workers
         bandwidth = self.links.bandwidths([w.address for w in workers])
-        return metrics_record(stats, x, [w.name for w in workers], lambda s, d: bandwidth.get((s, d)), self.plan.predicted_step_s)
+        return metrics_record(
+            stats, x, [w.name for w in workers], lambda s, d: bandwidth.get((s, d)), self.plan.predicted_step_s
+        )
 
     def _plot(self, outputs: JobOutputs) -> None:
         steps = [s for s, _ in self._history]
@@ -585,8 +712,14 @@ class JobRunner(threading.Thread):
 
     def _summary(self, state: str, reason: str | None, t_start: float) -> dict[str, Any]:
         return job_summary(
-            self.job_id, self.spec, state, reason, [loss for _, loss in self._history], wall_s=time.time() - t_start,
-            workers=[w.name for w in self.workers], recoveries=self._recoveries,
+            self.job_id,
+            self.spec,
+            state,
+            reason,
+            [loss for _, loss in self._history],
+            wall_s=time.time() - t_start,
+            workers=[w.name for w in self.workers],
+            recoveries=self._recoveries,
         )
 
 
@@ -595,4 +728,3 @@ def _quiet(call: Callable[[], Any]) -> None:
         call()
     except FusionError as e:
         logger.info("ignored during re-placement: %s", e)
-

@@ -76,7 +76,9 @@ def validate_job(spec: JobSpec) -> None:
     check_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
     dataset = build_job_dataset(spec)
     if len(dataset) < spec.data.batch_size:  # type: ignore[arg-type]
-        raise ConfigError(f"data.batch_size {spec.data.batch_size} is larger than the data set ({len(dataset)} samples)")  # type: ignore[arg-type]
+        raise ConfigError(
+            f"data.batch_size {spec.data.batch_size} is larger than the data set ({len(dataset)} samples)"
+        )  # type: ignore[arg-type]
     get_loss(spec.train.loss)
 
 
@@ -124,7 +126,11 @@ class CoordinatorService:
         self._loop = threading.Thread(target=self._background, name="coordinator-loop", daemon=True)
         requeued = store.recover()
         if requeued:
-            logger.warning("%d job(s) were running when the coordinator stopped; they resume from their checkpoints once workers rejoin: %s", len(requeued), requeued)
+            logger.warning(
+                "%d job(s) were running when the coordinator stopped; they resume from their checkpoints once workers rejoin: %s",
+                len(requeued),
+                requeued,
+            )
 
     def start(self) -> None:
         self._loop.start()
@@ -136,7 +142,10 @@ class CoordinatorService:
         with self._lock:
             runners = list(self._runners.values())
         for r in runners:
-            r.stop("pending", "the coordinator shut down; the job resumes from its last durable checkpoint when it restarts")
+            r.stop(
+                "pending",
+                "the coordinator shut down; the job resumes from its last durable checkpoint when it restarts",
+            )
         for r in runners:
             r.join(timeout=30)
         if self._loop.is_alive():
@@ -164,7 +173,9 @@ class CoordinatorService:
     def _check_owner(self, context: grpc.ServicerContext) -> None:
         host = self._refuse_flooders(context)
         if not hmac.compare_digest(_credential(context).encode(), self._token.encode()):
-            raise self._failed(host, AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN"))
+            raise self._failed(
+                host, AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN")
+            )
 
     def _check_worker(self, context: grpc.ServicerContext, worker_id: str) -> None:
         from fusion.errors import NotFoundError
@@ -184,24 +195,41 @@ class CoordinatorService:
         host = peer_host(context.peer() or "")
         if not self.register_limit.allow(host):
             raise RateLimitError(f"too many registrations from {host}; retry in a few seconds")
-        if not request.address or ":" not in request.address or len(request.address) > MAX_LABEL_CHARS or len(request.name) > MAX_LABEL_CHARS:
+        if (
+            not request.address
+            or ":" not in request.address
+            or len(request.address) > MAX_LABEL_CHARS
+            or len(request.name) > MAX_LABEL_CHARS
+        ):
             raise WireError(f"register needs the worker's executor address as HOST:PORT, got {request.address!r}")
         r = request.resources
-        long = [f for f in ("device", "device_name", "machine", "torch_version", "fusion_version") if len(getattr(r, f)) > MAX_LABEL_CHARS]
+        long = [
+            f
+            for f in ("device", "device_name", "machine", "torch_version", "fusion_version")
+            if len(getattr(r, f)) > MAX_LABEL_CHARS
+        ]
         if long:
-            raise WireError(f"register: resources.{long[0]} is {len(getattr(r, long[0]))} characters; at most {MAX_LABEL_CHARS}")
+            raise WireError(
+                f"register: resources.{long[0]} is {len(getattr(r, long[0]))} characters; at most {MAX_LABEL_CHARS}"
+            )
         if not (r.emulated_slowdown == 0.0 or 1.0 <= r.emulated_slowdown < math.inf):
-            raise WireError(f"register: resources.emulated_slowdown must be 0 (none) or a finite number >= 1, got {r.emulated_slowdown!r}")
+            raise WireError(
+                f"register: resources.emulated_slowdown must be 0 (none) or a finite number >= 1, got {r.emulated_slowdown!r}"
+            )
         name = request.name or request.address
         worker_id = f"w-{uuid.uuid4().hex[:10]}"
         session = secrets.token_urlsafe(32)
         from google.protobuf.json_format import MessageToDict
 
         resources = MessageToDict(request.resources, preserving_proto_field_name=True)
-        self.store.add_worker(worker_id=worker_id, name=name, address=request.address, resources=resources, session_hash=_hash(session))
+        self.store.add_worker(
+            worker_id=worker_id, name=name, address=request.address, resources=resources, session_hash=_hash(session)
+        )
         logger.info("worker %s (%s) joined from %s", name, worker_id, request.address)
         self._wake.set()
-        return cpb.RegisterResponse(worker_id=worker_id, session=session, heartbeat_interval_s=self.heartbeat_interval_s)
+        return cpb.RegisterResponse(
+            worker_id=worker_id, session=session, heartbeat_interval_s=self.heartbeat_interval_s
+        )
 
     @rpc_errors
     def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
@@ -229,7 +257,9 @@ class CoordinatorService:
         self.store.set_worker_state(request.worker_id, "gone")
         logger.info("worker %s left: %s", row.name, reason)
         if not handed:
-            self._fail_jobs_of(request.worker_id, f"worker {row.name} ({row.address}) left before its state was handed off: {reason}")
+            self._fail_jobs_of(
+                request.worker_id, f"worker {row.name} ({row.address}) left before its state was handed off: {reason}"
+            )
         return cpb.DeregisterResponse()
 
     @rpc_errors
@@ -239,8 +269,12 @@ class CoordinatorService:
         out = cpb.ListWorkersResponse()
         for w in self.store.workers():
             info = out.workers.add(
-                worker_id=w.worker_id, name=w.name, address=w.address, state=w.state,
-                last_heartbeat_age_s=now - w.last_heartbeat, job_id=w.job_id or "",
+                worker_id=w.worker_id,
+                name=w.name,
+                address=w.address,
+                state=w.state,
+                last_heartbeat_age_s=now - w.last_heartbeat,
+                job_id=w.job_id or "",
             )
             from google.protobuf.json_format import ParseDict
 
@@ -255,7 +289,13 @@ class CoordinatorService:
         validate_job(spec)
         job_id = f"job-{uuid.uuid4().hex[:8]}"
         output_dir = str(Path(spec.output.dir).expanduser().resolve() / job_id)
-        self.store.add_job(job_id=job_id, name=spec.name, spec_json=spec.to_json(indent=None), steps=spec.train.steps, output_dir=output_dir)
+        self.store.add_job(
+            job_id=job_id,
+            name=spec.name,
+            spec_json=spec.to_json(indent=None),
+            steps=spec.train.steps,
+            output_dir=output_dir,
+        )
         logger.info("job %s (%s) submitted", job_id, spec.name)
         self._wake.set()
         return cpb.SubmitJobResponse(job_id=job_id)
@@ -296,7 +336,9 @@ class CoordinatorService:
         return cpb.GetLogsResponse(lines=lines, last_seq=last)
 
     @rpc_errors
-    def ProfileWorkers(self, request: cpb.ProfileWorkersRequest, context: grpc.ServicerContext) -> cpb.ProfileWorkersResponse:
+    def ProfileWorkers(
+        self, request: cpb.ProfileWorkersRequest, context: grpc.ServicerContext
+    ) -> cpb.ProfileWorkersResponse:
         """``fusion profile [--check]`` on the idle workers, run here: only the coordinator can
         sign executor calls with the workers' control keys. The workers are held (``busy``)
         for the duration so that no job starts on them meanwhile."""
@@ -319,9 +361,18 @@ class CoordinatorService:
             for w in idle:
                 self.store.set_worker_state(w.worker_id, "busy", hold)
         endpoints = [Endpoint.from_registration(w.name, w.address, w.resources) for w in idle]
-        logger.info("profiling %s on %d worker(s)%s", spec.name, len(endpoints), " with --check" if request.check else "")
+        logger.info(
+            "profiling %s on %d worker(s)%s", spec.name, len(endpoints), " with --check" if request.check else ""
+        )
         try:
-            doc = profile_report(spec, endpoints, pool=self.pool, check=request.check, steps=request.steps or 5, device=request.device or self.device)
+            doc = profile_report(
+                spec,
+                endpoints,
+                pool=self.pool,
+                check=request.check,
+                steps=request.steps or 5,
+                device=request.device or self.device,
+            )
         except RemoteError as e:  # a worker failed, not the coordinator: not UNAVAILABLE (which clients retry)
             raise StateError(f"profiling on the workers failed: {e}") from e
         finally:
@@ -354,7 +405,10 @@ class CoordinatorService:
         }
         if job.plan_json:
             plan = json.loads(job.plan_json)
-            doc["plan"] = {"strategy": plan["strategy"], "stages": [{"worker": s["worker"], "nodes": len(s["nodes"])} for s in plan["stages"]]}
+            doc["plan"] = {
+                "strategy": plan["strategy"],
+                "stages": [{"worker": s["worker"], "nodes": len(s["nodes"])} for s in plan["stages"]],
+            }
         if events:
             records = self.store.log_records(job.job_id, kind="event")
             doc["events"] = [{"time": ts, **rec} for _, ts, _, rec in records[-STATUS_EVENTS:]]
@@ -379,8 +433,13 @@ class CoordinatorService:
             silent_s = now - w.last_heartbeat
             if silent_s > self.heartbeat_timeout_s:
                 self.store.set_worker_state(w.worker_id, "gone")
-                logger.warning("worker %s (%s) stopped heart-beating %.1fs ago; declared gone", w.name, w.address, silent_s)
-                self._fail_jobs_of(w.worker_id, f"worker {w.name} ({w.address}) stopped heart-beating ({silent_s:.1f}s without a heartbeat)")
+                logger.warning(
+                    "worker %s (%s) stopped heart-beating %.1fs ago; declared gone", w.name, w.address, silent_s
+                )
+                self._fail_jobs_of(
+                    w.worker_id,
+                    f"worker {w.name} ({w.address}) stopped heart-beating ({silent_s:.1f}s without a heartbeat)",
+                )
 
     def _fail_jobs_of(self, worker_id: str, reason: str) -> None:
         """Tell the jobs using a worker that it is gone; they recover without it."""
@@ -418,9 +477,19 @@ class CoordinatorService:
                 for w in idle:
                     self.store.set_worker_state(w.worker_id, "busy", job.job_id)
                 runner = JobRunner(
-                    store=self.store, job_id=job.job_id, spec=spec, workers=idle, output_dir=job.output_dir,
-                    pool=self.pool, on_done=self._job_done, device=self.device, profiles=self.profiles, links=self.links,
-                    claim_idle=self._claim_idle, release=self._release, calibrate_s=self.calibrate_s,
+                    store=self.store,
+                    job_id=job.job_id,
+                    spec=spec,
+                    workers=idle,
+                    output_dir=job.output_dir,
+                    pool=self.pool,
+                    on_done=self._job_done,
+                    device=self.device,
+                    profiles=self.profiles,
+                    links=self.links,
+                    claim_idle=self._claim_idle,
+                    release=self._release,
+                    calibrate_s=self.calibrate_s,
                 )
                 self._runners[job.job_id] = runner
                 runner.start()
@@ -478,7 +547,9 @@ def coordinator_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(desc.full_name, handlers)
 
 
-def start_coordinator_server(service: CoordinatorService, host: str, port: int, *, tls: ServerTls | None = None) -> tuple[grpc.Server, int]:
+def start_coordinator_server(
+    service: CoordinatorService, host: str, port: int, *, tls: ServerTls | None = None
+) -> tuple[grpc.Server, int]:
     """Serve ``service`` on ``host:port`` (port 0 picks a free one), with TLS when given."""
     from concurrent.futures import ThreadPoolExecutor
 

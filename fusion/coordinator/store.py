@@ -169,7 +169,9 @@ class Store:
             self._db.close()
 
     # ------------------------------------------------------------- workers
-    def add_worker(self, *, worker_id: str, name: str, address: str, resources: dict[str, Any], session_hash: str) -> None:
+    def add_worker(
+        self, *, worker_id: str, name: str, address: str, resources: dict[str, Any], session_hash: str
+    ) -> None:
         now = time.time()
         with self._tx() as db:
             db.execute(
@@ -181,7 +183,8 @@ class Store:
         """Record a heartbeat; false if the worker is unknown or was declared gone."""
         with self._tx() as db:
             cur = db.execute(
-                "UPDATE workers SET last_heartbeat = ? WHERE worker_id = ? AND state != 'gone'", (time.time(), worker_id)
+                "UPDATE workers SET last_heartbeat = ? WHERE worker_id = ? AND state != 'gone'",
+                (time.time(), worker_id),
             )
             return cur.rowcount == 1
 
@@ -245,7 +248,11 @@ class Store:
                 "WHERE job_id = ?",
                 (state, reason, state, now, state, now, job_id),
             )
-            record = {"event": "state", "state": state, "message": f"{current} -> {state}" + (f": {reason}" if reason else "")}
+            record = {
+                "event": "state",
+                "state": state,
+                "message": f"{current} -> {state}" + (f": {reason}" if reason else ""),
+            }
             _append_log(db, job_id, "event", record)
         return self.job(job_id)
 
@@ -258,7 +265,10 @@ class Store:
 
     def set_progress(self, job_id: str, *, step: int, loss: float, samples_per_s: float) -> None:
         with self._tx() as db:
-            db.execute("UPDATE jobs SET step = ?, loss = ?, samples_per_s = ? WHERE job_id = ?", (step, loss, samples_per_s, job_id))
+            db.execute(
+                "UPDATE jobs SET step = ?, loss = ?, samples_per_s = ? WHERE job_id = ?",
+                (step, loss, samples_per_s, job_id),
+            )
 
     # ------------------------------------------------------------- log
     def log(self, job_id: str, kind: str, record: dict[str, Any]) -> int:
@@ -266,13 +276,20 @@ class Store:
         with self._tx() as db:
             return _append_log(db, job_id, kind, record)
 
-    def log_records(self, job_id: str, *, after_seq: int = 0, kind: str | None = None) -> list[tuple[int, float, str, dict[str, Any]]]:
+    def log_records(
+        self, job_id: str, *, after_seq: int = 0, kind: str | None = None
+    ) -> list[tuple[int, float, str, dict[str, Any]]]:
         """(seq, time, kind, record) of the job's log after ``after_seq``, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT seq, ts, kind, record_json FROM log WHERE job_id = ? AND seq > ? ORDER BY seq", (job_id, after_seq)
+                "SELECT seq, ts, kind, record_json FROM log WHERE job_id = ? AND seq > ? ORDER BY seq",
+                (job_id, after_seq),
             ).fetchall()
-        return [(r["seq"], r["ts"], r["kind"], json.loads(r["record_json"])) for r in rows if kind is None or r["kind"] == kind]
+        return [
+            (r["seq"], r["ts"], r["kind"], json.loads(r["record_json"]))
+            for r in rows
+            if kind is None or r["kind"] == kind
+        ]
 
     # ------------------------------------------------------------- profiles
     def get_profile(self, key: str) -> str | None:
@@ -321,7 +338,11 @@ class Store:
         """
         requeued = []
         for job in self.jobs("planning", "running"):
-            self.transition(job.job_id, "pending", "the coordinator restarted; the job resumes from its last durable checkpoint once workers rejoin")
+            self.transition(
+                job.job_id,
+                "pending",
+                "the coordinator restarted; the job resumes from its last durable checkpoint once workers rejoin",
+            )
             requeued.append(job.job_id)
         with self._tx() as db:
             db.execute("UPDATE workers SET state = 'gone', job_id = NULL WHERE state != 'excluded'")
@@ -330,7 +351,8 @@ class Store:
 
 def _append_log(db: sqlite3.Connection, job_id: str, kind: str, record: dict[str, Any]) -> int:
     cur = db.execute(
-        "INSERT INTO log (job_id, ts, kind, record_json) VALUES (?, ?, ?, ?)", (job_id, time.time(), kind, json.dumps(record))
+        "INSERT INTO log (job_id, ts, kind, record_json) VALUES (?, ?, ?, ?)",
+        (job_id, time.time(), kind, json.dumps(record)),
     )
     return int(cur.lastrowid or 0)
 

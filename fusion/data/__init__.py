@@ -75,9 +75,7 @@ def build_dataset(name: str, *, seed: int = 0, **kwargs: Any) -> Dataset[Any]:
                 "__getitem__; return a map-style torch.utils.data.Dataset"
             )
     else:
-        raise ConfigError(
-            f"unknown dataset {name!r}; choose one of {dataset_names()} or give 'package.module:factory'"
-        )
+        raise ConfigError(f"unknown dataset {name!r}; choose one of {dataset_names()} or give 'package.module:factory'")
     logger.info("built dataset %s with %d samples", name, len(dataset))
     return dataset
 

@@ -124,7 +124,9 @@ def _check_leaf_modules(model: torch.nn.Module, leaf_modules: Sequence[str]) -> 
     names = {name for name, _ in model.named_modules()}
     unknown = [m for m in leaf_modules if m not in names]
     if unknown:
-        raise GraphExportError(f"leaf_modules names unknown module(s) {unknown}; valid names look like {sorted(names)[1:6]}")
+        raise GraphExportError(
+            f"leaf_modules names unknown module(s) {unknown}; valid names look like {sorted(names)[1:6]}"
+        )
 
 
 def _strip_export_guards(gm: fx.GraphModule) -> None:
@@ -225,7 +227,9 @@ class _Propagator(fx.Interpreter):
         return result
 
 
-def _propagate(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[dict[str, ValueMeta], dict[str, int]]:
+def _propagate(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
+) -> tuple[dict[str, ValueMeta], dict[str, int]]:
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     rng = torch.random.get_rng_state()
     try:
@@ -348,7 +352,9 @@ def _describe(
         for src in inputs:
             meta = values.get(src)
             size = meta.size_bytes if meta is not None else 0
-            differentiable = meta is not None and meta.kind == "tensor" and (meta.dtype or "").startswith(("float", "bfloat"))
+            differentiable = (
+                meta is not None and meta.kind == "tensor" and (meta.dtype or "").startswith(("float", "bfloat"))
+            )
             edges.append(OpEdge(src=src, dst=n.name, bytes=size, grad_bytes=size if differentiable else 0))
     if not output_name:
         raise GraphExportError("the captured graph has no output node")
@@ -361,4 +367,3 @@ def _describe(
         fingerprint=graph_fingerprint(gm),
         tied_params=tied,
     )
-

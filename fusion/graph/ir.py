@@ -243,7 +243,9 @@ class OpDag:
             doc = json.loads(text)
             return OpDag(
                 nodes=[OpNode.from_dict(n) for n in doc["nodes"]],
-                edges=[OpEdge(**e, grad_bytes=_item(doc.get("edge_grad_bytes"), i)) for i, e in enumerate(doc["edges"])],
+                edges=[
+                    OpEdge(**e, grad_bytes=_item(doc.get("edge_grad_bytes"), i)) for i, e in enumerate(doc["edges"])
+                ],
                 output=doc["output"],
                 capture=doc.get("capture", "fx"),
                 fingerprint=doc.get("fingerprint", ""),
@@ -343,11 +345,15 @@ class OpDag:
         for g in groups:
             g.inputs = inputs_of.get(g.name, [])
         placeholders = [n for n in keep if n.op == "placeholder"]
-        outputs = [replace(n, inputs=list(dict.fromkeys(group_of[i] for i in n.inputs))) for n in keep if n.op == "output"]
+        outputs = [
+            replace(n, inputs=list(dict.fromkeys(group_of[i] for i in n.inputs))) for n in keep if n.op == "output"
+        ]
         output_node = self.node(self.output)
         return OpDag(
             nodes=[*placeholders, *groups, *outputs],
-            edges=[OpEdge(src=s, dst=d, bytes=b, grad_bytes=edge_grad_bytes[(s, d)]) for (s, d), b in edge_bytes.items()],
+            edges=[
+                OpEdge(src=s, dst=d, bytes=b, grad_bytes=edge_grad_bytes[(s, d)]) for (s, d), b in edge_bytes.items()
+            ],
             output=group_of[output_node.name],
             capture=self.capture,
             fingerprint=self.fingerprint,
@@ -420,7 +426,7 @@ def _common_prefix(paths: Iterable[str]) -> str:
     if not parts:
         return ""
     prefix: list[str] = []
-    for items in zip(*parts):
+    for items in zip(*parts, strict=False):
         if all(x == items[0] for x in items):
             prefix.append(items[0])
         else:

@@ -104,7 +104,9 @@ def split_stages(dag: OpDag, assignment: Mapping[str, int]) -> list[StageSpec]:
             index empty, or makes the stage graph cyclic (the message shows the cycle).
     """
     if any(n.op == "group" for n in dag.nodes):
-        raise SplitError("cannot split a coarsened DAG directly: map the assignment with dag.expand_assignment() and split the original DAG")
+        raise SplitError(
+            "cannot split a coarsened DAG directly: map the assignment with dag.expand_assignment() and split the original DAG"
+        )
     stage_of = normalize_assignment(dag, assignment)
     num_stages = max(stage_of.values(), default=-1) + 1
     used = set(stage_of.values())
@@ -132,7 +134,9 @@ def split_stages(dag: OpDag, assignment: Mapping[str, int]) -> list[StageSpec]:
             elif stage_of[src_name] != s:
                 src_stage = stage_of[src_name]
                 if not src.value.sendable:
-                    raise SplitError(f"value {src_name!r} ({src.value.kind}) cannot cross from stage {src_stage} to {s}")
+                    raise SplitError(
+                        f"value {src_name!r} ({src.value.kind}) cannot cross from stage {src_stage} to {s}"
+                    )
                 inputs_of[s].setdefault(src_name, src_stage)
                 outputs_of[src_stage].setdefault(src_name, set()).add(s)
                 links.setdefault((src_stage, s), []).append((src_name, node.name))
@@ -192,7 +196,7 @@ def _topological_stage_order(num_stages: int, links: Mapping[tuple[int, int], Se
         return order
     cycle = _find_cycle({s for s in range(num_stages) if s not in order}, succ)
     hops = []
-    for a, b in zip(cycle, cycle[1:]):
+    for a, b in zip(cycle, cycle[1:], strict=False):
         src, dst = links[(a, b)][0]
         hops.append(f"stage {a} -> stage {b} (value {src!r} read by {dst!r})")
     raise SplitError("the assignment makes the stage graph cyclic: " + "; ".join(hops) + ". Stages must form a DAG.")
@@ -245,7 +249,9 @@ def build_stage_module(gm: fx.GraphModule, spec: StageSpec) -> fx.GraphModule:
         try:
             env[name] = graph.node_copy(by_name[name], lambda n: env[n.name])
         except KeyError as e:
-            raise SplitError(f"stage {spec.stage_idx}: node {name!r} reads {e.args[0]!r}, which is not available on the stage") from e
+            raise SplitError(
+                f"stage {spec.stage_idx}: node {name!r} reads {e.args[0]!r}, which is not available on the stage"
+            ) from e
     results = [env[name] for name, _ in spec.outputs]
     if spec.is_loss_stage:
         out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -22,7 +22,15 @@ from fusion.models import gpt2, resnet
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model", "check_arguments", "check_model", "context_length", "default_dataset", "load_factory", "model_names"]
+__all__ = [
+    "build_model",
+    "check_arguments",
+    "check_model",
+    "context_length",
+    "default_dataset",
+    "load_factory",
+    "model_names",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,9 +98,7 @@ def build_model(name: str, preset: str | None = None, **kwargs: Any) -> nn.Modul
         return _build_builtin(name, _BUILTIN[name], preset, kwargs)
     if ":" in name:
         return _build_from_factory(name, preset, kwargs)
-    raise ConfigError(
-        f"unknown model {name!r}; choose one of {model_names()} or give 'package.module:factory'"
-    )
+    raise ConfigError(f"unknown model {name!r}; choose one of {model_names()} or give 'package.module:factory'")
 
 
 def default_dataset(model_name: str) -> str | None:
@@ -167,8 +173,7 @@ def _build_from_factory(name: str, preset: str | None, kwargs: dict[str, Any]) -
     model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise ConfigError(
-            f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module; "
-            "make it return the model"
+            f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module; make it return the model"
         )
     logger.info("built %s from factory %s", type(model).__name__, name)
     return model

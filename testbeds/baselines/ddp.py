@@ -80,7 +80,11 @@ def run(argv: list[str] | None = None) -> int:
         dist.all_reduce(stats)  # global mean loss and every rank's bytes, per step
         for step, step_s in enumerate(seconds):
             metrics.write_step(
-                step=step, loss=float(stats[step, 0]) / n, step_s=step_s, samples=batch, tokens=tokens,
+                step=step,
+                loss=float(stats[step, 0]) / n,
+                step_s=step_s,
+                samples=batch,
+                tokens=tokens,
                 # the ring all-reduce sends rank r's share to rank r + 1
                 bytes_per_link={f"{r}->{(r + 1) % n}": int(stats[step, 1 + r]) for r in range(n)},
             )

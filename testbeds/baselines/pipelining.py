@@ -58,7 +58,9 @@ def tied_groups(model: torch.nn.Module) -> list[set[str]]:
 
 def stage_param_names(pipe: object, num_stages: int) -> list[set[str]]:
     """Parameter names (original FQNs) each stage of a ``Pipe`` holds."""
-    return [{n for n, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)} for s in range(num_stages)]
+    return [
+        {n for n, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)} for s in range(num_stages)
+    ]
 
 
 def _holders(group: set[str], stages: list[set[str]]) -> list[int]:
@@ -95,7 +97,9 @@ def run(argv: list[str] | None = None) -> int:
         args.emulate(module, lambda doc: gpipe_attach_args(doc, args.rank))
         received = [0]
         if args.rank > 0:
-            module.register_forward_pre_hook(lambda _m, inputs: received.__setitem__(0, received[0] + _tensor_bytes(inputs)))
+            module.register_forward_pre_hook(
+                lambda _m, inputs: received.__setitem__(0, received[0] + _tensor_bytes(inputs))
+            )
         loss_fn = get_loss(job.train.loss)
         schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=True)
         params = dict(module.named_parameters())
@@ -134,7 +138,11 @@ def run(argv: list[str] | None = None) -> int:
         dist.all_reduce(stats)
         for step, step_s in enumerate(seconds):
             metrics.write_step(
-                step=step, loss=float(stats[step, 0]), step_s=step_s, samples=job.data.batch_size, tokens=tokens,
+                step=step,
+                loss=float(stats[step, 0]),
+                step_s=step_s,
+                samples=job.data.batch_size,
+                tokens=tokens,
                 # activations in, and their gradients back, over each cut (k-1 -> k)
                 bytes_per_link={f"{k - 1}->{k}": 2 * int(stats[step, 2 + k]) for k in range(1, num_stages)},
             )

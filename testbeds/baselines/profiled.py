@@ -66,7 +66,11 @@ def ddp_attach_args(doc: dict[str, Any], samples: int) -> dict[str, Any]:
     ``samples`` samples a step."""
     k = samples / float(doc["micro_batch_samples"])
     d = doc["ddp"]
-    return {"forward_s": k * d["forward_s"], "backward_s": k * d["backward_s"], "ready_s": {n: k * s for n, s in d["ready_s"].items()}}
+    return {
+        "forward_s": k * d["forward_s"],
+        "backward_s": k * d["backward_s"],
+        "ready_s": {n: k * s for n, s in d["ready_s"].items()},
+    }
 
 
 def gpipe_attach_args(doc: dict[str, Any], stage: int) -> dict[str, Any]:

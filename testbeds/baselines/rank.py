@@ -77,18 +77,35 @@ def parse_args(prog: str, description: str, argv: list[str] | None = None) -> Ra
     p.add_argument("--steps", type=int, default=None, help="steps to run (default: the job's)")
     p.add_argument("--metrics", default=None, help="rank 0 writes JSON lines here")
     p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--slowdown", type=float, default=1.0, help="emulate a device this many times slower (default: %(default)s, none)")
-    p.add_argument("--emulation", choices=EMULATIONS, default="wall", help="what --slowdown multiplies: each computation's wall time, "
-                   "or its profiled seconds from --profiled (default: %(default)s)")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="emulate a device this many times slower (default: %(default)s, none)",
+    )
+    p.add_argument(
+        "--emulation",
+        choices=EMULATIONS,
+        default="wall",
+        help="what --slowdown multiplies: each computation's wall time, "
+        "or its profiled seconds from --profiled (default: %(default)s)",
+    )
     p.add_argument("--profiled", default=None, help="with --emulation profile: the benchmark's profiled seconds (JSON)")
     a = p.parse_args(argv)
     job = load_job(a.job)
     if a.emulation == "profile" and a.slowdown > 1.0 and not a.profiled:
         p.error("--emulation profile needs --profiled FILE")
     return RankArgs(
-        job=job, rank=a.rank, world_size=a.world_size, master=a.master, address=a.address,
-        steps=a.steps if a.steps is not None else job.train.steps, metrics=Path(a.metrics) if a.metrics else None,
-        torch_threads=a.torch_threads, slowdown=check_factor(a.slowdown), emulation=a.emulation,
+        job=job,
+        rank=a.rank,
+        world_size=a.world_size,
+        master=a.master,
+        address=a.address,
+        steps=a.steps if a.steps is not None else job.train.steps,
+        metrics=Path(a.metrics) if a.metrics else None,
+        torch_threads=a.torch_threads,
+        slowdown=check_factor(a.slowdown),
+        emulation=a.emulation,
         profiled=Path(a.profiled) if a.profiled else None,
     )
 
@@ -112,7 +129,10 @@ def init_gloo(args: RankArgs, *, timeout_s: float = 300.0) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
     torch.set_num_threads(args.torch_threads)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world_size,
+        "gloo",
+        init_method=f"tcp://{args.master}",
+        rank=args.rank,
+        world_size=args.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 
@@ -144,11 +164,22 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
 
     def write_step(
-        self, *, step: int, loss: float, step_s: float, samples: int, tokens: int | None, bytes_per_link: dict[str, int],
+        self,
+        *,
+        step: int,
+        loss: float,
+        step_s: float,
+        samples: int,
+        tokens: int | None,
+        bytes_per_link: dict[str, int],
     ) -> None:
         """One step's record; ``tokens_per_s`` only for token batches (:func:`token_count`)."""
         record: dict[str, Any] = {
-            "step": step, "loss": loss, "step_s": step_s, "samples_per_s": samples / step_s, "bytes_per_link": bytes_per_link,
+            "step": step,
+            "loss": loss,
+            "step_s": step_s,
+            "samples_per_s": samples / step_s,
+            "bytes_per_link": bytes_per_link,
         }
         if tokens is not None:
             record["tokens_per_s"] = tokens / step_s

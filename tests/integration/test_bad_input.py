@@ -57,8 +57,14 @@ def driver(workers: LocalCluster) -> Iterator[PipelineDriver]:
     stages = split_stages(captured.dag, uniform_assignment(captured.dag, 2))
     pool = ChannelPool(chunk_bytes=CHUNK_BYTES)
     d = PipelineDriver(
-        job_id="bad-input", job=JOB, model=model, captured=captured, stages=stages,
-        addresses=workers.addresses, example_target=y, pool=pool,
+        job_id="bad-input",
+        job=JOB,
+        model=model,
+        captured=captured,
+        stages=stages,
+        addresses=workers.addresses,
+        example_target=y,
+        pool=pool,
     )
     d.load()
     # Start step 0 everywhere; stage 1 now waits for micro-batch 0 from stage 0.
@@ -85,8 +91,14 @@ def auth(driver: PipelineDriver, method: str) -> tuple[tuple[str, str], ...]:
 
 
 def activation_header(driver: PipelineDriver, **overrides: object) -> pb.TransferHeader:
-    fields = {"job_id": driver.job_id, "stage_idx": 1, "src_stage_idx": 0, "step": 0, "micro_batch_idx": 0,
-              "kind": pb.TRANSFER_KIND_ACTIVATION}
+    fields = {
+        "job_id": driver.job_id,
+        "stage_idx": 1,
+        "src_stage_idx": 0,
+        "step": 0,
+        "micro_batch_idx": 0,
+        "kind": pb.TRANSFER_KIND_ACTIVATION,
+    }
     fields.update(overrides)
     return pb.TransferHeader(**fields)
 
@@ -121,35 +133,68 @@ def still_serving(driver: PipelineDriver) -> Iterator[None]:
 def test_wrong_shape(driver: PipelineDriver) -> None:
     name, t = stage1_input(driver)
     bad = full_activation(driver, **{name: torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)})
-    expect_code(lambda: driver.clients[1].send(activation_header(driver), bad), grpc.StatusCode.INVALID_ARGUMENT, "shape", name)
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver), bad), grpc.StatusCode.INVALID_ARGUMENT, "shape", name
+    )
 
 
 def test_wrong_dtype(driver: PipelineDriver) -> None:
     name, t = stage1_input(driver)
     bad = full_activation(driver, **{name: t.to(torch.float64)})
-    expect_code(lambda: driver.clients[1].send(activation_header(driver), bad), grpc.StatusCode.INVALID_ARGUMENT, "dtype")
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver), bad), grpc.StatusCode.INVALID_ARGUMENT, "dtype"
+    )
 
 
 def test_unknown_value_name(driver: PipelineDriver) -> None:
     bad = full_activation(driver, nonsense=torch.zeros(2))
-    expect_code(lambda: driver.clients[1].send(activation_header(driver), bad), grpc.StatusCode.INVALID_ARGUMENT, "nonsense")
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver), bad), grpc.StatusCode.INVALID_ARGUMENT, "nonsense"
+    )
 
 
 def test_unknown_stage_and_job(driver: PipelineDriver) -> None:
-    msg = expect_code(lambda: driver.clients[1].send(activation_header(driver, stage_idx=7), full_activation(driver)), grpc.StatusCode.NOT_FOUND, "stage 7")
+    msg = expect_code(
+        lambda: driver.clients[1].send(activation_header(driver, stage_idx=7), full_activation(driver)),
+        grpc.StatusCode.NOT_FOUND,
+        "stage 7",
+    )
     assert "loaded" in msg
-    expect_code(lambda: driver.clients[1].send(activation_header(driver, job_id="nope"), full_activation(driver)), grpc.StatusCode.NOT_FOUND, "nope")
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver, job_id="nope"), full_activation(driver)),
+        grpc.StatusCode.NOT_FOUND,
+        "nope",
+    )
     expect_code(lambda: driver.clients[1].get_state("nope", 0, epb.STATE_KIND_PARAMETERS), grpc.StatusCode.NOT_FOUND)
 
 
 def test_unknown_micro_batch_and_stale_step(driver: PipelineDriver) -> None:
-    expect_code(lambda: driver.clients[1].send(activation_header(driver, micro_batch_idx=99), full_activation(driver)), grpc.StatusCode.NOT_FOUND, "micro-batch 99")
-    expect_code(lambda: driver.clients[1].send(activation_header(driver, step=5), full_activation(driver)), grpc.StatusCode.FAILED_PRECONDITION, "step 5")
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver, micro_batch_idx=99), full_activation(driver)),
+        grpc.StatusCode.NOT_FOUND,
+        "micro-batch 99",
+    )
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver, step=5), full_activation(driver)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "step 5",
+    )
 
 
 def test_wrong_source_and_kind(driver: PipelineDriver) -> None:
-    expect_code(lambda: driver.clients[1].send(activation_header(driver, src_stage_idx=3), full_activation(driver)), grpc.StatusCode.INVALID_ARGUMENT, "stage 3")
-    expect_code(lambda: driver.clients[0].send(activation_header(driver, stage_idx=0, kind=pb.TRANSFER_KIND_TARGET, src_stage_idx=-1), {"@target": torch.zeros(2, 16, dtype=torch.int64)}), grpc.StatusCode.INVALID_ARGUMENT, "loss")
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver, src_stage_idx=3), full_activation(driver)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "stage 3",
+    )
+    expect_code(
+        lambda: driver.clients[0].send(
+            activation_header(driver, stage_idx=0, kind=pb.TRANSFER_KIND_TARGET, src_stage_idx=-1),
+            {"@target": torch.zeros(2, 16, dtype=torch.int64)},
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "loss",
+    )
 
 
 def unlimited_channel(driver: PipelineDriver) -> grpc.Channel:
@@ -160,10 +205,16 @@ def unlimited_channel(driver: PipelineDriver) -> grpc.Channel:
 
 def test_oversized_message(driver: PipelineDriver) -> None:
     channel = unlimited_channel(driver)
-    send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
+    send = channel.stream_unary(
+        "/fusion.wire.Executor/Send",
+        request_serializer=pb.TensorChunk.SerializeToString,
+        response_deserializer=epb.SendResponse.FromString,
+    )
     header = activation_header(driver)
     name, _ = stage1_input(driver)
-    header.tensors.append(pb.TensorMeta(name=name, dtype=pb.DTYPE_UINT8, shape=[CHUNK_BYTES * 3], size_bytes=CHUNK_BYTES * 3))
+    header.tensors.append(
+        pb.TensorMeta(name=name, dtype=pb.DTYPE_UINT8, shape=[CHUNK_BYTES * 3], size_bytes=CHUNK_BYTES * 3)
+    )
     chunk = pb.TensorChunk(header=header, data=b"\0" * (CHUNK_BYTES + HEADER_ALLOWANCE_BYTES + 1))
     with pytest.raises(grpc.RpcError) as info:
         send(iter([chunk]), timeout=30, metadata=auth(driver, "Send"))
@@ -181,7 +232,9 @@ def test_oversized_message(driver: PipelineDriver) -> None:
 def test_malformed_bytes(driver: PipelineDriver) -> None:
     channel = driver.pool.get(driver.addresses[1])
     for method in ("Send", "SetState"):
-        raw = channel.stream_unary(f"/fusion.wire.Executor/{method}", request_serializer=None, response_deserializer=None)
+        raw = channel.stream_unary(
+            f"/fusion.wire.Executor/{method}", request_serializer=None, response_deserializer=None
+        )
         with pytest.raises(grpc.RpcError) as info:
             raw(iter([b"\xff\xfe\x00garbage", b"\x0a\xff\xff\xff\xff"]), timeout=30, metadata=auth(driver, method))
         assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
@@ -191,7 +244,11 @@ def test_malformed_bytes(driver: PipelineDriver) -> None:
     # Truncated transfer: the header promises more bytes than arrive.
     header = activation_header(driver)
     header.tensors.extend(tensor_meta(n, t) for n, t in full_activation(driver).items())
-    send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
+    send = channel.stream_unary(
+        "/fusion.wire.Executor/Send",
+        request_serializer=pb.TensorChunk.SerializeToString,
+        response_deserializer=epb.SendResponse.FromString,
+    )
     with pytest.raises(grpc.RpcError) as info:
         send(iter([pb.TensorChunk(header=header, data=b"\0" * 3)]), timeout=30, metadata=auth(driver, "Send"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -202,20 +259,37 @@ def test_bad_single_messages(driver: PipelineDriver) -> None:
     """The unary paths (a transfer in one message) refuse what the streams refuse."""
     channel = driver.pool.get(driver.addresses[1])
     for method in ("SendWhole", "ProbeWhole"):
-        raw = channel.unary_unary(f"/fusion.wire.Executor/{method}", request_serializer=None, response_deserializer=None)
+        raw = channel.unary_unary(
+            f"/fusion.wire.Executor/{method}", request_serializer=None, response_deserializer=None
+        )
         with pytest.raises(grpc.RpcError) as info:
             raw(b"\x0a\xff\xff\xff\xff", timeout=30, metadata=auth(driver, method))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert "malformed" in info.value.details()
-    send = channel.unary_unary("/fusion.wire.Executor/SendWhole", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
+    send = channel.unary_unary(
+        "/fusion.wire.Executor/SendWhole",
+        request_serializer=pb.TensorChunk.SerializeToString,
+        response_deserializer=epb.SendResponse.FromString,
+    )
     header = activation_header(driver)
     header.tensors.extend(tensor_meta(n, t) for n, t in full_activation(driver).items())
     with pytest.raises(grpc.RpcError) as info:  # the header promises more bytes than the message has
         send(pb.TensorChunk(header=header, data=b"\0" * 3), timeout=30, metadata=auth(driver, "SendWhole"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "declared" in info.value.details()
-    with unlimited_channel(driver) as unlimited, pytest.raises(grpc.RpcError) as info:  # over the server's message limit
-        big = unlimited.unary_unary("/fusion.wire.Executor/SendWhole", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
-        big(pb.TensorChunk(header=header, data=b"\0" * (CHUNK_BYTES + HEADER_ALLOWANCE_BYTES + 1)), timeout=30, metadata=auth(driver, "SendWhole"))
+    with (
+        unlimited_channel(driver) as unlimited,
+        pytest.raises(grpc.RpcError) as info,
+    ):  # over the server's message limit
+        big = unlimited.unary_unary(
+            "/fusion.wire.Executor/SendWhole",
+            request_serializer=pb.TensorChunk.SerializeToString,
+            response_deserializer=epb.SendResponse.FromString,
+        )
+        big(
+            pb.TensorChunk(header=header, data=b"\0" * (CHUNK_BYTES + HEADER_ALLOWANCE_BYTES + 1)),
+            timeout=30,
+            metadata=auth(driver, "SendWhole"),
+        )
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     other = activation_header(driver, job_id="another-job")
     with pytest.raises(grpc.RpcError) as info:  # a job's key reaches only its own job
@@ -229,13 +303,21 @@ def test_bad_single_messages(driver: PipelineDriver) -> None:
 def test_a_transfer_over_one_chunk_streams_and_is_checked(driver: PipelineDriver) -> None:
     """Past the chunk size a transfer goes as a stream; it is validated the same way."""
     big = torch.zeros(CHUNK_BYTES // 4 + 1)
-    expect_code(lambda: driver.clients[1].send(activation_header(driver), full_activation(driver, nonsense=big)), grpc.StatusCode.INVALID_ARGUMENT, "nonsense")
+    expect_code(
+        lambda: driver.clients[1].send(activation_header(driver), full_activation(driver, nonsense=big)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "nonsense",
+    )
 
 
 def test_malformed_compressed_tensor(driver: PipelineDriver) -> None:
     """Garbage under a top-k codec is refused as a compression error; nothing crashes."""
     channel = driver.pool.get(driver.addresses[1])
-    send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString, response_deserializer=epb.SendResponse.FromString)
+    send = channel.stream_unary(
+        "/fusion.wire.Executor/Send",
+        request_serializer=pb.TensorChunk.SerializeToString,
+        response_deserializer=epb.SendResponse.FromString,
+    )
     header = activation_header(driver)
     payload = b""
     for n, t in full_activation(driver).items():
@@ -258,19 +340,41 @@ def test_bad_tied_gradients(driver: PipelineDriver) -> None:
     tied = lambda **kw: activation_header(driver, kind=pb.TRANSFER_KIND_TIED_GRADIENT, **kw)  # noqa: E731
     head = torch.zeros(256, 32)
     send = driver.clients[1].send
-    expect_code(lambda: send(tied(), {"transformer.wte.weight": torch.zeros(255, 32)}), grpc.StatusCode.INVALID_ARGUMENT, "shape")
-    expect_code(lambda: send(tied(), {"transformer.wte.weight": head.double()}), grpc.StatusCode.INVALID_ARGUMENT, "dtype")
+    expect_code(
+        lambda: send(tied(), {"transformer.wte.weight": torch.zeros(255, 32)}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shape",
+    )
+    expect_code(
+        lambda: send(tied(), {"transformer.wte.weight": head.double()}), grpc.StatusCode.INVALID_ARGUMENT, "dtype"
+    )
     expect_code(lambda: send(tied(), {"lm_head.bias": head}), grpc.StatusCode.INVALID_ARGUMENT, "must be exactly")
-    expect_code(lambda: send(tied(src_stage_idx=5), {"transformer.wte.weight": head}), grpc.StatusCode.INVALID_ARGUMENT, "shares no tied parameter with stage 5")
+    expect_code(
+        lambda: send(tied(src_stage_idx=5), {"transformer.wte.weight": head}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shares no tied parameter with stage 5",
+    )
     # Step 0 is still running: its tied gradients cannot be exchanged yet.
-    expect_code(lambda: driver.clients[1].sync_tied(driver.job_id, 1, 0, 10.0), grpc.StatusCode.FAILED_PRECONDITION, "has not finished")
+    expect_code(
+        lambda: driver.clients[1].sync_tied(driver.job_id, 1, 0, 10.0),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "has not finished",
+    )
 
 
 def test_bad_state_and_load_requests(driver: PipelineDriver) -> None:
     client = driver.clients[0]
-    expect_code(lambda: client.set_state(driver.job_id, 0, pb.TRANSFER_KIND_PARAMETER, {"no.such.weight": torch.zeros(2)}), grpc.StatusCode.NOT_FOUND, "no.such.weight")
+    expect_code(
+        lambda: client.set_state(driver.job_id, 0, pb.TRANSFER_KIND_PARAMETER, {"no.such.weight": torch.zeros(2)}),
+        grpc.StatusCode.NOT_FOUND,
+        "no.such.weight",
+    )
     name = next(n for n, _ in driver.model.named_parameters() if n.startswith("transformer.wpe"))
-    expect_code(lambda: client.set_state(driver.job_id, 0, pb.TRANSFER_KIND_PARAMETER, {name: torch.zeros(3)}), grpc.StatusCode.INVALID_ARGUMENT, name)
+    expect_code(
+        lambda: client.set_state(driver.job_id, 0, pb.TRANSFER_KIND_PARAMETER, {name: torch.zeros(3)}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        name,
+    )
     request = driver.load_request(driver.stages[0])
     request.job_id = "bad-load"
     request.model.kwargs_json = "{not json"
@@ -293,7 +397,11 @@ def test_user_code_needs_allow_code() -> None:
     with LocalCluster(1, allow_code=False, torch_threads=1) as c:
         pool = ChannelPool()
         request = epb.LoadStageRequest(job_id="j", model=epb.ModelSpec(name="tests.support.models:control_flow_net"))
-        expect_code(lambda: ExecutorClient(c.addresses[0], pool).load_stage(request), grpc.StatusCode.UNAUTHENTICATED, "--allow-code")
+        expect_code(
+            lambda: ExecutorClient(c.addresses[0], pool).load_stage(request),
+            grpc.StatusCode.UNAUTHENTICATED,
+            "--allow-code",
+        )
         pool.close()
 
 

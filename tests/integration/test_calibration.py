@@ -54,7 +54,9 @@ class Setup:
     profile: ModelProfile
 
     def calibrate(self, **kwargs: Any) -> ExecutorOverhead:
-        return calibrate_executor(JOB, self.model, self.captured, self.dataset, self.worker, self.pool, self.profile, **kwargs)
+        return calibrate_executor(
+            JOB, self.model, self.captured, self.dataset, self.worker, self.pool, self.profile, **kwargs
+        )
 
 
 @pytest.fixture
@@ -90,7 +92,9 @@ def test_calibration_measures_the_executors_compute(setup: Setup) -> None:
     )
 
 
-def test_calibration_computes_for_min_time_s_with_both_counts_in_turn(setup: Setup, caplog: pytest.LogCaptureFixture) -> None:
+def test_calibration_computes_for_min_time_s_with_both_counts_in_turn(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
     """Five steps fall inside one speed phase of a shared machine; the calibration goes on
     until the M-micro-batch steps have computed ``min_time_s``, the 1-micro-batch steps
     taking turns with them."""

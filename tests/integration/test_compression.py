@@ -59,7 +59,7 @@ def reference_gradients_with_sparse_cut(job: JobSpec) -> dict[str, torch.Tensor]
     env: dict[str, object] = {captured.dag.input_names()[0]: x}
     masks: dict[str, torch.Tensor] = {}
     out = None
-    for spec, mod in zip(specs, modules):
+    for spec, mod in zip(specs, modules, strict=False):
         args = []
         for name, src in spec.inputs:
             v = env[name]
@@ -72,7 +72,7 @@ def reference_gradients_with_sparse_cut(job: JobSpec) -> dict[str, torch.Tensor]
                 v = sparse + (v - v.detach()) * mask
             args.append(v)
         res = mod(*args)
-        for (name, _), value in zip(spec.outputs, res):
+        for (name, _), value in zip(spec.outputs, res, strict=False):
             env[name] = value
         if spec.is_loss_stage:
             out = res[-1]
@@ -98,10 +98,15 @@ def test_gradient_compression_keeps_residuals_and_converges(cluster: LocalCluste
     job = JOB.replace(train={"steps": 12, "micro_batches": 2, "optimizer": "adamw", "lr": 3e-3}, data={"batch_size": 8})
     settings = {CUT: CutSetting(codec=pb.CODEC_TOPK, keep_ratio=0.1, activations=True, gradients=True)}
     # A very slow link (0.8 Mbps): AdaTopK must squeeze the cut below the starting ratio.
-    controller = RatioController(AdaTopK(min_keep_ratio=0.02), link_of=lambda a, b: (0.04, 1e5) if (a, b) == CUT else None)
+    controller = RatioController(
+        AdaTopK(min_keep_ratio=0.02), link_of=lambda a, b: (0.04, 1e5) if (a, b) == CUT else None
+    )
     seen: list[float] = []
     result = train_distributed(
-        job, cluster.addresses[:3], cut_settings=settings, ratio_controller=controller,
+        job,
+        cluster.addresses[:3],
+        cut_settings=settings,
+        ratio_controller=controller,
         on_step=lambda s: seen.append(s.keep_ratios[CUT]),
     )
     assert result.losses[-1] < result.losses[0]
@@ -121,8 +126,14 @@ def test_residuals_are_stage_state(cluster: LocalCluster) -> None:
     stages = split_stages(captured.dag, uniform_assignment(captured.dag, 3))
     pool = ChannelPool()
     driver = PipelineDriver(
-        job_id="residuals", job=job, model=model, captured=captured, stages=stages, addresses=cluster.addresses[:3],
-        example_target=ey, pool=pool,
+        job_id="residuals",
+        job=job,
+        model=model,
+        captured=captured,
+        stages=stages,
+        addresses=cluster.addresses[:3],
+        example_target=ey,
+        pool=pool,
         cut_settings={CUT: CutSetting(codec=pb.CODEC_TOPK, keep_ratio=0.1, activations=False, gradients=True)},
     )
     try:

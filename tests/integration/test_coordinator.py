@@ -29,7 +29,7 @@ from tests.support.parity import assert_state_close
 
 TOKEN = "test-token-123"
 
-USER_MODEL = '''
+USER_MODEL = """
 import torch.nn as nn
 
 
@@ -44,7 +44,7 @@ class TinyMLP(nn.Module):
 
 def make(hidden: int = 16, num_classes: int = 4) -> nn.Module:
     return TinyMLP(hidden, num_classes)
-'''
+"""
 
 
 class Cli:
@@ -71,7 +71,9 @@ class Cli:
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
-    def wait(self, job_id: str, states: tuple[str, ...] = ("succeeded", "failed", "cancelled"), timeout: float = 240) -> dict[str, Any]:
+    def wait(
+        self, job_id: str, states: tuple[str, ...] = ("succeeded", "failed", "cancelled"), timeout: float = 240
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             s = self.status(job_id)
@@ -131,7 +133,9 @@ def check_outputs(job_dir: Path, job_file: Path, steps: int) -> None:
 
 
 def test_gpt2_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
-    job = write_job(tmp_path / "gpt2.toml", f"""
+    job = write_job(
+        tmp_path / "gpt2.toml",
+        f"""
         name = "gpt2-it"
         [model]
         name = "gpt2"
@@ -150,8 +154,9 @@ def test_gpt2_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
         [plan]
         strategy = "uniform"
         [output]
-        dir = "{tmp_path / 'out'}"
-    """)
+        dir = "{tmp_path / "out"}"
+    """,
+    )
     job_id = cli.submit(job)
     s = cli.wait(job_id)
     assert s["state"] == "succeeded", s
@@ -165,7 +170,9 @@ def test_gpt2_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_opfence_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
-    job = write_job(tmp_path / "opfence.toml", f"""
+    job = write_job(
+        tmp_path / "opfence.toml",
+        f"""
         [model]
         name = "gpt2"
         preset = "tiny"
@@ -180,8 +187,9 @@ def test_opfence_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
         [plan]
         strategy = "opfence"
         [output]
-        dir = "{tmp_path / 'out'}"
-    """)
+        dir = "{tmp_path / "out"}"
+    """,
+    )
     job_id = cli.submit(job)
     s = cli.wait(job_id)
     assert s["state"] == "succeeded", s
@@ -204,7 +212,9 @@ def test_opfence_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_resnet_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
-    job = write_job(tmp_path / "resnet.toml", f"""
+    job = write_job(
+        tmp_path / "resnet.toml",
+        f"""
         [model]
         name = "resnet"
         preset = "tiny"
@@ -219,17 +229,22 @@ def test_resnet_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
         optimizer = "sgd"
         lr = 0.1
         [output]
-        dir = "{tmp_path / 'out'}"
-    """)
+        dir = "{tmp_path / "out"}"
+    """,
+    )
     job_id = cli.submit(job)
     s = cli.wait(job_id)
     assert s["state"] == "succeeded", s
     check_outputs(Path(s["output_dir"]), job, 10)
 
 
-def test_user_factory_model_from_outside_the_package(cli: Cli, tmp_path: Path, user_code: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_user_factory_model_from_outside_the_package(
+    cli: Cli, tmp_path: Path, user_code: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(user_code))  # for the single-process reference here
-    job = write_job(tmp_path / "user.toml", f"""
+    job = write_job(
+        tmp_path / "user.toml",
+        f"""
         [model]
         name = "my_models:make"
         hidden = 24
@@ -244,8 +259,9 @@ def test_user_factory_model_from_outside_the_package(cli: Cli, tmp_path: Path, u
         optimizer = "sgd"
         lr = 0.2
         [output]
-        dir = "{tmp_path / 'out'}"
-    """)
+        dir = "{tmp_path / "out"}"
+    """,
+    )
     job_id = cli.submit(job)
     s = cli.wait(job_id)
     assert s["state"] == "succeeded", s
@@ -260,7 +276,10 @@ def test_bad_job_files_are_rejected_at_submit(cli: Cli, tmp_path: Path) -> None:
         "bad-value.toml": ("[model]\nname = 'gpt2'\npreset = 'tiny'\n[train]\nlr = -1.0\n", "train.lr"),
         "bad-preset.toml": ("[model]\nname = 'gpt2'\npreset = 'huge'\n", "preset"),
         "bad-option.toml": ("[model]\nname = 'gpt2'\npreset = 'tiny'\nn_layers = 3\n", "n_layers"),
-        "bad-batch.toml": ("[model]\nname = 'gpt2'\npreset = 'tiny'\n[data]\nbatch_size = 6\n[train]\nmicro_batches = 4\n", "data.batch_size"),
+        "bad-batch.toml": (
+            "[model]\nname = 'gpt2'\npreset = 'tiny'\n[data]\nbatch_size = 6\n[train]\nmicro_batches = 4\n",
+            "data.batch_size",
+        ),
     }
     before = len(json.loads(cli.run("jobs", "--json").stdout))
     for name, (text, expected) in cases.items():
@@ -283,7 +302,9 @@ def test_wrong_token_is_refused(fleet: Fleet, cli: Cli, tmp_path: Path) -> None:
 
 
 def test_job_waits_for_workers_then_runs(fleet: Fleet, cli: Cli, tmp_path: Path) -> None:
-    job = write_job(tmp_path / "four.toml", f"""
+    job = write_job(
+        tmp_path / "four.toml",
+        f"""
         [model]
         name = "gpt2"
         preset = "tiny"
@@ -297,8 +318,9 @@ def test_job_waits_for_workers_then_runs(fleet: Fleet, cli: Cli, tmp_path: Path)
         [plan]
         strategy = "uniform"
         [output]
-        dir = "{tmp_path / 'out'}"
-    """)
+        dir = "{tmp_path / "out"}"
+    """,
+    )
     job_id = cli.submit(job)
     time.sleep(3)
     assert cli.status(job_id)["state"] == "pending"
@@ -314,15 +336,18 @@ def test_job_waits_for_workers_then_runs(fleet: Fleet, cli: Cli, tmp_path: Path)
 
 
 def test_cancel_pending_job(cli: Cli, tmp_path: Path) -> None:
-    job = write_job(tmp_path / "many.toml", f"""
+    job = write_job(
+        tmp_path / "many.toml",
+        f"""
         [model]
         name = "gpt2"
         preset = "tiny"
         [cluster]
         min_workers = 50
         [output]
-        dir = "{tmp_path / 'out'}"
-    """)
+        dir = "{tmp_path / "out"}"
+    """,
+    )
     job_id = cli.submit(job)
     r = cli.run("cancel", job_id)
     assert r.returncode == 0 and "cancelled" in r.stdout
@@ -333,7 +358,9 @@ def test_cancel_pending_job(cli: Cli, tmp_path: Path) -> None:
 @pytest.fixture
 def small_fleet(tmp_path: Path) -> Iterator[Fleet]:
     with Fleet(tmp_path / "logs") as f:
-        f.start_coordinator(token=TOKEN, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0)
+        f.start_coordinator(
+            token=TOKEN, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0
+        )
         for i in range(2):
             f.start_worker(f"s{i}", token=TOKEN, wait=False)
         f.wait_workers(["s0", "s1"])
@@ -341,7 +368,9 @@ def small_fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 
 def long_job(path: Path, out: Path, steps: int) -> Path:
-    return write_job(path, f"""
+    return write_job(
+        path,
+        f"""
         [model]
         name = "gpt2"
         preset = "tiny"
@@ -354,7 +383,8 @@ def long_job(path: Path, out: Path, steps: int) -> Path:
         min_workers = 2
         [output]
         dir = "{out}"
-    """)
+    """,
+    )
 
 
 def test_killed_worker_is_dropped_and_the_job_goes_on(small_fleet: Fleet, tmp_path: Path) -> None:
@@ -375,7 +405,9 @@ def test_killed_worker_is_dropped_and_the_job_goes_on(small_fleet: Fleet, tmp_pa
         time.sleep(0.3)
     else:
         raise AssertionError(f"job did not resume: {s}")
-    print(f"resumed {events['resumed_at_step']['time'] - killed_at:.2f}s after the kill: {events['resumed_at_step']['message']}")
+    print(
+        f"resumed {events['resumed_at_step']['time'] - killed_at:.2f}s after the kill: {events['resumed_at_step']['message']}"
+    )
     assert s["state"] == "running"
     assert victim in events["worker_lost"]["message"]
     assert victim not in [st["worker"] for st in s["plan"]["stages"]]

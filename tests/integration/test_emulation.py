@@ -51,7 +51,9 @@ def test_a_slowed_executor_reports_stretched_compute(slowed: LocalCluster, clust
         for address in (cluster.addresses[0], slowed.addresses[0]):
             worker = Endpoint(name="w", address=address, matmul_flops=1e11)
             profile = profile_model(JOB, captured.dag, worker, pool, repeats=3)
-            factors.append(calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, min_time_s=0.3).compute_factor)
+            factors.append(
+                calibrate_executor(JOB, model, captured, dataset, worker, pool, profile, min_time_s=0.3).compute_factor
+            )
     finally:
         pool.close()
     plain, slow = factors

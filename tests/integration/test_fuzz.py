@@ -64,7 +64,13 @@ def _templates() -> list[bytes]:
     for the method it is sent to is answered quickly.
     """
     msgs = [
-        epb.LoadStageRequest(job_id="fz", stage_idx=1, model=epb.ModelSpec(name="nosuchmodel", preset="tiny"), nodes=["a", "b"], auth="00:11"),
+        epb.LoadStageRequest(
+            job_id="fz",
+            stage_idx=1,
+            model=epb.ModelSpec(name="nosuchmodel", preset="tiny"),
+            nodes=["a", "b"],
+            auth="00:11",
+        ),
         epb.GetStateRequest(job_id="fz", stage_idx=3, kind=epb.STATE_KIND_PARAMETERS, names=["w"]),
         epb.RunStepRequest(job_id="fz", stage_idx=0, step=7, num_micro_batches=4, schedule=epb.SCHEDULE_1F1B),
         epb.WaitStepRequest(job_id="fz", stage_idx=0, step=1, timeout_s=0.5),
@@ -72,7 +78,9 @@ def _templates() -> list[bytes]:
         epb.AbortRequest(job_id="fz", reason="x" * 100),
         epb.UnloadJobRequest(job_id="fz"),
         epb.ProfileModelRequest(model=epb.ModelSpec(name="nosuchmodel"), repeats=1),
-        epb.ProbeLinksRequest(addresses=["127.0.0.1:1"], sizes_bytes=[1024], repeats=1, auth='{"127.0.0.1:1": [1, "00"]}'),
+        epb.ProbeLinksRequest(
+            addresses=["127.0.0.1:1"], sizes_bytes=[1024], repeats=1, auth='{"127.0.0.1:1": [1, "00"]}'
+        ),
         cpb.RegisterRequest(name="fz", address="127.0.0.1:1", resources=cpb.WorkerResources(num_cores=1, device="cpu")),
         cpb.HeartbeatRequest(worker_id="w-nosuch"),
         cpb.DeregisterRequest(worker_id="w-nosuch", reason="fz"),
@@ -87,10 +95,17 @@ def _templates() -> list[bytes]:
             epb.ListSnapshotsRequest(job_id="fz"),
             epb.GetSnapshotRequest(job_id="fz", stage_key="k", step=1),
             epb.RestoreStageRequest(job_id="fz", stage_idx=0, step=1, source_address="127.0.0.1:1"),
-            epb.SnapshotChunk(info=epb.SnapshotInfo(job_id="fz", stage_idx=0, stage_key="k", step=1, size_bytes=8, sha256="00"), data=b"12345678"),
+            epb.SnapshotChunk(
+                info=epb.SnapshotInfo(job_id="fz", stage_idx=0, stage_key="k", step=1, size_bytes=8, sha256="00"),
+                data=b"12345678",
+            ),
         ]
     out = [m.SerializeToString() for m in msgs]
-    out += [_chunk("fz"), _chunk("fz", kind=pb.TRANSFER_KIND_PROBE), _chunk("", kind=pb.TRANSFER_KIND_PARAMETER, data=b"\1" * 8)]
+    out += [
+        _chunk("fz"),
+        _chunk("fz", kind=pb.TRANSFER_KIND_PROBE),
+        _chunk("", kind=pb.TRANSFER_KIND_PARAMETER, data=b"\1" * 8),
+    ]
     return out
 
 
@@ -99,8 +114,12 @@ TEMPLATES = _templates()
 payloads = st.one_of(
     st.binary(max_size=2048),  # malformed
     st.sampled_from(TEMPLATES),  # type-confused (or, by chance, valid)
-    st.tuples(st.sampled_from(TEMPLATES), st.integers(min_value=0, max_value=400)).map(lambda t: t[0][: t[1] % max(1, len(t[0]))]),  # truncated
-    st.tuples(st.sampled_from(TEMPLATES), st.binary(min_size=1, max_size=64)).map(lambda t: t[0] + t[1]),  # trailing junk
+    st.tuples(st.sampled_from(TEMPLATES), st.integers(min_value=0, max_value=400)).map(
+        lambda t: t[0][: t[1] % max(1, len(t[0]))]
+    ),  # truncated
+    st.tuples(st.sampled_from(TEMPLATES), st.binary(min_size=1, max_size=64)).map(
+        lambda t: t[0] + t[1]
+    ),  # trailing junk
 )
 auth_modes = st.sampled_from(["none", "forged", "valid", "wrong-scheme"])
 
@@ -109,7 +128,9 @@ def _forged() -> tuple[tuple[str, str], ...]:
     return ((AUTH_METADATA, sign(secrets.token_bytes(32), scheme=SCHEME_CONTROL, method="Ping")),)
 
 
-def _call(channel: grpc.Channel, service: str, method: object, payload: list[bytes], metadata: tuple[tuple[str, str], ...]) -> bool:
+def _call(
+    channel: grpc.Channel, service: str, method: object, payload: list[bytes], metadata: tuple[tuple[str, str], ...]
+) -> bool:
     """Make one raw call; returns whether it succeeded. Fails the test on a forbidden code."""
     path = f"/{service}/{method.name}"  # type: ignore[attr-defined]
     try:
@@ -140,7 +161,8 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Flee
     root = tmp_path_factory.mktemp("fuzz")
     with Fleet(root / "logs") as fleet:
         address = fleet.start_coordinator(
-            token=TOKEN, state_dir=root / "state",
+            token=TOKEN,
+            state_dir=root / "state",
             extra_args=["--auth-failure-burst", "1000000", "--register-burst", "1000000", "--registers-per-s", "1000"],
         )
         yield fleet, address
@@ -151,7 +173,9 @@ def _bulk(n: int) -> bytes:
 
 
 @settings(max_examples=EXAMPLES_PER_SERVICE, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(method=st.sampled_from(list(EXECUTOR.methods)), items=st.lists(payloads, min_size=1, max_size=4), auth=auth_modes)
+@given(
+    method=st.sampled_from(list(EXECUTOR.methods)), items=st.lists(payloads, min_size=1, max_size=4), auth=auth_modes
+)
 def _fuzz_executor(channel: grpc.Channel, address: str, method: object, items: list[bytes], auth: str) -> None:
     keys = process_keyring()
     if auth == "valid":
@@ -219,7 +243,9 @@ def test_fuzz_coordinator(coordinator: tuple[Fleet, str]) -> None:
     from fusion.coordinator.client import CoordinatorClient
 
     with CoordinatorClient(address, TOKEN) as c:
-        registered = c.register("after-fuzz", "127.0.0.1:9", cpb.WorkerResources(num_cores=1, device="cpu", machine="box-1/cpu"))
+        registered = c.register(
+            "after-fuzz", "127.0.0.1:9", cpb.WorkerResources(num_cores=1, device="cpu", machine="box-1/cpu")
+        )
         assert registered.worker_id and registered.session
         assert any(w.name == "after-fuzz" and w.resources.machine == "box-1/cpu" for w in c.workers())
         with pytest.raises(RemoteError, match="resources.machine is 300 characters; at most 255"):
@@ -235,6 +261,8 @@ def test_fuzz_coordinator(coordinator: tuple[Fleet, str]) -> None:
 def test_zz_report_cases() -> None:
     """Runs last: how many cases ran (``pytest -s`` shows it)."""
     total = CASES["executor"] + CASES["coordinator"]
-    print(f"\nfuzz cases: executor {CASES['executor']}, coordinator {CASES['coordinator']}, total {total} ({CASES['ok']} valid requests answered OK)")
+    print(
+        f"\nfuzz cases: executor {CASES['executor']}, coordinator {CASES['coordinator']}, total {total} ({CASES['ok']} valid requests answered OK)"
+    )
     if CASES["executor"] and CASES["coordinator"]:
         assert total >= EXAMPLES_PER_SERVICE

@@ -18,7 +18,10 @@ from scheduler.baselines import uniform_assignment
 from tests.support.parity import assert_parity, skip_assignment
 
 GPT2 = {"model": {"name": "gpt2", "preset": "tiny"}, "data": {"batch_size": 8, "seq_len": 16}}
-RESNET = {"model": {"name": "resnet", "preset": "tiny", "num_classes": 4}, "data": {"batch_size": 8, "image_size": 16, "num_classes": 4, "num_samples": 64}}
+RESNET = {
+    "model": {"name": "resnet", "preset": "tiny", "num_classes": 4},
+    "data": {"batch_size": 8, "image_size": 16, "num_classes": 4, "num_samples": 64},
+}
 # Residual branches: GPT-2's first attention sub-block, ResNet's first basic block.
 BRANCH = {"gpt2": r"transformer\.h\.0\.(ln_1|attn)", "resnet": r"layer1\.0\.(conv|bn)"}
 
@@ -38,7 +41,9 @@ def dag_of(job: JobSpec):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("cut", ["chain-2", "chain-3", "chain-4", "skip-3", "skip-4"])
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
-def test_one_step_gradients_match(cluster: LocalCluster, device: str, family: str, cut: str, schedule: str, micro_batches: int) -> None:
+def test_one_step_gradients_match(
+    cluster: LocalCluster, device: str, family: str, cut: str, schedule: str, micro_batches: int
+) -> None:
     base = GPT2 if family == "gpt2" else RESNET
     job = make_job(base, micro_batches=micro_batches, schedule=schedule)
     kind, k = cut.split("-")
@@ -46,12 +51,16 @@ def test_one_step_gradients_match(cluster: LocalCluster, device: str, family: st
     assignment = skip_assignment(dag_of(job), BRANCH[family], num_stages) if kind == "skip" else None
     # BatchNorm sees micro-batches (as in every pipeline system): with M > 1 the reference
     # accumulates gradients over the same micro-batches.
-    result = assert_parity(job, cluster.addresses[:num_stages], assignment=assignment, accumulate=family == "resnet", device=device)
+    result = assert_parity(
+        job, cluster.addresses[:num_stages], assignment=assignment, accumulate=family == "resnet", device=device
+    )
     assert len(result.stages) == num_stages
     if kind == "skip":
         consumers_of_skip = [dsts for s in result.stages for _, dsts in s.outputs if len(dsts) > 1]
         assert consumers_of_skip, "the skip cut should send one value to two stages"
-        assert any(src == 0 for s in result.stages if s.stage_idx == 2 for _, src in s.inputs), "residual should jump from stage 0 to 2"
+        assert any(src == 0 for s in result.stages if s.stage_idx == 2 for _, src in s.inputs), (
+            "residual should jump from stage 0 to 2"
+        )
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -74,13 +83,23 @@ def test_paced_sends_change_nothing_computed(cluster: LocalCluster, device: str,
     job = make_job(base, steps=2, micro_batches=4, schedule="1f1b")
     links = {(a, b): 20e6 for a in range(4) for b in range(4) if a != b}
     assignment = skip_assignment(dag_of(job), BRANCH[family], 4)
-    assert_parity(job, cluster.addresses, steps=2, assignment=assignment, accumulate=family == "resnet", device=device, link_bytes_per_s=links)
+    assert_parity(
+        job,
+        cluster.addresses,
+        steps=2,
+        assignment=assignment,
+        accumulate=family == "resnet",
+        device=device,
+        link_bytes_per_s=links,
+    )
 
 
 def test_tied_embeddings_on_different_stages(cluster: LocalCluster, device: str) -> None:
     job = make_job(GPT2, steps=3, micro_batches=2)
     result = assert_parity(job, cluster.addresses[:3], steps=3, device=device)
-    holders = [s.stage_idx for s in result.stages if "transformer.wte.weight" in s.params or "lm_head.weight" in s.params]
+    holders = [
+        s.stage_idx for s in result.stages if "transformer.wte.weight" in s.params or "lm_head.weight" in s.params
+    ]
     assert holders == [0, 2], holders
     assert (result.state_dict["lm_head.weight"] == result.state_dict["transformer.wte.weight"]).all()
 

@@ -26,7 +26,9 @@ def test_measure_writes_both_curves_and_stops_its_processes(tmp_path: Path) -> N
     assert interference is not None and len(interference.sizes_bytes) == 3
     assert all(0 <= c < 0.1 for c in (*interference.send_s, *interference.receive_s))
     assert "interference_round_range" in json.loads(out.read_text())
-    assert {p.pid for p in psutil.Process().children(recursive=True)} == before  # the busy process, the executor and the sender are reaped
+    assert {
+        p.pid for p in psutil.Process().children(recursive=True)
+    } == before  # the busy process, the executor and the sender are reaped
     assert not list(tmp_path.glob("*.tmp"))
 
 

@@ -30,7 +30,9 @@ PROFILED_S = {0: (0.02, 0.04), 1: (0.03, 0.05)}
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[LocalCluster]:
-    with LocalCluster(2, torch_threads=1, extra_args=["--emulate-slowdown", str(FACTOR), "--emulation", "profile"]) as c:
+    with LocalCluster(
+        2, torch_threads=1, extra_args=["--emulate-slowdown", str(FACTOR), "--emulation", "profile"]
+    ) as c:
         yield c
 
 

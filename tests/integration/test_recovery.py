@@ -37,10 +37,18 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def job_file(
-    path: Path, out: Path, *, workers: int, spares: int = 0, durable_every: int = 1000, joiners: str = "never",
-    steps: int = STEPS, optimizer: str = 'optimizer = "adamw"\n        lr = 0.001',
+    path: Path,
+    out: Path,
+    *,
+    workers: int,
+    spares: int = 0,
+    durable_every: int = 1000,
+    joiners: str = "never",
+    steps: int = STEPS,
+    optimizer: str = 'optimizer = "adamw"\n        lr = 0.001',
 ) -> Path:
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name = "recovery"
         [model]
         name = "gpt2"
@@ -65,7 +73,8 @@ def job_file(
         keep = 2
         [output]
         dir = "{out}"
-    """))
+    """)
+    )
     return path
 
 
@@ -118,7 +127,9 @@ def fleet_of(tmp_path: Path) -> Iterator[Callable[[int], Fleet]]:
     def start(n: int) -> Fleet:
         f = Fleet(tmp_path / "logs")
         fleets.append(f)
-        f.start_coordinator(token=TOKEN, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0)
+        f.start_coordinator(
+            token=TOKEN, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0
+        )
         for i in range(n):
             f.start_worker(f"w{i}", token=TOKEN, wait=False)
         f.wait_workers([f"w{i}" for i in range(n)])
@@ -142,7 +153,9 @@ def check_exact(s: dict[str, Any], path: Path) -> None:
     last = {r["step"]: r["loss"] for r in records}  # a redone step's second loss wins
     steps = spec.train.steps
     assert sorted(last) == list(range(steps))
-    torch.testing.assert_close(torch.tensor([last[i] for i in range(steps)]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor([last[i] for i in range(steps)]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-5
+    )
 
 
 def resumed(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -192,9 +205,13 @@ def test_killed_worker_without_spare_replans_onto_the_rest(fleet_of: Callable[[i
     check_exact(s, job.path)
 
 
-def test_worker_and_its_buddy_killed_at_once_restore_from_disk(fleet_of: Callable[[int], Fleet], tmp_path: Path) -> None:
+def test_worker_and_its_buddy_killed_at_once_restore_from_disk(
+    fleet_of: Callable[[int], Fleet], tmp_path: Path
+) -> None:
     fleet = fleet_of(4)
-    job = Job(fleet, job_file(tmp_path / "job.toml", tmp_path / "out", workers=4, spares=1, durable_every=REPLICATE_EVERY * 2))
+    job = Job(
+        fleet, job_file(tmp_path / "job.toml", tmp_path / "out", workers=4, spares=1, durable_every=REPLICATE_EVERY * 2)
+    )
     job.wait_step(REPLICATE_EVERY * 4 + 1)
     planned = next(e for e in job.status()["events"] if e["event"] == "planned")
     victim = planned["stages"][0]
@@ -216,7 +233,9 @@ def test_worker_joining_mid_job_is_put_to_work(fleet_of: Callable[[int], Fleet],
     fleet = fleet_of(2)
     # Long enough (SGD keeps float drift negligible over many steps) for a worker to start.
     sgd = 'optimizer = "sgd"\n        lr = 0.05\n        momentum = 0.9'
-    job = Job(fleet, job_file(tmp_path / "job.toml", tmp_path / "out", workers=2, joiners="always", steps=160, optimizer=sgd))
+    job = Job(
+        fleet, job_file(tmp_path / "job.toml", tmp_path / "out", workers=2, joiners="always", steps=160, optimizer=sgd)
+    )
     job.wait_step(3)
     assert len(job.stage_workers()) == 2
     fleet.start_worker("late", token=TOKEN)
@@ -246,7 +265,9 @@ def test_worker_leaving_with_ctrl_c_hands_off_its_state(fleet_of: Callable[[int]
     check_exact(s, job.path)
 
 
-def test_coordinator_killed_and_restarted_resumes_from_its_checkpoint(fleet_of: Callable[[int], Fleet], tmp_path: Path) -> None:
+def test_coordinator_killed_and_restarted_resumes_from_its_checkpoint(
+    fleet_of: Callable[[int], Fleet], tmp_path: Path
+) -> None:
     fleet = fleet_of(3)
     job = Job(fleet, job_file(tmp_path / "job.toml", tmp_path / "out", workers=3, durable_every=REPLICATE_EVERY * 2))
     job.wait_step(REPLICATE_EVERY * 4 + 1)
@@ -254,7 +275,9 @@ def test_coordinator_killed_and_restarted_resumes_from_its_checkpoint(fleet_of: 
     fleet.coordinator.kill()
     fleet.coordinator.wait(timeout=10)
     port = int(fleet.coordinator_address.rsplit(":", 1)[1])
-    fleet.start_coordinator(token=TOKEN, state_dir=tmp_path / "state", port=port, heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0)
+    fleet.start_coordinator(
+        token=TOKEN, state_dir=tmp_path / "state", port=port, heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0
+    )
     job.client = CoordinatorClient(fleet.coordinator_address, TOKEN)
     s = job.wait_end()
     events = job.events(s)

@@ -85,11 +85,19 @@ def test_every_executor_rpc_refuses_missing_and_forged_credentials(executor: Loc
         for metadata in ((), forged, ((AUTH_METADATA, "control - 1 2 3"),)):
             try:
                 if method.client_streaming:
-                    channel.stream_unary(path, request_serializer=None, response_deserializer=None)(iter([b""]), timeout=10, metadata=metadata)
+                    channel.stream_unary(path, request_serializer=None, response_deserializer=None)(
+                        iter([b""]), timeout=10, metadata=metadata
+                    )
                 elif method.server_streaming:
-                    list(channel.unary_stream(path, request_serializer=None, response_deserializer=None)(b"", timeout=10, metadata=metadata))
+                    list(
+                        channel.unary_stream(path, request_serializer=None, response_deserializer=None)(
+                            b"", timeout=10, metadata=metadata
+                        )
+                    )
                 else:
-                    channel.unary_unary(path, request_serializer=None, response_deserializer=None)(b"", timeout=10, metadata=metadata)
+                    channel.unary_unary(path, request_serializer=None, response_deserializer=None)(
+                        b"", timeout=10, metadata=metadata
+                    )
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.UNAUTHENTICATED, (method.name, e.code(), e.details())
             else:
@@ -130,7 +138,8 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
     """A real coordinator and three real workers; the middle one turns poisonous at step 5."""
     token = "poison-token"
     job_path = tmp_path / "job.toml"
-    job_path.write_text(textwrap.dedent(f"""
+    job_path.write_text(
+        textwrap.dedent(f"""
         name = "poisoned"
         [model]
         name = "gpt2"
@@ -152,10 +161,13 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
         [checkpoint]
         replicate_every = 2
         [output]
-        dir = "{tmp_path / 'out'}"
-    """))
+        dir = "{tmp_path / "out"}"
+    """)
+    )
     with Fleet(tmp_path / "logs") as fleet:
-        fleet.start_coordinator(token=token, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0)
+        fleet.start_coordinator(
+            token=token, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0
+        )
         # Workers join one after another: the uniform plan puts them on stages in join order,
         # so the faulty worker hosts stage 1 and sends (NaN) gradients to stage 0.
         fleet.start_worker("w0", token=token)
@@ -191,8 +203,21 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
         assert states["bad"] == "excluded" and states["w0"] == "idle" and states["w2"] == "idle", states
         # The CLI shows the same.
         out = subprocess.run(
-            [sys.executable, "-m", "fusion.cli.main", "workers", "--coordinator", fleet.coordinator_address, "--token", token],
-            capture_output=True, text=True, timeout=60, env=fleet.env, check=True,
+            [
+                sys.executable,
+                "-m",
+                "fusion.cli.main",
+                "workers",
+                "--coordinator",
+                fleet.coordinator_address,
+                "--token",
+                token,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=fleet.env,
+            check=True,
         ).stdout
         assert re.search(r"^bad\s+\S+\s+excluded", out, re.MULTILINE), out
         from fusion.profiling import machine_id
@@ -215,12 +240,22 @@ def waiting_stage() -> Iterator[tuple[LocalCluster, PipelineDriver]]:
         captured = capture(model, (x,))
         stages = split_stages(captured.dag, uniform_assignment(captured.dag, 2))
         pool = ChannelPool(chunk_bytes=CHUNK_BYTES)
-        driver = PipelineDriver(job_id="oversized", job=JOB, model=model, captured=captured, stages=stages,
-                                addresses=c.addresses, example_target=y, pool=pool)
+        driver = PipelineDriver(
+            job_id="oversized",
+            job=JOB,
+            model=model,
+            captured=captured,
+            stages=stages,
+            addresses=c.addresses,
+            example_target=y,
+            pool=pool,
+        )
         try:
             driver.load()
             for s in stages:
-                driver.clients[s.stage_idx].run_step(driver.job_id, s.stage_idx, 0, JOB.train.micro_batches, epb.SCHEDULE_1F1B)
+                driver.clients[s.stage_idx].run_step(
+                    driver.job_id, s.stage_idx, 0, JOB.train.micro_batches, epb.SCHEDULE_1F1B
+                )
             yield c, driver
         finally:
             driver.close()
@@ -241,8 +276,11 @@ def _hostile_send(driver: PipelineDriver, header: pb.TransferHeader) -> tuple[gr
             time.sleep(0.002)  # a steady sender: the cut must come from the server, not from a burst
 
     channel = driver.pool.get(driver.addresses[1])
-    send = channel.stream_unary("/fusion.wire.Executor/Send", request_serializer=pb.TensorChunk.SerializeToString,
-                                response_deserializer=epb.SendResponse.FromString)
+    send = channel.stream_unary(
+        "/fusion.wire.Executor/Send",
+        request_serializer=pb.TensorChunk.SerializeToString,
+        response_deserializer=epb.SendResponse.FromString,
+    )
     metadata = driver.pool.keyring.metadata(driver.addresses[1], "Send", driver.job_id)
     with pytest.raises(grpc.RpcError) as info:
         send(chunks(), timeout=60, metadata=metadata)
@@ -250,10 +288,13 @@ def _hostile_send(driver: PipelineDriver, header: pb.TransferHeader) -> tuple[gr
 
 
 @pytest.mark.parametrize("case", ["over-limit", "over-expected-shape"])
-def test_oversized_tensor_is_refused_before_its_payload_is_read(waiting_stage: tuple[LocalCluster, PipelineDriver], case: str) -> None:
+def test_oversized_tensor_is_refused_before_its_payload_is_read(
+    waiting_stage: tuple[LocalCluster, PipelineDriver], case: str
+) -> None:
     cluster, driver = waiting_stage
-    header = pb.TransferHeader(job_id=driver.job_id, stage_idx=1, src_stage_idx=0, step=0, micro_batch_idx=0,
-                               kind=pb.TRANSFER_KIND_ACTIVATION)
+    header = pb.TransferHeader(
+        job_id=driver.job_id, stage_idx=1, src_stage_idx=0, step=0, micro_batch_idx=0, kind=pb.TRANSFER_KIND_ACTIVATION
+    )
     # Every value stage 1 takes from stage 0, correctly declared but the last.
     names = [n for n, src in driver.stages[1].inputs if src == 0 and driver.dag.node(n).value.kind == "tensor"]
     for n in names[:-1]:
@@ -270,7 +311,9 @@ def test_oversized_tensor_is_refused_before_its_payload_is_read(waiting_stage: t
     rss_before = worker.memory_info().rss
     code, details, pulled = _hostile_send(driver, header)
     rss_growth = worker.memory_info().rss - rss_before
-    print(f"{case}: {code.name} after the client produced {pulled} of {HOSTILE_CHUNKS} 1 MiB chunks; worker RSS {rss_growth / 2**20:+.1f} MiB")
+    print(
+        f"{case}: {code.name} after the client produced {pulled} of {HOSTILE_CHUNKS} 1 MiB chunks; worker RSS {rss_growth / 2**20:+.1f} MiB"
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert all(w in details for w in words), details
     # The stream is cut after the header: the client is not even asked for most of the payload
@@ -285,17 +328,23 @@ def test_every_coordinator_rpc_refuses_missing_and_wrong_credentials(tmp_path: P
     token = "coordinator-token"
     service = cpb.DESCRIPTOR.services_by_name["Coordinator"]
     with Fleet(tmp_path / "logs") as fleet:
-        address = fleet.start_coordinator(token=token, state_dir=tmp_path / "state", extra_args=["--auth-failure-burst", "1000"])
+        address = fleet.start_coordinator(
+            token=token, state_dir=tmp_path / "state", extra_args=["--auth-failure-burst", "1000"]
+        )
         with CoordinatorClient(address, token) as owner:
             registered = owner.register("probe", "127.0.0.1:9", cpb.WorkerResources())
         channel = grpc.insecure_channel(address)
-        worker_calls = {"Heartbeat": cpb.HeartbeatRequest(worker_id=registered.worker_id),
-                        "Deregister": cpb.DeregisterRequest(worker_id=registered.worker_id, reason="test")}
+        worker_calls = {
+            "Heartbeat": cpb.HeartbeatRequest(worker_id=registered.worker_id),
+            "Deregister": cpb.DeregisterRequest(worker_id=registered.worker_id, reason="test"),
+        }
         try:
             for method in service.methods:
                 request = worker_calls.get(method.name)
                 body = request.SerializeToString() if request is not None else b""
-                call = channel.unary_unary(f"/{service.full_name}/{method.name}", request_serializer=None, response_deserializer=None)
+                call = channel.unary_unary(
+                    f"/{service.full_name}/{method.name}", request_serializer=None, response_deserializer=None
+                )
                 wrong = ["", "not-the-token", token[:-1]]
                 if request is not None:
                     wrong += [token, "x" * 43]  # the token is not a worker's session
@@ -303,7 +352,11 @@ def test_every_coordinator_rpc_refuses_missing_and_wrong_credentials(tmp_path: P
                     metadata = ((AUTH_METADATA, credential),) if credential else ()
                     with pytest.raises(grpc.RpcError) as info:
                         call(body, timeout=10, metadata=metadata)
-                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method.name, credential, info.value.details())
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (
+                        method.name,
+                        credential,
+                        info.value.details(),
+                    )
             # The right credentials work (and the worker is still registered: nothing above got through).
             with CoordinatorClient(address, registered.session) as worker:
                 assert worker.heartbeat(registered.worker_id)
@@ -318,7 +371,8 @@ def test_fusion_profile_runs_through_the_coordinator(tmp_path: Path) -> None:
     (which derives the control keys) measures, and the CLI only talks to the coordinator."""
     token = "profile-token"
     job_path = tmp_path / "job.toml"
-    job_path.write_text(textwrap.dedent("""
+    job_path.write_text(
+        textwrap.dedent("""
         name = "profile"
         [model]
         name = "gpt2"
@@ -329,7 +383,8 @@ def test_fusion_profile_runs_through_the_coordinator(tmp_path: Path) -> None:
         [train]
         steps = 4
         micro_batches = 2
-    """))
+    """)
+    )
     with Fleet(tmp_path / "logs") as fleet:
         address = fleet.start_coordinator(token=token, state_dir=tmp_path / "state")
         for name in ("w0", "w1"):
@@ -348,8 +403,24 @@ def test_fusion_profile_runs_through_the_coordinator(tmp_path: Path) -> None:
 
         def profile(*args: str, credential: str = token) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
-                [sys.executable, "-m", "fusion.cli.main", "profile", "--job", str(job_path), "--coordinator", address, "--token", credential, *args],
-                capture_output=True, text=True, timeout=240, env=fleet.env, check=False,
+                [
+                    sys.executable,
+                    "-m",
+                    "fusion.cli.main",
+                    "profile",
+                    "--job",
+                    str(job_path),
+                    "--coordinator",
+                    address,
+                    "--token",
+                    credential,
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=240,
+                env=fleet.env,
+                check=False,
             )
 
         checked = profile("--check", "--steps", "1", "--json")
@@ -360,7 +431,9 @@ def test_fusion_profile_runs_through_the_coordinator(tmp_path: Path) -> None:
         assert math.isfinite(doc["time_mape"]) and math.isfinite(doc["memory_mape"])
         measured = profile()
         assert measured.returncode == 0, measured.stderr
-        assert "model gpt2 (tiny)" in measured.stdout and re.search(r"link w[01] -> w[01]: ", measured.stdout), measured.stdout
+        assert "model gpt2 (tiny)" in measured.stdout and re.search(r"link w[01] -> w[01]: ", measured.stdout), (
+            measured.stdout
+        )
         refused = profile(credential="not-the-token")
         assert refused.returncode != 0 and "token" in refused.stderr, refused.stderr
         with CoordinatorClient(address, token) as owner:

@@ -33,10 +33,14 @@ from fusion.training import (
 from fusion.wire import executor_pb2 as epb
 from scheduler.baselines import uniform_assignment
 
-JOB = JobSpec.from_dict({
-    "name": "snapshots", "model": {"name": "gpt2", "preset": "tiny"}, "data": {"batch_size": 4, "seq_len": 16},
-    "train": {"steps": 4, "micro_batches": 2, "optimizer": "adamw", "seed": 3},
-})
+JOB = JobSpec.from_dict(
+    {
+        "name": "snapshots",
+        "model": {"name": "gpt2", "preset": "tiny"},
+        "data": {"batch_size": 4, "seq_len": 16},
+        "train": {"steps": 4, "micro_batches": 2, "optimizer": "adamw", "seed": 3},
+    }
+)
 CHUNK = 4096
 
 
@@ -49,8 +53,16 @@ def driver() -> Iterator[PipelineDriver]:
         captured = capture(model, (x,))
         stages = split_stages(captured.dag, uniform_assignment(captured.dag, 2))
         pool = ChannelPool(chunk_bytes=CHUNK)
-        d = PipelineDriver(job_id="snap", job=JOB, model=model, captured=captured, stages=stages,
-                           addresses=workers.addresses, example_target=y, pool=pool)
+        d = PipelineDriver(
+            job_id="snap",
+            job=JOB,
+            model=model,
+            captured=captured,
+            stages=stages,
+            addresses=workers.addresses,
+            example_target=y,
+            pool=pool,
+        )
         d.load()
         buddies = {0: workers.addresses[1], 1: workers.addresses[0]}
         for step in range(2):
@@ -86,7 +98,11 @@ def expect(call, code: grpc.StatusCode, *words: str) -> None:
 
 def test_each_stage_holds_its_own_snapshot_and_its_peers_replica(driver: PipelineDriver) -> None:
     k0, k1 = driver.stage_keys
-    wait_for(lambda: held(driver, 0) == {(k0, 2, False), (k1, 2, True)} and held(driver, 1) == {(k1, 2, False), (k0, 2, True)})
+    wait_for(
+        lambda: (
+            held(driver, 0) == {(k0, 2, False), (k1, 2, True)} and held(driver, 1) == {(k1, 2, False), (k0, 2, True)}
+        )
+    )
     got = ExecutorClient(driver.addresses[1], driver.pool).get_snapshot(driver.job_id, k0, 2)
     assert "param/transformer.wte.weight" in got.tensors() and "optim/transformer.wte.weight/exp_avg" in got.tensors()
 
@@ -96,7 +112,11 @@ def test_replica_cut_mid_stream_is_refused_and_not_stored(driver: PipelineDriver
     snap = make_snapshot(driver.job_id, 0, driver.stage_keys[0], 99, {"param/a": torch.arange(10_000.0)})
     chunks = list(snapshot_chunks(snap, CHUNK))
     assert len(chunks) > 4
-    expect(lambda: client.stub.PutSnapshot(iter(chunks[: len(chunks) // 2]), timeout=10), grpc.StatusCode.DATA_LOSS, "incomplete")
+    expect(
+        lambda: client.stub.PutSnapshot(iter(chunks[: len(chunks) // 2]), timeout=10),
+        grpc.StatusCode.DATA_LOSS,
+        "incomplete",
+    )
     assert all(step != 99 for _, step, _ in held(driver, 1))
 
 

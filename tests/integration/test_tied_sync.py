@@ -49,8 +49,14 @@ def test_holders_exchange_and_sum_in_stage_order(cluster: LocalCluster) -> None:
     pool = ChannelPool()
     try:
         driver = PipelineDriver(
-            job_id="tied-sync", job=JOB, model=model, captured=captured, stages=stages,
-            addresses=cluster.addresses[:3], example_target=y, pool=pool,
+            job_id="tied-sync",
+            job=JOB,
+            model=model,
+            captured=captured,
+            stages=stages,
+            addresses=cluster.addresses[:3],
+            example_target=y,
+            pool=pool,
         )
         try:
             driver.load()
@@ -80,7 +86,9 @@ def test_holders_exchange_and_sum_in_stage_order(cluster: LocalCluster) -> None:
                 waiting = ex.submit(driver.clients[0].sync_tied, driver.job_id, 0, 1, 60.0)
                 time.sleep(0.5)
                 driver.abort("stage 2 is gone")
-                with pytest.raises(RemoteError, match="aborted while waiting for tied gradients from stage 2: stage 2 is gone"):
+                with pytest.raises(
+                    RemoteError, match="aborted while waiting for tied gradients from stage 2: stage 2 is gone"
+                ):
                     waiting.result(timeout=30)
         finally:
             driver.close()

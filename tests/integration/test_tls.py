@@ -50,9 +50,20 @@ def make_ca(directory: Path, label: str) -> tuple[Path, ec.EllipticCurvePrivateK
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .sign(key, hashes.SHA256())
     )
     path = directory / f"ca-{label}.pem"
@@ -60,7 +71,9 @@ def make_ca(directory: Path, label: str) -> tuple[Path, ec.EllipticCurvePrivateK
     return path, key, cert
 
 
-def make_server_cert(directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate) -> tuple[Path, Path]:
+def make_server_cert(
+    directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate
+) -> tuple[Path, Path]:
     """A server certificate for 127.0.0.1 and localhost signed by the CA; returns (cert, key) paths."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -72,20 +85,31 @@ def make_server_cert(directory: Path, ca_key: ec.EllipticCurvePrivateKey, ca_cer
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     cert_path, key_path = directory / "server.pem", directory / "server.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     key_path.chmod(0o600)
     return cert_path, key_path
 
 
 def _list_jobs(channel: grpc.Channel) -> grpc.StatusCode:
-    stub = channel.unary_unary("/fusion.wire.Coordinator/ListJobs", request_serializer=cpb.ListJobsRequest.SerializeToString,
-                               response_deserializer=cpb.ListJobsResponse.FromString)
+    stub = channel.unary_unary(
+        "/fusion.wire.Coordinator/ListJobs",
+        request_serializer=cpb.ListJobsRequest.SerializeToString,
+        response_deserializer=cpb.ListJobsResponse.FromString,
+    )
     try:
         stub(cpb.ListJobsRequest(), timeout=5, metadata=(("fusion-auth", TOKEN),))
     except grpc.RpcError as e:
@@ -94,8 +118,11 @@ def _list_jobs(channel: grpc.Channel) -> grpc.StatusCode:
 
 
 def _ping(channel: grpc.Channel) -> grpc.StatusCode:
-    stub = channel.unary_unary("/fusion.wire.Executor/Ping", request_serializer=epb.PingRequest.SerializeToString,
-                               response_deserializer=epb.PingResponse.FromString)
+    stub = channel.unary_unary(
+        "/fusion.wire.Executor/Ping",
+        request_serializer=epb.PingRequest.SerializeToString,
+        response_deserializer=epb.PingResponse.FromString,
+    )
     try:
         stub(epb.PingRequest(), timeout=5)
     except grpc.RpcError as e:
@@ -109,7 +136,8 @@ def test_tls_round_trip_and_plain_text_refused(tmp_path: Path) -> None:
     cert, key = make_server_cert(tmp_path, ca_key, ca_cert)
     tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca_path)]
     job = tmp_path / "job.toml"
-    job.write_text(textwrap.dedent(f"""
+    job.write_text(
+        textwrap.dedent(f"""
         name = "tls"
         [model]
         name = "gpt2"
@@ -125,8 +153,9 @@ def test_tls_round_trip_and_plain_text_refused(tmp_path: Path) -> None:
         [plan]
         strategy = "uniform"
         [output]
-        dir = "{tmp_path / 'out'}"
-    """))
+        dir = "{tmp_path / "out"}"
+    """)
+    )
     with Fleet(tmp_path / "logs") as fleet:
         address = fleet.start_coordinator(token=TOKEN, state_dir=tmp_path / "state", extra_args=tls)
         for name in ("w0", "w1"):
@@ -138,7 +167,14 @@ def test_tls_round_trip_and_plain_text_refused(tmp_path: Path) -> None:
 
         def cli(*args: str, ca: Path | None = ca_path) -> subprocess.CompletedProcess[str]:
             extra = ["--tls-ca", str(ca)] if ca is not None else []
-            return subprocess.run([sys.executable, "-m", "fusion.cli.main", *args, *extra], capture_output=True, text=True, env=env, timeout=120, check=False)
+            return subprocess.run(
+                [sys.executable, "-m", "fusion.cli.main", *args, *extra],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+                check=False,
+            )
 
         submitted = cli("submit", str(job))
         assert submitted.returncode == 0, submitted.stderr

@@ -23,7 +23,9 @@ JOB = JobSpec.from_dict(
 )
 
 
-def test_a_traced_two_stage_run_matches_pytorch_and_its_timeline_is_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_traced_two_stage_run_matches_pytorch_and_its_timeline_is_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))  # the workers inherit it
     previous = use_tracer(Tracer(tmp_path))  # this process drives
     try:

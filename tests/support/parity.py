@@ -45,13 +45,21 @@ def assert_parity(
     return the distributed run."""
     ref = train_reference(job, steps=steps, accumulate=accumulate, device=device)
     got = train_distributed(
-        job, addresses, steps=steps, assignment=assignment, collect_gradients=True, stage_workers=stage_workers, device=device,
+        job,
+        addresses,
+        steps=steps,
+        assignment=assignment,
+        collect_gradients=True,
+        stage_workers=stage_workers,
+        device=device,
         link_bytes_per_s=link_bytes_per_s,
     )
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=RTOL, atol=ATOL)
     assert set(got.gradients) == set(ref.gradients), set(got.gradients) ^ set(ref.gradients)
     for name, g in ref.gradients.items():
-        torch.testing.assert_close(got.gradients[name], g, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"gradient of {n}: {m}")
+        torch.testing.assert_close(
+            got.gradients[name], g, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"gradient of {n}: {m}"
+        )
     assert_state_close(got.state_dict, ref.state_dict)
     return got
 
@@ -66,7 +74,9 @@ def assert_state_close(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.
         if KEY_BIAS.match(name) and v.ndim == 1 and v.numel() % 3 == 0:
             n = v.numel() // 3
             for t, who in ((g[n : 2 * n], "run"), (v[n : 2 * n], "reference")):
-                assert t.abs().max().item() <= NOISE_BOUND, f"{name}: the key bias of the {who} moved beyond rounding noise: {t}"
+                assert t.abs().max().item() <= NOISE_BOUND, (
+                    f"{name}: the key bias of the {who} moved beyond rounding noise: {t}"
+                )
             g, v = torch.cat([g[:n], g[2 * n :]]), torch.cat([v[:n], v[2 * n :]])
         torch.testing.assert_close(g, v, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
 

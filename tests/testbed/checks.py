@@ -48,18 +48,36 @@ def _transfer(tb: Testbed, src: str, dst: str, seconds: float) -> tuple[float, f
     log = tb.workdir / f"sink-{src}-{dst}-{port}.log"
     env = child_env()
     with open(log, "w") as f:
-        sink = tb.spawn(dst, [sys.executable, "-m", "testbeds.measure", "sink", "--listen", f"{tb.address(dst)}:{port}"], env=env, stdout=f)
+        sink = tb.spawn(
+            dst,
+            [sys.executable, "-m", "testbeds.measure", "sink", "--listen", f"{tb.address(dst)}:{port}"],
+            env=env,
+            stdout=f,
+        )
     wait_for_line(log, r"ready", sink, 30)
     before = tb.link_bytes().get((src, dst))
     sender = tb.spawn(
-        src, [sys.executable, "-m", "testbeds.measure", "send", "--to", routes[src], "--bytes", str(int(bandwidth * seconds))],
-        env=env, stdout=subprocess.DEVNULL,
+        src,
+        [
+            sys.executable,
+            "-m",
+            "testbeds.measure",
+            "send",
+            "--to",
+            routes[src],
+            "--bytes",
+            str(int(bandwidth * seconds)),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
     )
     assert sender.wait(timeout=seconds * 5 + 30) == 0
     assert sink.wait(timeout=30) == 0
     result = json.loads(log.read_text().splitlines()[-1])
     after = tb.link_bytes().get((src, dst))
-    shaped_per_payload = (after - before) / result["bytes"] if before is not None and after is not None and result["bytes"] else 1.0
+    shaped_per_payload = (
+        (after - before) / result["bytes"] if before is not None and after is not None and result["bytes"] else 1.0
+    )
     return float(result["bytes_per_s"]), shaped_per_payload
 
 
@@ -103,7 +121,9 @@ def check_throughput(tb: Testbed, src: str, dst: str) -> float:
             break
     shown = ", ".join(f"shaped {r:.3f} (payload {p:.3f}, steal {s:.1%})" for r, p, s in tries)
     print(f"{tb.backend} {src}->{dst}: configured {bandwidth * 8 / 1e6:.0f} Mbps, measured/configured: {shown}")
-    assert any(abs(r - 1) <= TOLERANCE for r, _, _ in tries), f"{src}->{dst} at {bandwidth * 8 / 1e6:.0f} Mbps configured, measured/configured: {shown}"
+    assert any(abs(r - 1) <= TOLERANCE for r, _, _ in tries), (
+        f"{src}->{dst} at {bandwidth * 8 / 1e6:.0f} Mbps configured, measured/configured: {shown}"
+    )
     return tries[-1][0]
 
 
@@ -114,9 +134,20 @@ def measure_rtt(tb: Testbed, src: str, dst: str) -> float:
     env = child_env()
     log = tb.workdir / f"echo-{dst}-{port}.log"
     with open(log, "w") as f:
-        echo = tb.spawn(dst, [sys.executable, "-m", "testbeds.measure", "echo", "--listen", f"{tb.address(dst)}:{port}"], env=env, stdout=f)
+        echo = tb.spawn(
+            dst,
+            [sys.executable, "-m", "testbeds.measure", "echo", "--listen", f"{tb.address(dst)}:{port}"],
+            env=env,
+            stdout=f,
+        )
     wait_for_line(log, r"ready", echo, 30)
-    r = tb.spawn(src, [sys.executable, "-m", "testbeds.measure", "rtt", "--to", routes[src], "--count", "10"], env=env, stdout=subprocess.PIPE, text=True)
+    r = tb.spawn(
+        src,
+        [sys.executable, "-m", "testbeds.measure", "rtt", "--to", routes[src], "--count", "10"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out, _ = r.communicate(timeout=60)
     assert r.returncode == 0
     echo.kill()
@@ -149,7 +180,9 @@ def leftovers_of(pid: int) -> dict[str, list[str]]:
     found["dirs"] = [d.name for d in Path(tempfile.gettempdir()).glob(f"{rx}*") if ours(d.name)]
     if os.geteuid() == 0:
         r = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
-        found["namespaces"] = [line.split()[0] for line in r.stdout.splitlines() if line.strip() and ours(line.split()[0])]
+        found["namespaces"] = [
+            line.split()[0] for line in r.stdout.splitlines() if line.strip() and ours(line.split()[0])
+        ]
     return {k: v for k, v in found.items() if v}
 
 
@@ -167,8 +200,14 @@ HOLD_SCRIPT = textwrap.dedent("""
 def start_holder(backend: str, *, script: bool) -> subprocess.Popen[str]:
     """``python -m testbeds up`` (``script=False``) or a script that also spawns a process
     on every host; returns once the testbed is built."""
-    argv = [sys.executable, "-c", HOLD_SCRIPT, str(LINKS), backend] if script else [sys.executable, "-m", "testbeds", "up", str(LINKS), "--backend", backend]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True)
+    argv = (
+        [sys.executable, "-c", HOLD_SCRIPT, str(LINKS), backend]
+        if script
+        else [sys.executable, "-m", "testbeds", "up", str(LINKS), "--backend", backend]
+    )
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     lines = []
@@ -202,7 +241,12 @@ def check_sigint_during_build_leaves_nothing(backend: str) -> None:
     before = root_veths() if os.geteuid() == 0 else set()
     argv = [sys.executable, "-m", "testbeds", "up", str(LINKS), "--backend", backend]
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True,
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+        start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     stale = leftovers_of(proc.pid)  # an earlier process with this pid may have left some (not ours to judge)
@@ -242,11 +286,20 @@ def check_sigkill_then_down(backend: str, *, script: bool) -> None:
     assert left.get("dirs"), left
     if script:
         # One sleep per host outlived its owner (beside the netns backend's delay lines).
-        sleeps = [p for p in left.get("processes", []) if b"testbeds.delayline" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        sleeps = [
+            p for p in left.get("processes", []) if b"testbeds.delayline" not in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
         assert len(sleeps) == 3, left
     if backend == "netns":
         assert len(left.get("namespaces", [])) == 4, left  # three hosts and the switch
-    down = subprocess.run([sys.executable, "-m", "testbeds", "down"], check=False, capture_output=True, text=True, env=child_env(), timeout=120)
+    down = subprocess.run(
+        [sys.executable, "-m", "testbeds", "down"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     assert down.returncode == 0, down.stderr
     assert "removed" in down.stdout, down.stdout
     assert leftovers_of(proc.pid) == {}
@@ -258,7 +311,8 @@ def check_sigkill_then_down(backend: str, *, script: bool) -> None:
 def check_job_runs(backend: str, tmp_path: Path) -> None:
     """``python -m testbeds run`` trains GPT-2 tiny on 3 hosts to success, over the links."""
     job = tmp_path / "job.toml"
-    job.write_text(textwrap.dedent(f"""
+    job.write_text(
+        textwrap.dedent(f"""
         name = "testbed-{backend}"
         [model]
         name = "gpt2"
@@ -277,11 +331,28 @@ def check_job_runs(backend: str, tmp_path: Path) -> None:
         [plan]
         strategy = "uniform"
         [output]
-        dir = "{tmp_path / 'out'}"
-    """))
+        dir = "{tmp_path / "out"}"
+    """)
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "testbeds", "run", str(JOB_LINKS), "--job", str(job), "--backend", backend, "--logs", str(tmp_path / "logs")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "testbeds",
+            "run",
+            str(JOB_LINKS),
+            "--job",
+            str(job),
+            "--backend",
+            backend,
+            "--logs",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=200)

@@ -65,10 +65,26 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     from testbeds.bench import main
 
     out = _testbed_files(tmp_path)
-    rc = main([
-        "--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--systems", "fusion,uniform,ddp,pipelining",
-        "--steps", "2", "--warmup", "1", "--json", "--out", str(out), "--timeout", "240", "--emulate-speeds",
-    ])
+    rc = main(
+        [
+            "--topology",
+            str(tmp_path / "pair.toml"),
+            "--job",
+            str(tmp_path / "job.toml"),
+            "--systems",
+            "fusion,uniform,ddp,pipelining",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            "--out",
+            str(out),
+            "--timeout",
+            "240",
+            "--emulate-speeds",
+        ]
+    )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc["systems"]) == {"fusion", "uniform", "ddp", "pipelining"}
@@ -104,7 +120,9 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
         assert len(row["machine_probe_s"]) == 1 and all(s > 0 for s in row["machine_probe_s"][0]), name
     # ... and so does what fusion's coordinator measured: both hosts run on this machine's CPU.
     measured = doc["measured"]["topology"]
-    assert {w["name"] for w in measured["workers"]} == {"near", "far"} and len({w["machine"] for w in measured["workers"]}) == 1
+    assert {w["name"] for w in measured["workers"]} == {"near", "far"} and len(
+        {w["machine"] for w in measured["workers"]}
+    ) == 1
     # far emulated a device half as fast; the planner saw exactly that ratio, and the table says so.
     assert doc["emulated_slowdown"] == {"far": 2.0}
     speed = {w["name"]: w["flops"] for w in measured["workers"]}
@@ -120,15 +138,32 @@ def test_profile_emulation_reaches_every_system(tmp_path: Path, capsys: pytest.C
     from testbeds.bench import main
 
     out = _testbed_files(tmp_path)
-    args = ["--topology", str(tmp_path / "pair.toml"), "--job", str(tmp_path / "job.toml"), "--steps", "2", "--warmup", "1", "--json",
-            "--timeout", "240", "--emulate-speeds", "--emulation", "profile"]
+    args = [
+        "--topology",
+        str(tmp_path / "pair.toml"),
+        "--job",
+        str(tmp_path / "job.toml"),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        "--timeout",
+        "240",
+        "--emulate-speeds",
+        "--emulation",
+        "profile",
+    ]
     assert main([*args, "--systems", "ddp,fusion"]) == 2  # the baselines need fusion's profile first
     assert "list fusion or uniform before ddp" in capsys.readouterr().err
     assert main([*args, "--systems", "fusion,uniform,ddp,pipelining", "--out", str(out)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["emulation"] == "profile" and doc["emulated_slowdown"] == {"far": 2.0}
     for name, row in doc["systems"].items():
-        assert row["step_s"] is not None and row["step_s"] > 0 and math.isfinite(row["final_loss"]), (name, row.get("note"))
+        assert row["step_s"] is not None and row["step_s"] > 0 and math.isfinite(row["final_loss"]), (
+            name,
+            row.get("note"),
+        )
     losses = [row["final_loss"] for row in doc["systems"].values()]
     assert max(losses) - min(losses) < 0.05 * abs(losses[0])
     assert "times their seconds in fusion's coordinator profile" in Path(f"{out}.md").read_text()

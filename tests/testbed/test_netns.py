@@ -43,7 +43,9 @@ def test_tun_mode_delays_traffic_without_a_peer_map(tb: Testbed) -> None:
     port = tb.free_port("c")
     assert tb.expose("c", port) == {h: f"{tb.address('c')}:{port}" for h in tb.hosts}
     assert tb.peer_map_env("a") == {}
-    route = subprocess.run(["ip", "-n", tb.namespace("a"), "route", "get", tb.address("c")], capture_output=True, text=True, check=True)  # type: ignore[attr-defined]
+    route = subprocess.run(
+        ["ip", "-n", tb.namespace("a"), "route", "get", tb.address("c")], capture_output=True, text=True, check=True
+    )  # type: ignore[attr-defined]
     assert "dev dly0" in route.stdout, route.stdout
 
 
@@ -105,7 +107,12 @@ def test_sub_millisecond_links_skip_the_delay_proxy(tmp_path: Path) -> None:
         if t.latency_mode == "tun":
 
             def dev(src: str, dst: str) -> str:
-                out = subprocess.run(["ip", "-n", t.namespace(src), "route", "get", t.address(dst)], capture_output=True, text=True, check=True).stdout  # type: ignore[attr-defined]
+                out = subprocess.run(
+                    ["ip", "-n", t.namespace(src), "route", "get", t.address(dst)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout  # type: ignore[attr-defined]
                 return out.split(" dev ")[1].split()[0]
 
             assert dev("a", "b") == dev("b", "a") == "eth0"  # 0.5 ms: htb alone

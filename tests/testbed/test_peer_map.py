@@ -46,7 +46,9 @@ def test_channel_pool_dials_the_mapped_address(tmp_path: Path, monkeypatch: pyte
         listener.listen(1)
         listener.settimeout(10.0)
         path = tmp_path / "peers.json"
-        _write(path, {"192.0.2.1:5000": f"127.0.0.1:{listener.getsockname()[1]}"})  # 192.0.2.0/24: TEST-NET, never routed
+        _write(
+            path, {"192.0.2.1:5000": f"127.0.0.1:{listener.getsockname()[1]}"}
+        )  # 192.0.2.0/24: TEST-NET, never routed
         monkeypatch.setenv("FUSION_PEER_MAP", str(path))
         pool = ChannelPool()
         try:

@@ -13,7 +13,9 @@ from fusion.config import JobSpec
 from fusion.errors import FusionError
 from testbeds import bench
 
-JOB = JobSpec.from_toml('name = "retry"\n[model]\nname = "gpt2"\npreset = "tiny"\n[data]\nbatch_size = 8\nseq_len = 16\n[train]\nsteps = 2\n')
+JOB = JobSpec.from_toml(
+    'name = "retry"\n[model]\nname = "gpt2"\npreset = "tiny"\n[data]\nbatch_size = 8\nseq_len = 16\n[train]\nsteps = 2\n'
+)
 RECORDS = [{"step": 0, "step_s": 1.0, "loss": 2.0, "samples_per_s": 8.0, "bytes_per_link": {"0->1": 10.0}}]
 
 
@@ -41,7 +43,9 @@ def test_a_crashed_rank_runs_the_system_again(system: str, tmp_path: Path, monke
 
 def test_a_second_crash_or_a_ranks_own_error_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tb = SimpleNamespace(hosts=["a", "b"])
-    run_ranks, calls = fake_ranks([bench.RankCrashed("rank 0 exited with -6"), bench.RankCrashed("rank 1 exited with -11")])
+    run_ranks, calls = fake_ranks(
+        [bench.RankCrashed("rank 0 exited with -6"), bench.RankCrashed("rank 1 exited with -11")]
+    )
     monkeypatch.setattr(bench, "run_ranks", run_ranks)
     with pytest.raises(bench.RankCrashed, match="-11"):
         bench.run_baseline(tb, "ddp", JOB, steps=2, workdir=tmp_path, timeout_s=10)

@@ -25,7 +25,19 @@ def test_the_document_is_json_and_has_three_parts(doc: dict) -> None:
 
 def test_optimality_part(doc: dict) -> None:
     a = doc["optimality"]
-    assert {"instances", "seed", "ratios", "median", "p90", "worst", "num_optimal", "num_no_plan", "worst_instances", "opfence_s_median", "targets"} <= set(a)
+    assert {
+        "instances",
+        "seed",
+        "ratios",
+        "median",
+        "p90",
+        "worst",
+        "num_optimal",
+        "num_no_plan",
+        "worst_instances",
+        "opfence_s_median",
+        "targets",
+    } <= set(a)
     assert a["instances"] == len(a["ratios"]) == 3
     assert all(r is None or r >= 1.0 - 1e-9 for r in a["ratios"])  # nothing beats the exhaustive optimum
     assert a["worst"] is None or a["median"] <= a["p90"] <= a["worst"]
@@ -52,7 +64,16 @@ def test_planning_part(doc: dict) -> None:
     assert c["model"] == "gpt2-tiny"
     assert [r["workers"] for r in c["rows"]] == [8, 24]
     for r in c["rows"]:
-        assert {"topology_s", "planning_s", "target_s", "predicted_step_s", "stages", "clusters_planted", "clusters_found", "evaluations"} <= set(r)
+        assert {
+            "topology_s",
+            "planning_s",
+            "target_s",
+            "predicted_step_s",
+            "stages",
+            "clusters_planted",
+            "clusters_found",
+            "evaluations",
+        } <= set(r)
         assert r["planning_s"] > 0 and math.isfinite(r["predicted_step_s"]) and r["stages"] >= 1
 
 

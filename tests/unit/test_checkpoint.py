@@ -64,14 +64,20 @@ def test_restore_reproduces_training_exactly() -> None:
         x = torch.randint(0, 5, (8,))
         torch.nn.functional.cross_entropy(a(x), x).backward()
         b.step()
-    for (n, p), (_, q) in zip(m.state_dict().items(), fresh.state_dict().items()):
+    for (n, p), (_, q) in zip(m.state_dict().items(), fresh.state_dict().items(), strict=False):
         assert torch.equal(p, q), n
 
 
 def test_state_has_optimizer_buffers_and_rng_and_is_a_copy() -> None:
     m, opt = trained()
     state = full_state(m, opt)
-    assert {"param/emb.weight", "param/norm.running_mean", "optim/emb.weight/exp_avg", "optim/emb.weight/step", "rng/cpu"} <= set(state)
+    assert {
+        "param/emb.weight",
+        "param/norm.running_mean",
+        "optim/emb.weight/exp_avg",
+        "optim/emb.weight/step",
+        "rng/cpu",
+    } <= set(state)
     with torch.no_grad():
         m.emb.weight.add_(1.0)
     assert not torch.equal(state["param/emb.weight"], m.emb.weight)
@@ -90,8 +96,17 @@ def test_restore_refuses_missing_or_mismatched_tensors() -> None:
 
 
 def test_merge_and_split_follow_canonical_names() -> None:
-    a = {"param/emb.weight": torch.ones(2), "optim/emb.weight/exp_avg": torch.full((2,), 2.0), "rng/cpu": torch.zeros(3, dtype=torch.uint8)}
-    b = {"param/head.weight": torch.ones(2), "optim/head.weight/exp_avg": torch.full((2,), 2.0), "param/x.bias": torch.zeros(1), "residual/k": torch.ones(1)}
+    a = {
+        "param/emb.weight": torch.ones(2),
+        "optim/emb.weight/exp_avg": torch.full((2,), 2.0),
+        "rng/cpu": torch.zeros(3, dtype=torch.uint8),
+    }
+    b = {
+        "param/head.weight": torch.ones(2),
+        "optim/head.weight/exp_avg": torch.full((2,), 2.0),
+        "param/x.bias": torch.zeros(1),
+        "residual/k": torch.ones(1),
+    }
     canonical = {"head.weight": "emb.weight"}.get
     whole = merge_states([a, b], lambda n: canonical(n) or n)
     assert set(whole) == {"param/emb.weight", "optim/emb.weight/exp_avg", "param/x.bias"}
@@ -183,7 +198,10 @@ def test_durable_dir_keeps_k_and_detects_corruption(tmp_path: Path) -> None:
         d.write(step, {"param/w": torch.full((4,), float(step))}, {"job_id": "j"})
     assert [c.step for c in d.list()] == [20, 30]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
-        "ckpt-000000020.json", "ckpt-000000020.safetensors", "ckpt-000000030.json", "ckpt-000000030.safetensors",
+        "ckpt-000000020.json",
+        "ckpt-000000020.safetensors",
+        "ckpt-000000030.json",
+        "ckpt-000000030.safetensors",
     ]
     latest = d.latest()
     assert latest is not None and d.load(latest)["param/w"][0].item() == 30.0
@@ -204,7 +222,9 @@ def test_durable_write_in_progress_is_invisible(tmp_path: Path) -> None:
     # A crash mid-write leaves a temp file and possibly a blob without its record: neither counts.
     (tmp_path / "ckpt-000000009.safetensors.tmp").write_bytes(b"partial")
     (tmp_path / "ckpt-000000010.safetensors").write_bytes(b"no record yet")
-    (tmp_path / "ckpt-000000011.json").write_text(json.dumps({"step": 11, "sha256": "0" * 64, "size_bytes": 1, "file": "missing"}))
+    (tmp_path / "ckpt-000000011.json").write_text(
+        json.dumps({"step": 11, "sha256": "0" * 64, "size_bytes": 1, "file": "missing"})
+    )
     assert [c.step for c in d.list()] == [5]
 
 

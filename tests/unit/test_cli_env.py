@@ -143,7 +143,9 @@ def raiser(error: BaseException) -> Callable[[], int]:
     ],
     ids=["ok", "code", "config", "plan", "fusion", "interrupt"],
 )
-def test_run_cli_exit_codes(body: Callable[[], int], code: int, stderr: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_cli_exit_codes(
+    body: Callable[[], int], code: int, stderr: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run_cli(body) == code
     err = capsys.readouterr().err
     assert err.strip() == stderr

@@ -64,7 +64,9 @@ def client() -> Iterator[ExecutorClient]:
         (CHUNK_BYTES // 4 + 1, "Send", 2),  # one element over
     ],
 )
-def test_one_message_up_to_a_chunk_then_a_stream(client: ExecutorClient, numel: int, method: str, num_chunks: int) -> None:
+def test_one_message_up_to_a_chunk_then_a_stream(
+    client: ExecutorClient, numel: int, method: str, num_chunks: int
+) -> None:
     t = torch.arange(numel, dtype=torch.float32)
     client.send(pb.TransferHeader(job_id="j", stage_idx=1, kind=pb.TRANSFER_KIND_ACTIVATION), {"x": t})
     [(called, chunks)] = client.stub.calls  # type: ignore[attr-defined]

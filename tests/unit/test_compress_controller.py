@@ -58,7 +58,11 @@ def test_controller_smooths_per_link() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"min_keep_ratio": 0.0}, {"min_keep_ratio": 0.5, "max_keep_ratio": 0.4}, {"min_keep_ratio": 0.1, "smoothing": 0.0}],
+    [
+        {"min_keep_ratio": 0.0},
+        {"min_keep_ratio": 0.5, "max_keep_ratio": 0.4},
+        {"min_keep_ratio": 0.1, "smoothing": 0.0},
+    ],
 )
 def test_controller_refuses_bad_settings(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):

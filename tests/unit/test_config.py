@@ -248,7 +248,7 @@ def test_kwargs_are_copied_on_construction() -> None:
 
 def test_model_and_data_extra_keys_become_kwargs() -> None:
     spec = _job(
-        '[data]\nbatch_size = 4\nimage_size = 32\n',
+        "[data]\nbatch_size = 4\nimage_size = 32\n",
         model='[model]\nname = "resnet"\npreset = "resnet18"\nnum_classes = 10\n',
     )
     assert spec.model.preset == "resnet18"
@@ -518,9 +518,7 @@ def test_replace_returns_a_validated_copy() -> None:
 
 def test_replace_sets_and_removes_kwargs_and_resets_defaults() -> None:
     spec = JobSpec.from_toml(FULL_JOB)
-    changed = spec.replace(
-        model={"n_layer": 4, "widths": None}, data={"name": None}, train={"weight_decay": None}
-    )
+    changed = spec.replace(model={"n_layer": 4, "widths": None}, data={"name": None}, train={"weight_decay": None})
     assert changed.model.kwargs == {"n_layer": 4, "dropout": 0.0, "bias": True}
     assert changed.data.name is None
     assert changed.train.weight_decay is None
@@ -562,7 +560,5 @@ def test_config_modules_import_only_the_standard_library(module: str) -> None:
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module)
-    non_stdlib = {
-        m for m in imported if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"
-    }
+    non_stdlib = {m for m in imported if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"}
     assert non_stdlib <= {"fusion.errors", "fusion.config_checks", "fusion.job_sections"}

@@ -35,7 +35,9 @@ def test_cpu_leaves_the_flags() -> None:
     assert torch.backends.cuda.matmul.allow_tf32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a worker checks CUDA before it takes the device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: a worker checks CUDA before it takes the device"
+)
 @pytest.mark.usefixtures("tf32_on")
 def test_a_cuda_worker_device_turns_tf32_off() -> None:
     assert parse_device("cuda").type == "cuda"

@@ -89,7 +89,10 @@ def test_tied_sync_uses_the_holders_driver_links() -> None:
     tied = chain_workload([0.01, 0.01], param_bytes=[4_000_000] * 2, param_ids=[0, 0], step=step)
     untied = chain_workload([0.01, 0.01], param_bytes=[4_000_000] * 2, param_ids=[0, 1], step=step)
     topo = make_topology(np.full((2, 2), 1e9)).with_driver_links([(0.01, 1e8), (0.03, 5e7)])
-    diff = estimate(tied, [0, 1], [0, 1], topo, micro_batches=2).step_s - estimate(untied, [0, 1], [0, 1], topo, micro_batches=2).step_s
+    diff = (
+        estimate(tied, [0, 1], [0, 1], topo, micro_batches=2).step_s
+        - estimate(untied, [0, 1], [0, 1], topo, micro_batches=2).step_s
+    )
     # One round trip to the farther holder starts the exchange; the gradients go between
     # the holders, over their 1 GB/s link, not over the driver's.
     assert diff == pytest.approx(0.03 + 4_000_000 / 1e9)
@@ -102,9 +105,12 @@ def test_opfence_puts_a_small_model_next_to_the_driver(driver: str) -> None:
     topo = Topology.load(TOPOLOGY_DIR / "three-continents.toml")
     equal = Topology(
         workers=tuple(type(w)(name=w.name, cluster=w.cluster, flops=1e12) for w in topo.workers),
-        bandwidth_bytes_per_s=topo.bandwidth_bytes_per_s, latency_s=topo.latency_s,
+        bandwidth_bytes_per_s=topo.bandwidth_bytes_per_s,
+        latency_s=topo.latency_s,
     ).with_driver_at(topo.index(driver))
-    wl = chain_workload([0.002] * 8, input_bytes=[2_000] + [0] * 7, edge_bytes=[400_000] * 7, step=StepCosts(target_bytes=2_000))
+    wl = chain_workload(
+        [0.002] * 8, input_bytes=[2_000] + [0] * 7, edge_bytes=[400_000] * 7, step=StepCosts(target_bytes=2_000)
+    )
     placement, _ = opfence_placement(wl, equal, micro_batches=4, schedule="1f1b", time_budget_s=0.5)
     assert placement.workers[0] == equal.index(driver)
     assert all(equal.workers[w].cluster == equal.workers[equal.index(driver)].cluster for w in placement.workers)

@@ -152,8 +152,15 @@ def test_only_parameters_that_get_a_gradient_end_a_piece() -> None:
 
 
 def _profile(flops: float, machine: str) -> DeviceProfile:
-    return DeviceProfile(num_cores=2, memory_bytes=2**30, device="cpu", device_name="CPU", device_memory_bytes=2**30,
-                         matmul_flops=flops, machine=machine)
+    return DeviceProfile(
+        num_cores=2,
+        memory_bytes=2**30,
+        device="cpu",
+        device_name="CPU",
+        device_memory_bytes=2**30,
+        matmul_flops=flops,
+        machine=machine,
+    )
 
 
 def test_a_slowed_worker_reports_its_emulated_speed_and_the_factor() -> None:
@@ -161,9 +168,16 @@ def test_a_slowed_worker_reports_its_emulated_speed_and_the_factor() -> None:
     assert message.matmul_flops == pytest.approx(20e9) and message.emulated_slowdown == 3.0
     plain = resources_message(_profile(60e9, "box/cpu"))
     assert plain.matmul_flops == pytest.approx(60e9) and plain.emulated_slowdown == 0.0
-    endpoint = Endpoint.from_registration("b-1", "10.0.0.3:5000", MessageToDict(message, preserving_proto_field_name=True))
+    endpoint = Endpoint.from_registration(
+        "b-1", "10.0.0.3:5000", MessageToDict(message, preserving_proto_field_name=True)
+    )
     assert endpoint.slowdown == 3.0
-    assert Endpoint.from_registration("a-1", "10.0.0.1:5000", MessageToDict(plain, preserving_proto_field_name=True)).slowdown == 1.0
+    assert (
+        Endpoint.from_registration(
+            "a-1", "10.0.0.1:5000", MessageToDict(plain, preserving_proto_field_name=True)
+        ).slowdown
+        == 1.0
+    )
 
 
 def test_workers_on_one_machine_keep_their_emulated_ratios() -> None:
@@ -198,7 +212,9 @@ def test_a_testbed_emulates_the_slowdowns_or_with_speeds_the_flops_ratios() -> N
 def test_profile_emulation_sleeps_the_reference_not_the_wall_time() -> None:
     slow = Slowdown(3.0, emulation="profile")
     t0 = time.perf_counter()
-    assert slow.stretch(10.0, 0.02) == pytest.approx(0.04)  # (3 - 1) x the profiled 0.02 s, whatever the computation took
+    assert slow.stretch(10.0, 0.02) == pytest.approx(
+        0.04
+    )  # (3 - 1) x the profiled 0.02 s, whatever the computation took
     assert 0.04 <= time.perf_counter() - t0 < 1.0
     with pytest.raises(ConfigError, match="profiled seconds"):
         slow.stretch(0.01)
@@ -211,7 +227,9 @@ def test_profile_attach_cuts_the_profiled_backward_where_the_named_gradients_are
     model, slow = _mlp(), RecordingSlowdown(2.0, min_piece_s=0.0)
     slow.emulation = "profile"
     # the last layer's gradients are ready first; the backward takes 0.010 s in all
-    slow.attach(model, forward_s=0.004, backward_s=0.010, ready_s={"2.weight": 0.003, "2.bias": 0.003, "0.weight": 0.009})
+    slow.attach(
+        model, forward_s=0.004, backward_s=0.010, ready_s={"2.weight": 0.003, "2.bias": 0.003, "0.weight": 0.009}
+    )
     for _ in range(2):
         model(torch.randn(5, 8)).sum().backward()
     # per micro-batch: the forward, pieces up to 0.003 and 0.009 s, and the rest at the end of the pass
@@ -236,7 +254,13 @@ def test_profile_attach_needs_the_profile_and_known_parameters() -> None:
 def test_the_coordinator_sends_each_stage_its_calibrated_profile() -> None:
     from fusion.coordinator.planning import ModelProfile, stage_profiled_s
 
-    nodes = {"a": {"fwd_time_s": 0.001, "bwd_time_s": 0.002}, "b": {"fwd_time_s": 0.003, "bwd_time_s": 0.004}, "c": {"fwd_time_s": 0.01, "bwd_time_s": 0.02}}
-    profile = ModelProfile(nodes=nodes, matmul_flops=1e9, optimizer_s_per_byte=0.0, device_name="cpu", compute_factor=2.0)
+    nodes = {
+        "a": {"fwd_time_s": 0.001, "bwd_time_s": 0.002},
+        "b": {"fwd_time_s": 0.003, "bwd_time_s": 0.004},
+        "c": {"fwd_time_s": 0.01, "bwd_time_s": 0.02},
+    }
+    profile = ModelProfile(
+        nodes=nodes, matmul_flops=1e9, optimizer_s_per_byte=0.0, device_name="cpu", compute_factor=2.0
+    )
     got = stage_profiled_s(profile, [["a", "b", "x"], ["c"]])  # "x": a node the profile has no cost for (input, output)
     assert got[0] == pytest.approx((0.008, 0.012)) and got[1] == pytest.approx((0.02, 0.04))

@@ -13,10 +13,14 @@ from executor.emulation import MIN_PIECE_S
 from fusion.config import JobSpec
 from testbeds.emulation_fidelity import main, measure_job
 
-TINY = JobSpec.from_dict({
-    "name": "tiny", "model": {"name": "gpt2", "preset": "tiny"}, "data": {"batch_size": 4, "seq_len": 16},
-    "train": {"steps": 1, "micro_batches": 1},
-})
+TINY = JobSpec.from_dict(
+    {
+        "name": "tiny",
+        "model": {"name": "gpt2", "preset": "tiny"},
+        "data": {"batch_size": 4, "seq_len": 16},
+        "train": {"steps": 1, "micro_batches": 1},
+    }
+)
 
 
 def test_rows_compare_each_emulated_pass_with_factor_times_the_plain_one() -> None:
@@ -34,8 +38,10 @@ def test_rows_compare_each_emulated_pass_with_factor_times_the_plain_one() -> No
 
 def test_the_cli_writes_the_table_and_the_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "tiny.toml"
-    job.write_text('name = "tiny"\n[model]\nname = "gpt2"\npreset = "tiny"\n[data]\nbatch_size = 4\nseq_len = 16\n'
-                   "[train]\nsteps = 1\nmicro_batches = 1\n")
+    job.write_text(
+        'name = "tiny"\n[model]\nname = "gpt2"\npreset = "tiny"\n[data]\nbatch_size = 4\nseq_len = 16\n'
+        "[train]\nsteps = 1\nmicro_batches = 1\n"
+    )
     assert main(["--jobs", str(job), "--factors", "1.5", "--repeats", "1", "--out", str(tmp_path / "fid")]) == 0
     table = capsys.readouterr().out
     assert "| tiny | 1.5 | per parameter |" in table and f"| tiny | 1.5 | {MIN_PIECE_S * 1e3:g} ms |" in table
@@ -43,12 +49,15 @@ def test_the_cli_writes_the_table_and_the_rows(tmp_path: Path, capsys: pytest.Ca
     assert (tmp_path / "fid.md").read_text() == table
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--factors", "fast"], "--factors takes numbers"),
-    (["--factors", "0.5"], "every factor >= 1"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--jobs", "/nonexistent/job.toml"], "error:"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--factors", "fast"], "--factors takes numbers"),
+        (["--factors", "0.5"], "every factor >= 1"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--jobs", "/nonexistent/job.toml"], "error:"),
+    ],
+)
 def test_bad_options_get_a_clear_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err

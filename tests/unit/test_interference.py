@@ -28,7 +28,9 @@ def test_costs_by_size_interpolate_and_extend_at_the_last_rate() -> None:
     assert cost.send(1) == pytest.approx(0.001)  # below the smallest: the smallest's
     assert cost.send(136 << 10) == pytest.approx(0.0015)
     assert cost.receive(256 << 10) == pytest.approx(0.003)
-    assert cost.send(2 << 20) == pytest.approx(0.004 + 0.002 * (1 << 20) / (768 << 10))  # one more MB at 2 ms per 768 KB
+    assert cost.send(2 << 20) == pytest.approx(
+        0.004 + 0.002 * (1 << 20) / (768 << 10)
+    )  # one more MB at 2 ms per 768 KB
     assert cost.receive(2 << 20) == pytest.approx(0.005 + 0.002 * (1 << 20) / (768 << 10))
 
 
@@ -110,7 +112,9 @@ def test_the_replay_charges_each_computation_the_transfers_it_overlaps() -> None
     topology = make_topology(np.array([[np.inf, 1e15], [1e15, np.inf]]))
     cost = TransferInterference((1, 2_000_000), (0.002, 0.002), (0.003, 0.003))
     plain = replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, transfer_cost=lambda size, pause: 0.004)
-    paying = replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, transfer_cost=lambda size, pause: 0.004, interference=cost)
+    paying = replay_step(
+        wl, [0, 1], [0, 1], topology, micro_batches=2, transfer_cost=lambda size, pause: 0.004, interference=cost
+    )
     assert plain.compute_s == pytest.approx((0.06, 0.16))
     assert paying.compute_s == pytest.approx((0.062, 0.165))
     assert paying.stages_done_s == pytest.approx((0.203, 0.183), abs=1e-6)
@@ -127,7 +131,9 @@ def test_an_emulated_device_pays_its_interference_stretched() -> None:
     slow = dataclasses.replace(base, workers=(base.workers[0], dataclasses.replace(base.workers[1], slowdown=2.0)))
     cost = TransferInterference((1, 2_000_000), (0.0, 0.0), (0.003, 0.003))  # received transfers only
     plain = replay_step(wl, [0, 1], [0, 1], slow, micro_batches=2, transfer_cost=lambda size, pause: 0.004)
-    paying = replay_step(wl, [0, 1], [0, 1], slow, micro_batches=2, transfer_cost=lambda size, pause: 0.004, interference=cost)
+    paying = replay_step(
+        wl, [0, 1], [0, 1], slow, micro_batches=2, transfer_cost=lambda size, pause: 0.004, interference=cost
+    )
     # s1 F0 starts at 14 and is on the core for its first 30 ms: act1, received 20-24 (s0's F1 ends at 20), lies inside.
     assert paying.compute_s[1] - plain.compute_s[1] == pytest.approx(2 * 0.003)
     assert paying.compute_s[0] == pytest.approx(plain.compute_s[0])

@@ -138,7 +138,9 @@ def violations(layer_name: str, prefixes: tuple[str, ...], *, at_import_time_onl
         [
             imp
             for imp in ALL_IMPORTS
-            if LAYER_OF[imp.path] == layer_name and names(imp.module, prefixes) and (imp.at_import_time or not at_import_time_only)
+            if LAYER_OF[imp.path] == layer_name
+            and names(imp.module, prefixes)
+            and (imp.at_import_time or not at_import_time_only)
         ]
     )
 
@@ -201,7 +203,9 @@ def test_checker_sees_every_kind_of_import(tmp_path: Path, monkeypatch: pytest.M
 @pytest.mark.parametrize("layer_name", sorted(FORBIDDEN))
 def test_layer_imports(layer_name: str) -> None:
     bad = violations(layer_name, FORBIDDEN[layer_name])
-    assert not bad, f"{layer_name} must not import {', '.join(FORBIDDEN[layer_name])} (DESIGN.md layering):\n" + "\n".join(bad)
+    assert not bad, (
+        f"{layer_name} must not import {', '.join(FORBIDDEN[layer_name])} (DESIGN.md layering):\n" + "\n".join(bad)
+    )
 
 
 def test_scheduler_does_not_import_torch_at_module_level() -> None:
@@ -217,5 +221,7 @@ def test_only_testbeds_imports_testbeds() -> None:
 def test_importing_the_scheduler_does_not_load_torch() -> None:
     """The same rule end to end: what the scheduler's imports pull in transitively."""
     code = "import sys, scheduler.plan, scheduler.baselines; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.strip() == "[]", f"importing scheduler loaded torch: {out.stdout.strip()[:300]}"

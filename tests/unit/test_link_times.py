@@ -51,8 +51,13 @@ def two_clusters() -> Topology:
 
 
 def doc(seconds_across: list[float]) -> dict:
-    return {"backend": "netns", "latency_mode": "tun", "topology": "t", "sizes": [1024, 65536, 262144],
-            "links": {"x->y": {"hosts": ["x-1", "y-1"], "seconds": seconds_across}}}
+    return {
+        "backend": "netns",
+        "latency_mode": "tun",
+        "topology": "t",
+        "sizes": [1024, 65536, 262144],
+        "links": {"x->y": {"hosts": ["x-1", "y-1"], "seconds": seconds_across}},
+    }
 
 
 def test_curve_interpolates_and_extrapolates_at_the_link_rate() -> None:
@@ -62,7 +67,9 @@ def test_curve_interpolates_and_extrapolates_at_the_link_rate() -> None:
     assert c.answered_s(5000, 1e6) == pytest.approx(0.06 + 2000 / 1e6)
 
 
-@pytest.mark.parametrize("sizes,seconds", [((1000,), (0.1,)), ((2000, 1000), (0.1, 0.2)), ((1000, 2000), (0.1, -1.0)), ((1, 2), (0.1,))])
+@pytest.mark.parametrize(
+    "sizes,seconds", [((1000,), (0.1,)), ((2000, 1000), (0.1, 0.2)), ((1000, 2000), (0.1, -1.0)), ((1, 2), (0.1,))]
+)
 def test_curve_refuses_malformed_measurements(sizes: tuple, seconds: tuple) -> None:
     with pytest.raises(ConfigError):
         LinkCurve(sizes, seconds)
@@ -89,17 +96,25 @@ def test_the_curves_survive_placing_the_driver() -> None:
 
 
 def test_link_classes_one_pair_per_ordered_cluster_pair() -> None:
-    assert link_classes(two_clusters()) == {("x", "x"): ("x-1", "x-2"), ("x", "y"): ("x-1", "y-1"), ("y", "x"): ("y-1", "x-1")}
+    assert link_classes(two_clusters()) == {
+        ("x", "x"): ("x-1", "x-2"),
+        ("x", "y"): ("x-1", "y-1"),
+        ("y", "x"): ("y-1", "x-1"),
+    }
 
 
 def test_pipelining_pays_the_measured_times(tiny_pipeline_job: JobCosts) -> None:
     """The GPipe model takes its transfers from the topology, so a slower measured link
     slows the predicted step by about that much per transfer."""
     base = two_clusters()  # GPT-2 tiny's two blocks go to x-1 and x-2
-    slow = with_link_times(base, {**doc([0.2, 0.2, 0.2]), "links": {"x->x": {"hosts": ["x-1", "x-2"], "seconds": [0.2, 0.2, 0.2]}}})
+    slow = with_link_times(
+        base, {**doc([0.2, 0.2, 0.2]), "links": {"x->x": {"hosts": ["x-1", "x-2"], "seconds": [0.2, 0.2, 0.2]}}}
+    )
     plain = simulate_pipelining(tiny_pipeline_job, base)
     measured = simulate_pipelining(tiny_pipeline_job, slow)
-    assert measured.step_s > plain.step_s + 2 * tiny_pipeline_job.spec.train.micro_batches * 0.19  # each way, each micro-batch
+    assert (
+        measured.step_s > plain.step_s + 2 * tiny_pipeline_job.spec.train.micro_batches * 0.19
+    )  # each way, each micro-batch
 
 
 def test_link_times_beside_only_for_the_same_testbed(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -116,7 +131,11 @@ def test_link_times_beside_only_for_the_same_testbed(tmp_path) -> None:  # type:
 def test_transfers_times_each_size_until_the_answer() -> None:
     """The real timer over loopback: an answer server process and the client."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "testbeds.measure", "answer", "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "testbeds.measure", "answer", "--listen", f"127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout is not None and server.stdout.readline().startswith("ready")
         got = measure.transfers(f"127.0.0.1:{port}", [1024, 4 << 20], repeats=2, idle_s=0.01, warm=1)

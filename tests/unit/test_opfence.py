@@ -117,7 +117,12 @@ def make_topology(
 
 
 def planted(
-    sizes: list[int], intra_bytes_per_s: list[float], inter_bytes_per_s: float, rng: np.random.Generator, *, jitter: float
+    sizes: list[int],
+    intra_bytes_per_s: list[float],
+    inter_bytes_per_s: float,
+    rng: np.random.Generator,
+    *,
+    jitter: float,
 ) -> tuple[Topology, list[list[int]]]:
     """Groups of ``sizes`` workers (contiguous indices), every link jittered by ±``jitter``."""
     label = np.repeat(np.arange(len(sizes)), sizes)
@@ -159,13 +164,17 @@ def test_planted_lab_site_continent_come_apart_into_three(sizes: list[int]) -> N
 def test_planted_lab_site_continent_are_recovered_under_jitter() -> None:
     failures = []
     for seed, sizes in itertools.product(range(6), [[3, 4, 5], [5, 2, 2], [4, 3, 3]]):
-        topology, groups = planted(sizes, [10 * GBPS, 1 * GBPS, 100 * MBPS], 8 * MBPS, np.random.default_rng(seed), jitter=0.2)
+        topology, groups = planted(
+            sizes, [10 * GBPS, 1 * GBPS, 100 * MBPS], 8 * MBPS, np.random.default_rng(seed), jitter=0.2
+        )
         got = cluster_workers(topology)
         if got != groups:
             failures.append((seed, sizes, got))
     # Without jitter too, once the 1 Gbps site has a single worker (no 1 Gbps tree edge):
     # the 10 Gbps/100 Mbps gap (100x) beats 100 Mbps/8 Mbps (12.5x).
-    topology, groups = planted([4, 1, 3], [10 * GBPS, 1 * GBPS, 100 * MBPS], 8 * MBPS, np.random.default_rng(0), jitter=0.0)
+    topology, groups = planted(
+        [4, 1, 3], [10 * GBPS, 1 * GBPS, 100 * MBPS], 8 * MBPS, np.random.default_rng(0), jitter=0.0
+    )
     got = cluster_workers(topology)
     if got != groups:
         failures.append(("exact", [4, 1, 3], got))
@@ -225,7 +234,7 @@ def test_symmetric_bandwidth_takes_the_slower_direction() -> None:
 
 
 def _bottleneck(links: np.ndarray, chain: list[int]) -> float:
-    return min(links[a, b] for a, b in zip(chain, chain[1:]))
+    return min(links[a, b] for a, b in zip(chain, chain[1:], strict=False))
 
 
 @pytest.mark.parametrize("k", [3, 4, 5, 6, 10])
@@ -289,7 +298,9 @@ def test_the_heavy_cut_avoids_the_slow_link(heavy_idx: int, micro_batches: int) 
         a, c = int(stage_of[src]), int(stage_of[dst])
         if a != c and size == 20 * MB:
             wa, wc = placement.workers[a], placement.workers[c]
-            assert cluster_of[wa] == cluster_of[wc], f"heavy edge crosses {topology.workers[wa].name} -> {topology.workers[wc].name}"
+            assert cluster_of[wa] == cluster_of[wc], (
+                f"heavy edge crosses {topology.workers[wa].name} -> {topology.workers[wc].name}"
+            )
     for (a, c), size in est.link_bytes.items():
         if cluster_of[placement.workers[a]] != cluster_of[placement.workers[c]]:
             assert size < 20 * MB
@@ -331,7 +342,10 @@ def test_opfence_finds_a_placement_when_one_fits() -> None:
     fast worker; u0 on ``mid`` and u1 on ``slow`` fit."""
     wl = chain_workload([0.01, 0.01], edge_bytes=[50 * MB], param_bytes=[100 * MB, 100 * MB])
     topology = make_topology(
-        uniform_bandwidth(3, 1.25e9), latency_s=1e-4, flops=[2e12, 1e12, 0.5e12], memory_bytes=[430 * MB, 460 * MB, 460 * MB]
+        uniform_bandwidth(3, 1.25e9),
+        latency_s=1e-4,
+        flops=[2e12, 1e12, 0.5e12],
+        memory_bytes=[430 * MB, 460 * MB, 460 * MB],
     )
     kwargs = {"micro_batches": 1, "schedule": "gpipe"}
     best = exhaustive_placement(wl, topology, **kwargs)
@@ -412,9 +426,13 @@ def test_one_stage_costs_every_micro_batch_plus_fixed_terms() -> None:
     assert est.step_s == pytest.approx(8 * per_micro_batch_s + 0.05 + optimizer_s)
 
 
-@pytest.mark.parametrize(("act_bytes", "grad_bytes", "bound"), [(1_000_000, 1_000_000, "compute"), (10_000_000, 10_000_000, "link")])
+@pytest.mark.parametrize(
+    ("act_bytes", "grad_bytes", "bound"), [(1_000_000, 1_000_000, "compute"), (10_000_000, 10_000_000, "link")]
+)
 @pytest.mark.parametrize("micro_batches", [1, 4])
-def test_two_stage_chain_matches_the_hand_computed_step_time(act_bytes: int, grad_bytes: int, bound: str, micro_batches: int) -> None:
+def test_two_stage_chain_matches_the_hand_computed_step_time(
+    act_bytes: int, grad_bytes: int, bound: str, micro_batches: int
+) -> None:
     """Stages f0=10 b0=20 ms, f1=30 b1=50 ms; link 0->1 100 MB/s + 10 ms, 1->0 50 MB/s + 20 ms."""
     wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[act_bytes], grad_bytes=[grad_bytes])
     bw = np.array([[np.inf, 1e8], [5e7, np.inf]])
@@ -451,7 +469,12 @@ def test_a_sender_that_waits_for_each_answer_holds_the_link_a_round_trip() -> No
 def test_gpipe_stashes_every_micro_batch_and_1f1b_only_depth_plus_one() -> None:
     saved, inputs, act, out = 3 * MB, 2 * MB, 5 * MB, 7 * MB
     wl = chain_workload(
-        [0.01, 0.01], edge_bytes=[act], saved_bytes=[saved, saved], param_bytes=[10 * MB, 20 * MB], input_bytes=[inputs, 0], output_bytes=out
+        [0.01, 0.01],
+        edge_bytes=[act],
+        saved_bytes=[saved, saved],
+        param_bytes=[10 * MB, 20 * MB],
+        input_bytes=[inputs, 0],
+        output_bytes=out,
     )
     topology = make_topology(uniform_bandwidth(2))
     m = 8
@@ -483,7 +506,9 @@ def test_tied_parameters_on_two_stages_add_the_sync_cost() -> None:
     assert split_tied.step_s - split_untied.step_s == pytest.approx(0.01 + 0.03 + 4 * MB / 5e7 + 0.02)
     one_stage = estimate(tied, [0, 0], [0], topology, micro_batches=4)
     assert one_stage.step_s == pytest.approx(estimate(untied, [0, 0], [0], topology, micro_batches=4).step_s)
-    assert one_stage.peak_memory_bytes[0] < estimate(untied, [0, 0], [0], topology, micro_batches=4).peak_memory_bytes[0]
+    assert (
+        one_stage.peak_memory_bytes[0] < estimate(untied, [0, 0], [0], topology, micro_batches=4).peak_memory_bytes[0]
+    )
 
 
 def test_a_cut_without_gradient_bytes_costs_nothing_backward() -> None:
@@ -535,7 +560,9 @@ def tiny_plans(tiny_dag: OpDag) -> dict[tuple[str, str], Plan]:
         for strategy in STRATEGIES:
             # Exhaustive search only over a coarse DAG: 5 units on up to 6 workers.
             max_units = 6 if strategy == "exhaustive" else 256
-            plans[(name, strategy)] = make_plan(tiny_dag, topology, PlanRequest(strategy=strategy, micro_batches=4, max_units=max_units))
+            plans[(name, strategy)] = make_plan(
+                tiny_dag, topology, PlanRequest(strategy=strategy, micro_batches=4, max_units=max_units)
+            )
     return plans
 
 
@@ -568,7 +595,9 @@ def test_make_plan_gives_valid_plans_that_round_trip_json(
 
 
 @pytest.mark.parametrize("topology_name", SHIPPED)
-def test_opfence_predicts_no_slower_than_the_baselines(tiny_plans: dict[tuple[str, str], Plan], topology_name: str) -> None:
+def test_opfence_predicts_no_slower_than_the_baselines(
+    tiny_plans: dict[tuple[str, str], Plan], topology_name: str
+) -> None:
     ours = tiny_plans[(topology_name, "opfence")].predicted_step_s
     assert ours <= tiny_plans[(topology_name, "uniform")].predicted_step_s
     assert ours <= tiny_plans[(topology_name, "compute")].predicted_step_s
@@ -589,7 +618,9 @@ def test_a_short_prefix_of_a_long_chain_is_priced_with_its_own_in_flight_count()
     memory of a prefix of 8 workers with the whole chain's count (64) made every split
     look too big, and OP-Fence fell back to one GPU on paper-48 (16.6 s vs 4.9 s)."""
     n_units, m = 40, 64
-    wl = chain_workload([0.002] * n_units, saved_bytes=[0.2e9] * n_units, param_bytes=[MB] * n_units, edge_bytes=[1000] * (n_units - 1))
+    wl = chain_workload(
+        [0.002] * n_units, saved_bytes=[0.2e9] * n_units, param_bytes=[MB] * n_units, edge_bytes=[1000] * (n_units - 1)
+    )
     topo = make_topology(uniform_bandwidth(64), memory_bytes=[10 * 10**9] * 64)
     placement, _ = opfence_placement(wl, topo, micro_batches=m, schedule="1f1b", time_budget_s=0.5)
     objective = Objective(wl, topo, micro_batches=m, schedule="1f1b")

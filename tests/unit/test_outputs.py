@@ -71,7 +71,9 @@ def test_write_model_gpt2_tied_weights_load_strictly(outputs: JobOutputs) -> Non
     torch.manual_seed(0)
     model = build_model("gpt2", "tiny")
     state = model.state_dict()
-    assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()  # tied: one storage, two names
+    assert (
+        state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    )  # tied: one storage, two names
 
     path = outputs.write_model(state)
     loaded = load_file(str(path))
@@ -232,8 +234,13 @@ def test_write_json_refuses_what_json_cannot_hold_and_keeps_the_old_file(tmp_pat
 
 def test_metrics_record_names_links_by_worker() -> None:
     stats = StepStats(
-        step=3, loss=2.5, step_s=0.5, compute_s={0: 0.1, 1: 0.2}, sent_bytes={(0, 1): 4000, (1, 0): 4000},
-        dense_bytes={(0, 1): 16000}, keep_ratios={(0, 1): 0.25},
+        step=3,
+        loss=2.5,
+        step_s=0.5,
+        compute_s={0: 0.1, 1: 0.2},
+        sent_bytes={(0, 1): 4000, (1, 0): 4000},
+        dense_bytes={(0, 1): 16000},
+        keep_ratios={(0, 1): 0.25},
     )
     tokens = torch.zeros(4, 8, dtype=torch.long)
     fits = {(0, 1): 1.25e7}
@@ -250,18 +257,20 @@ def test_metrics_record_names_links_by_worker() -> None:
     json.dumps(record)  # a JSON line
 
 
-
 def test_read_history_takes_the_steps_before_the_resume_point(tmp_path: Path) -> None:
     path = tmp_path / METRICS_FILE
     path.write_text(
-        "\n".join([
-            json.dumps({"step": 0, "loss": 3.0}),
-            json.dumps({"step": 1, "loss": 2.5}),
-            json.dumps({"event": "worker_lost", "step": 1, "loss": 9.0}),  # an event, not a step
-            "{not json",
-            json.dumps({"step": 1, "loss": 2.4}),  # a replayed step: the later record wins
-            json.dumps({"step": 2, "loss": 2.0}),
-        ]) + "\n"
+        "\n".join(
+            [
+                json.dumps({"step": 0, "loss": 3.0}),
+                json.dumps({"step": 1, "loss": 2.5}),
+                json.dumps({"event": "worker_lost", "step": 1, "loss": 9.0}),  # an event, not a step
+                "{not json",
+                json.dumps({"step": 1, "loss": 2.4}),  # a replayed step: the later record wins
+                json.dumps({"step": 2, "loss": 2.0}),
+            ]
+        )
+        + "\n"
     )
     assert read_history(path, 2) == [(0, 3.0), (1, 2.4)]
     assert read_history(tmp_path / "missing.jsonl", 5) == []

@@ -34,7 +34,13 @@ def test_the_curve_is_zero_without_a_pause_and_flat_beyond_the_longest() -> None
 
 @pytest.mark.parametrize(
     "args",
-    [((), (), ()), ((0.01, 0.001), (0.0, 0.0), (0.0, 0.0)), ((0.0, 0.01), (0.0, 0.0), (0.0, 0.0)), ((0.01,), (2.0,), (0.0,)), ((0.01,), (0.0,), ())],
+    [
+        ((), (), ()),
+        ((0.01, 0.001), (0.0, 0.0), (0.0, 0.0)),
+        ((0.0, 0.01), (0.0, 0.0), (0.0, 0.0)),
+        ((0.01,), (2.0,), (0.0,)),
+        ((0.01,), (0.0,), ()),
+    ],
 )
 def test_a_malformed_curve_is_refused(args: tuple) -> None:
     with pytest.raises(ConfigError):
@@ -121,7 +127,9 @@ def test_a_waiting_stage_pays_the_pause_and_a_busy_one_does_not() -> None:
     """
     wl = chain_workload([0.01, 0.03], bwd_s=[0.02, 0.05], edge_bytes=[1_000_000], grad_bytes=[1_000_000])
     topology = make_topology(np.array([[np.inf, 1e8], [5e7, np.inf]]), latency_s=np.array([[0.0, 0.01], [0.02, 0.0]]))
-    replay = replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
+    replay = replay_step(
+        wl, [0, 1], [0, 1], topology, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0
+    )
     assert replay.stages_done_s == pytest.approx((0.26, 0.245))
     assert replay.compute_s == pytest.approx((0.07, 0.165))  # two paused actions on stage 0, one on stage 1
 
@@ -146,7 +154,16 @@ def test_the_pause_cost_knows_whether_another_core_is_computing() -> None:
         return 0.0
 
     replay_step(wl, [0, 1], [0, 1], topology, micro_batches=2, cores=2, pause_cost=cost)
-    assert calls == [(0.0, False), (0.0, False), (0.04, True), (0.0, True), (0.0, False), (0.02, True), (0.0, False), (0.01, False)]
+    assert calls == [
+        (0.0, False),
+        (0.0, False),
+        (0.04, True),
+        (0.0, True),
+        (0.0, False),
+        (0.02, True),
+        (0.0, False),
+        (0.01, False),
+    ]
 
 
 def test_an_emulated_device_stretches_its_pause_cost_too() -> None:
@@ -158,8 +175,12 @@ def test_an_emulated_device_stretches_its_pause_cost_too() -> None:
     base = make_topology(np.full((1, 1), np.inf))
     slow = dataclasses.replace(base, workers=(dataclasses.replace(base.workers[0], slowdown=2.0),))
     plain = replay_step(wl, [0], [0], slow, micro_batches=2)
-    paying = replay_step(wl, [0], [0], slow, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
+    paying = replay_step(
+        wl, [0], [0], slow, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0
+    )
     assert paying.step_s - plain.step_s == pytest.approx(3 * 2 * 0.005)
     assert paying.compute_s[0] - plain.compute_s[0] == pytest.approx(3 * 2 * 0.005)
     fast = replay_step(wl, [0], [0], base, micro_batches=2, pause_cost=lambda pause, busy: 0.005 if pause > 0 else 0.0)
-    assert fast.step_s == pytest.approx(replay_step(wl, [0], [0], base, micro_batches=2).step_s)  # back to back: no pause
+    assert fast.step_s == pytest.approx(
+        replay_step(wl, [0], [0], base, micro_batches=2).step_s
+    )  # back to back: no pause

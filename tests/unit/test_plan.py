@@ -56,7 +56,10 @@ def test_json_round_trip(gpt2: Planned) -> None:
 def test_json_round_trip_with_every_field_set(gpt2: Planned) -> None:
     plan = replace(
         gpt2.plan,
-        stages=tuple(replace(s, compute_s=0.01 * (i + 1), peak_memory_bytes=1000 * (i + 1)) for i, s in enumerate(gpt2.plan.stages)),
+        stages=tuple(
+            replace(s, compute_s=0.01 * (i + 1), peak_memory_bytes=1000 * (i + 1))
+            for i, s in enumerate(gpt2.plan.stages)
+        ),
         cuts=tuple(replace(c, codec="topk", keep_ratio=0.1) for c in gpt2.plan.cuts),
         predicted_step_s=0.123,
         extra={"clusters": [["alpha-1"], ["beta-2", "gamma-3"]]},
@@ -275,7 +278,17 @@ def chain_dag(num_compute: int) -> OpDag:
     edges = []
     prev = "x"
     for i in range(num_compute):
-        nodes.append(OpNode(name=f"f{i}", op="call_function", target="torch.relu", inputs=[prev], value=t, flops_fwd=10, flops_bwd=20))
+        nodes.append(
+            OpNode(
+                name=f"f{i}",
+                op="call_function",
+                target="torch.relu",
+                inputs=[prev],
+                value=t,
+                flops_fwd=10,
+                flops_bwd=20,
+            )
+        )
         edges.append(OpEdge(src=prev, dst=f"f{i}", bytes=32))
         prev = f"f{i}"
     nodes.append(OpNode(name="output", op="output", target="output", inputs=[prev], value=t))

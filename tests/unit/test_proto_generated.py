@@ -31,7 +31,9 @@ def generated_files(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def regenerated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    pytest.importorskip("grpc_tools", reason="grpc_tools (grpcio-tools, a test extra) is needed to regenerate fusion/wire/")
+    pytest.importorskip(
+        "grpc_tools", reason="grpc_tools (grpcio-tools, a test extra) is needed to regenerate fusion/wire/"
+    )
     out = tmp_path_factory.mktemp("wire")
     load_generate_script().generate(out)
     return generated_files(out / "fusion" / "wire")

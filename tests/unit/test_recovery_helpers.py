@@ -36,10 +36,13 @@ def test_no_buddy_without_a_second_worker() -> None:
 
 
 def spec(replicate_every: int, durable_every: int, steps: int = 100) -> JobSpec:
-    return JobSpec.from_dict({
-        "model": {"name": "gpt2", "preset": "tiny"}, "train": {"steps": steps},
-        "checkpoint": {"replicate_every": replicate_every, "durable_every": durable_every, "replicate_share": 0.25},
-    })
+    return JobSpec.from_dict(
+        {
+            "model": {"name": "gpt2", "preset": "tiny"},
+            "train": {"steps": steps},
+            "checkpoint": {"replicate_every": replicate_every, "durable_every": durable_every, "replicate_share": 0.25},
+        }
+    )
 
 
 def test_snapshot_request_on_checkpoint_steps_only() -> None:
@@ -52,7 +55,9 @@ def test_snapshot_request_on_checkpoint_steps_only() -> None:
     s = spec(replicate_every=3, durable_every=4)
     durable_only = snapshot_request(s, 3, buddies, ["a", "b"], link)  # step 4: durable, not a replication step
     assert durable_only is not None and durable_only.buddies == {}
-    assert snapshot_request(spec(1, 1, steps=10), 9, buddies, ["a", "b"], link) is None  # the last step: outputs are written anyway
+    assert (
+        snapshot_request(spec(1, 1, steps=10), 9, buddies, ["a", "b"], link) is None
+    )  # the last step: outputs are written anyway
 
 
 def test_snapshot_request_unpaced_when_no_buddy_link_is_known() -> None:

@@ -108,7 +108,10 @@ def test_an_emulated_slow_device_leaves_its_core_to_the_others() -> None:
     base = make_topology(np.array([[np.inf, 1e15], [1e15, np.inf]]))
 
     def on_one_machine(w1: dict[str, float]) -> object:
-        workers = (dataclasses.replace(base.workers[0], machine="m"), dataclasses.replace(base.workers[1], machine="m", **w1))
+        workers = (
+            dataclasses.replace(base.workers[0], machine="m"),
+            dataclasses.replace(base.workers[1], machine="m", **w1),
+        )
         return dataclasses.replace(base, workers=workers)
 
     real = replay_step(wl, [0, 1], [0, 1], on_one_machine({"flops": 0.5e12}), micro_batches=4, cores=1)
@@ -165,5 +168,8 @@ def test_profile_emulation_pays_the_machines_extra_once_and_sleeps_the_profile()
     assert wall.compute_s[0] == pytest.approx(2 * (3 * 0.014 + 3 * 0.024))
     assert profile.compute_s[0] == pytest.approx(2 * (0.014 + 0.02 + 0.024 + 0.04))
     # without emulation the two are the same replay
-    plain = [replay_step(wl, [0], [0], base, micro_batches=2, pause_cost=pause, emulation=e).step_s for e in ("wall", "profile")]
+    plain = [
+        replay_step(wl, [0], [0], base, micro_batches=2, pause_cost=pause, emulation=e).step_s
+        for e in ("wall", "profile")
+    ]
     assert plain[0] == pytest.approx(plain[1])

@@ -56,7 +56,7 @@ def test_a_paced_link_starts_each_transfer_as_the_last_ones_bytes_leave(starts: 
     results = send_three({1: BANDWIDTH})
     assert [m for m, _ in starts] == [0, 1, 2]  # in order
     t = [at for _, at in starts]
-    gaps = [b - a for a, b in zip(t, t[1:])]
+    gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
     # Each starts a transfer's bytes at the link's rate after the one before really started
     # (or at its answer, which comes later here), so never faster than the link.
     assert all(g >= SIZE_BYTES / BANDWIDTH - 0.02 for g in gaps), gaps
@@ -70,14 +70,14 @@ def test_an_unknown_link_gets_one_transfer_at_a_time(starts: list[tuple[int, flo
     send_three({})
     t = [at for _, at in starts]
     assert [m for m, _ in starts] == [0, 1, 2]
-    assert all(b - a >= ANSWER_S - 0.005 for a, b in zip(t, t[1:])), t  # each after the last one's answer
+    assert all(b - a >= ANSWER_S - 0.005 for a, b in zip(t, t[1:], strict=False)), t  # each after the last one's answer
 
 
 def test_a_bandwidth_measured_too_low_is_never_slower_than_one_at_a_time(starts: list[tuple[int, float]]) -> None:
     send_three({1: 1.0})  # 100,000 s per transfer at this rate: each starts at the last one's answer instead
     t = [at for _, at in starts]
     assert [m for m, _ in starts] == [0, 1, 2]
-    gaps = [b - a for a, b in zip(t, t[1:])]
+    gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
     assert all(ANSWER_S - 0.005 <= g < ANSWER_S + 0.2 for g in gaps), gaps
 
 

@@ -51,8 +51,11 @@ def test_calibration_gives_each_host_the_compute_it_measured(doc: dict) -> None:
 
     def replay(factors: dict[str, float] | None) -> dict:
         topo = sim_topologies.testbed_topology(
-            base, job.reference_flops, payload_share=sim_topologies.TCP_PAYLOAD_SHARE,
-            emulated=doc["emulated_slowdown"], compute_factors=factors,
+            base,
+            job.reference_flops,
+            payload_share=sim_topologies.TCP_PAYLOAD_SHARE,
+            emulated=doc["emulated_slowdown"],
+            compute_factors=factors,
         )
         return simulate_plan(job, topo, strategy="uniform", compression="none", driver=0, given=plan, cores=2).to_dict()
 
@@ -65,7 +68,7 @@ def test_calibration_gives_each_host_the_compute_it_measured(doc: dict) -> None:
     # One scaling, not a fit: the estimator's shared-core term follows the hosts' speeds, so
     # where the calibrated speeds change which stages share the cores the result lands a
     # little off (within 2.2 % and 2.6 % on the two runs of 2026-12-01; exact on the runs before).
-    for host, stage_s in zip(calibrated["detail"]["stages"], calibrated["detail"]["stage_compute_s"]):
+    for host, stage_s in zip(calibrated["detail"]["stages"], calibrated["detail"]["stage_compute_s"], strict=False):
         assert m * stage_s == pytest.approx(measured[host], rel=0.04)
     assert calibrated["step_s"] > raw["step_s"]
 
@@ -91,14 +94,20 @@ def test_rerendering_a_run_simulates_it_with_the_links_beside_it(tmp_path: Path)
     assert again["sim_links"] == "measured"
     assert all(again["systems"][s]["simulated_step_s"] > 0 for s in again["systems"])
     assert "links-two-sites.json" in (tmp_path / "again.md").read_text()
-    assert again["sim_pause_cost"] and again["sim_transfer_path"] and "pause-cost.json" in (tmp_path / "again.md").read_text()
+    assert (
+        again["sim_pause_cost"]
+        and again["sim_transfer_path"]
+        and "pause-cost.json" in (tmp_path / "again.md").read_text()
+    )
     (tmp_path / "links-two-sites.json").unlink()
     assert bench.main(["--render", str(tmp_path / RUN.name), "--simulate", "--out", str(tmp_path / "plain")]) == 0
     plain = json.loads((tmp_path / "plain.json").read_text())
     assert plain["sim_links"] == "configured"
     # The measured stall only slows gloo's pipeline; fusion's gRPC transfers are priced alike.
     assert again["systems"]["pipelining"]["simulated_step_s"] > plain["systems"]["pipelining"]["simulated_step_s"]
-    assert again["systems"]["uniform"]["simulated_step_s"] == pytest.approx(plain["systems"]["uniform"]["simulated_step_s"])
+    assert again["systems"]["uniform"]["simulated_step_s"] == pytest.approx(
+        plain["systems"]["uniform"]["simulated_step_s"]
+    )
 
 
 def test_the_pause_cost_slows_only_the_executors_profiled_stages(doc: dict) -> None:
@@ -161,7 +170,9 @@ def test_transfer_interference_slows_only_the_executors_profiled_computations(do
     plain = {r["system"]: r for r in validate_doc(doc, "two-sites", transfer_path=path)}
     paying = {r["system"]: r for r in validate_doc(doc, "two-sites", transfer_path=path, interference=cost)}
     assert paying["uniform"]["simulated_step_s"] > plain["uniform"]["simulated_step_s"]
-    assert paying["uniform"]["interference"] and not plain["uniform"]["interference"] and not paying["ddp"]["interference"]
+    assert (
+        paying["uniform"]["interference"] and not plain["uniform"]["interference"] and not paying["ddp"]["interference"]
+    )
     for name in ("fusion", "ddp", "pipelining"):
         assert paying[name]["simulated_step_s"] == pytest.approx(plain[name]["simulated_step_s"])
     for name in plain:
@@ -186,7 +197,9 @@ def test_the_driver_pays_the_round_trip_its_coordinator_measured_on_its_own_host
         assert rows[name]["simulated_step_s"] > without[name]["simulated_step_s"]
     for name in ("ddp", "pipelining"):
         assert rows[name]["simulated_step_s"] == pytest.approx(without[name]["simulated_step_s"])
-    assert measured_driver_links({**doc, "measured": {"topology": {"workers": [], "driver_links": []}}}, topology) is None
+    assert (
+        measured_driver_links({**doc, "measured": {"topology": {"workers": [], "driver_links": []}}}, topology) is None
+    )
 
 
 def test_driver_links_for_another_number_of_hosts_are_refused(doc: dict) -> None:
@@ -249,4 +262,4 @@ def test_the_probed_prediction_computes_at_the_speed_probed_around_each_systems_
     # Twice the compute; what the machine adds after a wait (the pause cost, measured
     # apart, about 0.5 ms a stage here) is charged once in both.
     assert slow["stage_compute_s"] == pytest.approx([2 * s for s in raw["stage_compute_s"]], rel=0.04)
-    assert all(b > 1.9 * a for a, b in zip(raw["stage_compute_s"], slow["stage_compute_s"]))
+    assert all(b > 1.9 * a for a, b in zip(raw["stage_compute_s"], slow["stage_compute_s"], strict=False))

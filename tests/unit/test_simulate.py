@@ -171,8 +171,12 @@ def test_ddp_replay_pays_the_buffer_broadcast() -> None:
 
 def test_job_costs_count_the_buffers() -> None:
     resnet = JobSpec.from_dict(
-        {"name": "r", "model": {"name": "resnet", "preset": "tiny"}, "data": {"name": "shapes", "batch_size": 4, "image_size": 16},
-         "train": {"steps": 1, "micro_batches": 1}}
+        {
+            "name": "r",
+            "model": {"name": "resnet", "preset": "tiny"},
+            "data": {"name": "shapes", "batch_size": 4, "image_size": 16},
+            "train": {"steps": 1, "micro_batches": 1},
+        }
     )
     from fusion.models import build_model
 
@@ -193,7 +197,9 @@ def test_gpipe_by_hand() -> None:
     # forward: 1 + 2 + 0.5 + 2 * max(2, 0.5) = 7.5; backward: 2 + 4 + 0.5 + 2 * 4 = 14.5
     assert gloo.gpipe_step_s(f, b, x, g, 3) == pytest.approx(22.0)
     # A link slower than every stage sets the period.
-    assert gloo.gpipe_step_s(f, b, np.array([3.0]), np.array([5.0]), 3) == pytest.approx((3 + 3 + 2 * 3) + (6 + 5 + 2 * 5))
+    assert gloo.gpipe_step_s(f, b, np.array([3.0]), np.array([5.0]), 3) == pytest.approx(
+        (3 + 3 + 2 * 3) + (6 + 5 + 2 * 5)
+    )
 
 
 def test_gpipe_rendezvous_pays_each_round_trip() -> None:
@@ -307,7 +313,9 @@ def test_simulate_json_shape(tiny: sim.JobCosts) -> None:
         assert row["step_s"] is not None and math.isfinite(row["step_s"]) and row["step_s"] > 0, name
         assert row["samples_per_s"] == pytest.approx(16 / row["step_s"])
     assert set(report["speedup"]) == {"uniform", "ddp", "pipelining"}
-    assert report["speedup"]["uniform"] == pytest.approx(report["systems"]["uniform"]["step_s"] / report["systems"]["fusion"]["step_s"])
+    assert report["speedup"]["uniform"] == pytest.approx(
+        report["systems"]["uniform"]["step_s"] / report["systems"]["fusion"]["step_s"]
+    )
 
 
 def test_paper_48_file() -> None:
@@ -320,7 +328,9 @@ def test_paper_48_file() -> None:
 @pytest.fixture(scope="module")
 def tiny_big_batch() -> sim.JobCosts:
     """GPT-2 tiny with a batch that gives every one of 1,024 DDP ranks a sample."""
-    return sim.job_costs(JobSpec.from_toml(GPT2_TINY).replace(data={"batch_size": 1024}, train={"micro_batches": 64}), costs="flops")
+    return sim.job_costs(
+        JobSpec.from_toml(GPT2_TINY).replace(data={"batch_size": 1024}, train={"micro_batches": 64}), costs="flops"
+    )
 
 
 @pytest.mark.parametrize("n", [48, 256, 1024])
@@ -346,7 +356,21 @@ def test_paper_topology_rejects_partial_clusters() -> None:
 def test_profiled_costs_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "job.toml"
     job.write_text(GPT2_TINY)
-    rc = sim.main(["--topology", "two-sites", "--job", str(job), "--compute", "testbed", "--time-budget", "0.2", "--json", "--out", str(tmp_path / "r")])
+    rc = sim.main(
+        [
+            "--topology",
+            "two-sites",
+            "--job",
+            str(job),
+            "--compute",
+            "testbed",
+            "--time-budget",
+            "0.2",
+            "--json",
+            "--out",
+            str(tmp_path / "r"),
+        ]
+    )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["reference_flops"] > 0
@@ -401,7 +425,9 @@ def test_profile_emulation_stretches_only_what_is_on_the_core(tiny: sim.JobCosts
     wall = sim.simulate_pipelining(tiny, topo, cores=1)
     profile = sim.simulate_pipelining(tiny, topo, cores=1, emulation="profile")
     assert fast.step_s < profile.step_s < wall.step_s
-    assert sim.simulate_ddp(tiny, topo, cores=1, emulation="profile").step_s < sim.simulate_ddp(tiny, topo, cores=1).step_s
+    assert (
+        sim.simulate_ddp(tiny, topo, cores=1, emulation="profile").step_s < sim.simulate_ddp(tiny, topo, cores=1).step_s
+    )
     # no emulated host: the two emulations are one model
     assert sim.simulate_pipelining(tiny, base, cores=1, emulation="profile").step_s == pytest.approx(fast.step_s)
     from testbeds.sim_baselines import _emulated_scale

@@ -35,7 +35,9 @@ def test_trace_reports_each_window_against_the_median() -> None:
     assert 0.0 <= doc["share_of_windows_over_1_25x_the_fastest"] < 1.0
 
 
-def test_cli_writes_both_files_and_rejects_a_window_longer_than_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_both_files_and_rejects_a_window_longer_than_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     job = tmp_path / "job.toml"
     job.write_text(GPT2_TINY)
     out = tmp_path / "trace"

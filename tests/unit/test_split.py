@@ -94,13 +94,15 @@ def run_stages(captured: Captured, specs: list[StageSpec]) -> torch.Tensor:
         args = []
         for name, src in spec.inputs:
             if src != DRIVER:
-                assert (name, src) in [(v, s.stage_idx) for s in specs for v, dsts in s.outputs if spec.stage_idx in dsts]
+                assert (name, src) in [
+                    (v, s.stage_idx) for s in specs for v, dsts in s.outputs if spec.stage_idx in dsts
+                ]
             args.append(env[name])
         with torch.no_grad():
             out = stage(*args)
         assert isinstance(out, tuple)
         assert len(out) == len(spec.outputs) + spec.is_loss_stage
-        for (name, _), value in zip(spec.outputs, out):
+        for (name, _), value in zip(spec.outputs, out, strict=False):
             env[name] = value
         if spec.is_loss_stage:
             result = out[-1]
@@ -123,7 +125,7 @@ def test_even_three_stage_split_runs_like_the_model(model: Captured) -> None:
     assert [s.stage_idx for s in specs] == [0, 1, 2]
     assert [s.is_loss_stage for s in specs] == [False, False, True]
     assert [s.depth for s in specs] == [2, 1, 0]
-    for a, b in zip(specs, specs[1:]):
+    for a, b in zip(specs, specs[1:], strict=False):
         assert b.producers == (a.stage_idx,)
         assert a.consumers == (b.stage_idx,)
 

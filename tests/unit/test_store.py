@@ -49,7 +49,13 @@ def store(db_path: Path) -> Iterator[Store]:
 
 
 def add_job(store: Store, job_id: str, *, steps: int = 10) -> None:
-    store.add_job(job_id=job_id, name=f"name-{job_id}", spec_json='{"model": {"name": "gpt2"}}', steps=steps, output_dir=f"/out/{job_id}")
+    store.add_job(
+        job_id=job_id,
+        name=f"name-{job_id}",
+        spec_json='{"model": {"name": "gpt2"}}',
+        steps=steps,
+        output_dir=f"/out/{job_id}",
+    )
 
 
 def job_in(store: Store, job_id: str, state: str) -> None:
@@ -61,14 +67,23 @@ def job_in(store: Store, job_id: str, state: str) -> None:
 
 
 def add_worker(store: Store, worker_id: str) -> None:
-    store.add_worker(worker_id=worker_id, name=f"host-{worker_id}", address="127.0.0.1:1", resources={"cpus": 2}, session_hash="h")
+    store.add_worker(
+        worker_id=worker_id, name=f"host-{worker_id}", address="127.0.0.1:1", resources={"cpus": 2}, session_hash="h"
+    )
 
 
 # ----------------------------------------------------------------- state machine
 
 
 def test_state_machine_shape() -> None:
-    assert set(JOB_STATES) == {"pending", "planning", "running", "succeeded", "failed", "cancelled"}  # the `fusion status` contract
+    assert set(JOB_STATES) == {
+        "pending",
+        "planning",
+        "running",
+        "succeeded",
+        "failed",
+        "cancelled",
+    }  # the `fusion status` contract
     assert set(TRANSITIONS) == set(JOB_STATES)
     assert all(targets <= set(JOB_STATES) for targets in TRANSITIONS.values())
     for state in TERMINAL_STATES:
@@ -358,7 +373,9 @@ def test_concurrent_log_writers_lose_nothing(db_path: Path, shared: bool) -> Non
         assert errors == []
         records = main.log_records("j", kind="metric")
         assert len(records) == num_threads * per_thread
-        assert sorted((r[3]["thread"], r[3]["i"]) for r in records) == [(t, i) for t in range(num_threads) for i in range(per_thread)]
+        assert sorted((r[3]["thread"], r[3]["i"]) for r in records) == [
+            (t, i) for t in range(num_threads) for i in range(per_thread)
+        ]
         all_seqs = [s for per in seqs for s in per]
         assert sorted(all_seqs) == [r[0] for r in records]  # every returned seq is a distinct stored row
         for t in range(num_threads):  # each writer's records are in its own order

@@ -28,29 +28,50 @@ def _write(path: Path, events: list[dict]) -> None:
 
 def _step(job: str, step: int, t0: float) -> tuple[list[dict], list[dict]]:
     """(driver and stage 0's events, stage 1's) of one step starting at ``t0`` (ms below)."""
+
     def ev(ms: float, name: str, stage: int, **kw: object) -> dict:
         return {"t": t0 + ms / 1e3, "ev": name, "job": job, "step": step, "stage": stage, **kw}
 
     a = [
-        ev(0, "step", -1), ev(2, "start", 0), ev(4, "run_step", -1),
-        ev(5, "F0", 0, mb=0), ev(15, "F1", 0, mb=0),
-        ev(15, "send", 0, kind=ACT, mb=0, dst=1), ev(16, "F0", 0, mb=1),
+        ev(0, "step", -1),
+        ev(2, "start", 0),
+        ev(4, "run_step", -1),
+        ev(5, "F0", 0, mb=0),
+        ev(15, "F1", 0, mb=0),
+        ev(15, "send", 0, kind=ACT, mb=0, dst=1),
+        ev(16, "F0", 0, mb=1),
         ev(26, "answered", 0, kind=ACT, mb=0, dst=1),  # mb 0: 15 -> arrives 22 -> answered 26
-        ev(30, "F1", 0, mb=1), ev(30, "send", 0, kind=ACT, mb=1, dst=1),
+        ev(30, "F1", 0, mb=1),
+        ev(30, "send", 0, kind=ACT, mb=1, dst=1),
         ev(40, "answered", 0, kind=ACT, mb=1, dst=1),  # mb 1: leaves 30, arrives 35
-        ev(60, "arrive", 0, kind=GRAD, mb=0, src=1), ev(60, "B0", 0, mb=0), ev(70, "B1", 0, mb=0),
-        ev(80, "arrive", 0, kind=GRAD, mb=1, src=1), ev(80, "B0", 0, mb=1), ev(90, "B1", 0, mb=1),
-        ev(91, "done", 0), ev(95, "forward_backward", -1), ev(100, "applied", -1),
+        ev(60, "arrive", 0, kind=GRAD, mb=0, src=1),
+        ev(60, "B0", 0, mb=0),
+        ev(70, "B1", 0, mb=0),
+        ev(80, "arrive", 0, kind=GRAD, mb=1, src=1),
+        ev(80, "B0", 0, mb=1),
+        ev(90, "B1", 0, mb=1),
+        ev(91, "done", 0),
+        ev(95, "forward_backward", -1),
+        ev(100, "applied", -1),
     ]
     b = [
-        ev(3, "start", 1), ev(8, "arrive", 1, kind=3, mb=0, src=-1),
-        ev(22, "arrive", 1, kind=ACT, mb=0, src=0), ev(22, "F0", 1, mb=0), ev(32, "F1", 1, mb=0),
+        ev(3, "start", 1),
+        ev(8, "arrive", 1, kind=3, mb=0, src=-1),
+        ev(22, "arrive", 1, kind=ACT, mb=0, src=0),
+        ev(22, "F0", 1, mb=0),
+        ev(32, "F1", 1, mb=0),
         ev(35, "arrive", 1, kind=ACT, mb=1, src=0),
-        ev(40, "B0", 1, mb=0), ev(50, "B1", 1, mb=0), ev(50, "send", 1, kind=GRAD, mb=0, dst=0),
-        ev(51, "F0", 1, mb=1), ev(61, "F1", 1, mb=1),
+        ev(40, "B0", 1, mb=0),
+        ev(50, "B1", 1, mb=0),
+        ev(50, "send", 1, kind=GRAD, mb=0, dst=0),
+        ev(51, "F0", 1, mb=1),
+        ev(61, "F1", 1, mb=1),
         ev(62, "answered", 1, kind=GRAD, mb=0, dst=0),
-        ev(62, "B0", 1, mb=1), ev(72, "B1", 1, mb=1), ev(72, "send", 1, kind=GRAD, mb=1, dst=0),
-        ev(84, "answered", 1, kind=GRAD, mb=1, dst=0), ev(85, "done", 1),
+        ev(62, "B0", 1, mb=1),
+        ev(72, "B1", 1, mb=1),
+        ev(72, "send", 1, kind=GRAD, mb=1, dst=0),
+        ev(84, "answered", 1, kind=GRAD, mb=1, dst=0),
+        ev(85, "done", 1),
     ]
     return a, b
 
@@ -64,8 +85,10 @@ def trace_dir(tmp_path: Path) -> Path:
         b += y
     # A calibration job on one stage with more steps must not be picked by default.
     for step in range(5):
-        a += [{"t": 10.0 + step, "ev": "step", "job": "calib", "step": step, "stage": -1},
-              {"t": 10.1 + step, "ev": "applied", "job": "calib", "step": step, "stage": -1}]
+        a += [
+            {"t": 10.0 + step, "ev": "step", "job": "calib", "step": step, "stage": -1},
+            {"t": 10.1 + step, "ev": "applied", "job": "calib", "step": step, "stage": -1},
+        ]
     _write(tmp_path / "trace-1.jsonl", a)
     _write(tmp_path / "trace-2.jsonl", b)
     with open(tmp_path / "trace-2.jsonl", "a") as f:
@@ -126,7 +149,9 @@ def test_the_summary_skips_warm_up_steps_and_groups_links(trace_dir: Path) -> No
     assert forward["rest_sender_computing"]["n"] == 0
 
 
-def test_the_command_writes_tables_and_refuses_an_empty_directory(trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_writes_tables_and_refuses_an_empty_directory(
+    trace_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "timeline"
     assert main([str(trace_dir), "--skip", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -154,7 +179,9 @@ def test_the_committed_trace_is_set_beside_the_replay_of_its_run() -> None:
     rows = {r["what"]: r for r in cmp["rows"]}
     assert cmp["system"] == "uniform"
     assert rows["step"]["profiled_ms"] == pytest.approx(bench["systems"]["uniform"]["simulated_step_s"] * 1e3, abs=0.1)
-    assert rows["step"]["calibrated_ms"] == pytest.approx(bench["systems"]["uniform"]["calibrated_step_s"] * 1e3, abs=0.1)
+    assert rows["step"]["calibrated_ms"] == pytest.approx(
+        bench["systems"]["uniform"]["calibrated_step_s"] * 1e3, abs=0.1
+    )
     for k in range(4):
         computed = rows[f"stage {k} computed"]
         assert computed["calibrated_ms"] == pytest.approx(computed["traced_ms"], rel=0.15)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import subprocess
@@ -233,7 +232,9 @@ def test_host_alone_in_cluster_named_like_itself() -> None:
 def test_equal_rules_that_disagree_are_a_conflict() -> None:
     with pytest.raises(PlanError, match=r"a-1 -> b-1.*host-to-host"):
         Topology.from_toml(toml(TWO_CLUSTERS, BASE_LINKS + link("a-1", "B", bw=20) + link("A", "b-1", bw=30)))
-    t = Topology.from_toml(toml(TWO_CLUSTERS, BASE_LINKS + link("a-1", "B", bw=20) + link("A", "b-1", bw=30) + link("a-1", "b-1", bw=1)))
+    t = Topology.from_toml(
+        toml(TWO_CLUSTERS, BASE_LINKS + link("a-1", "B", bw=20) + link("A", "b-1", bw=30) + link("a-1", "b-1", bw=1))
+    )
     assert mbps(t, "a-1", "b-1") == 1
 
 
@@ -243,21 +244,54 @@ def test_equal_rules_that_disagree_are_a_conflict() -> None:
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [
-        ('[[hosts]]\nname = "x"\nflop = 3\n', r"hosts\[0\] \('x'\): unknown key\(s\) \['flop'\]; allowed: name, cluster"),
-        (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y") + "speed = 3\n"), r"links\[0\] \(x -> y\): unknown key\(s\) \['speed'\]"),
+        (
+            '[[hosts]]\nname = "x"\nflop = 3\n',
+            r"hosts\[0\] \('x'\): unknown key\(s\) \['flop'\]; allowed: name, cluster",
+        ),
+        (
+            toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y") + "speed = 3\n"),
+            r"links\[0\] \(x -> y\): unknown key\(s\) \['speed'\]",
+        ),
         ('[[hosts]]\nname = "x"\n[[hosts]]\nname = "x"\n', r"duplicate host name\(s\) \['x'\]"),
-        (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "z")), r"to = 'z' is neither a host nor a cluster"),
-        (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y", bw=0)), r"links\[0\] \(x -> y\): bandwidth_mbps .* positive"),
+        (
+            toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "z")),
+            r"to = 'z' is neither a host nor a cluster",
+        ),
+        (
+            toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y", bw=0)),
+            r"links\[0\] \(x -> y\): bandwidth_mbps .* positive",
+        ),
         (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y", bw=-5)), r"bandwidth_mbps"),
-        (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y", lat=-1)), r"latency_ms must be a number >= 0"),
-        (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', '[[links]]\nfrom = "x"\nto = "y"\n'), r"bandwidth_mbps is required"),
-        (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y") + link("x", "y", bw=9)), r"links\[1\] \(x -> y\): duplicate of links\[0\]"),
+        (
+            toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y", lat=-1)),
+            r"latency_ms must be a number >= 0",
+        ),
+        (
+            toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', '[[links]]\nfrom = "x"\nto = "y"\n'),
+            r"bandwidth_mbps is required",
+        ),
+        (
+            toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "y") + link("x", "y", bw=9)),
+            r"links\[1\] \(x -> y\): duplicate of links\[0\]",
+        ),
         (toml('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', link("x", "x")), r"from host 'x' to itself"),
         ('[[hosts]]\nname = "x"\n[[hosts]]\nname = "y"\n', r"no link rule covers x -> y .*cluster-level"),
-        (TWO_CLUSTERS + link("A", "A") + link("A", "B"), r"no link rule covers b-1 -> b-2 \(clusters 'B' and 'B'\).*\n.*\nfrom = \"B\"\nto = \"B\""),
-        ('[[hosts]]\nname = "A"\n[[hosts]]\nname = "y"\ncluster = "A"\n', r"'A' is both a host and the cluster label of \['A', 'y'\]"),
-        ('[[hosts]]\nname = "x"\ncluster = "y"\n[[hosts]]\nname = "y"\n', r"'y' is both a host and the cluster label of \['x', 'y'\]"),
-        ('[[hosts]]\nname = "x"\ncluster = "y"\n[[hosts]]\nname = "y"\ncluster = "z"\n', r"'y' is both a host and the cluster label of \['x'\]"),
+        (
+            TWO_CLUSTERS + link("A", "A") + link("A", "B"),
+            r"no link rule covers b-1 -> b-2 \(clusters 'B' and 'B'\).*\n.*\nfrom = \"B\"\nto = \"B\"",
+        ),
+        (
+            '[[hosts]]\nname = "A"\n[[hosts]]\nname = "y"\ncluster = "A"\n',
+            r"'A' is both a host and the cluster label of \['A', 'y'\]",
+        ),
+        (
+            '[[hosts]]\nname = "x"\ncluster = "y"\n[[hosts]]\nname = "y"\n',
+            r"'y' is both a host and the cluster label of \['x', 'y'\]",
+        ),
+        (
+            '[[hosts]]\nname = "x"\ncluster = "y"\n[[hosts]]\nname = "y"\ncluster = "z"\n',
+            r"'y' is both a host and the cluster label of \['x'\]",
+        ),
         ('[[hosts]]\nname = "x"\nflops = 0\n', r"hosts\[0\] \('x'\).*flops must be a positive"),
         ('[[hosts]]\nname = "x"\nslowdown = 0.5\n', r"slowdown must be a finite number >= 1.0"),
         ('[[hosts]]\nname = "x"\nmemory_gb = -1\n', r"memory_gb must be positive"),

@@ -54,11 +54,15 @@ def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> to
     if dtype.is_floating_point:
         return (torch.randn(shape, generator=g) * 100).to(dtype)
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64).to(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64).to(
+        dtype
+    )
 
 
 def header() -> pb.TransferHeader:
-    return pb.TransferHeader(job_id="job", stage_idx=2, src_stage_idx=1, step=7, micro_batch_idx=3, kind=pb.TRANSFER_KIND_ACTIVATION)
+    return pb.TransferHeader(
+        job_id="job", stage_idx=2, src_stage_idx=1, step=7, micro_batch_idx=3, kind=pb.TRANSFER_KIND_ACTIVATION
+    )
 
 
 def encode(
@@ -162,7 +166,7 @@ def test_several_tensors_in_one_transfer() -> None:
     assert [m.name for m in transfer.header.tensors] == list(tensors)
     offsets = [transfer.offsets[n] for n in tensors]
     assert offsets[0][0] == 0
-    assert all(a[1] == b[0] for a, b in zip(offsets, offsets[1:])), "payloads are concatenated in header order"
+    assert all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False)), "payloads are concatenated in header order"
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 1000])
@@ -581,7 +585,9 @@ def test_random_transfers_round_trip(
     size_bytes=st.integers(min_value=0, max_value=400),
     data_len=st.integers(min_value=0, max_value=400),
 )
-def test_random_headers_decode_or_raise_wire_error(dtype: int, shape: list[int], size_bytes: int, data_len: int) -> None:
+def test_random_headers_decode_or_raise_wire_error(
+    dtype: int, shape: list[int], size_bytes: int, data_len: int
+) -> None:
     h = header()
     h.tensors.add(name="t", dtype=dtype, shape=shape, size_bytes=size_bytes)
     try:
