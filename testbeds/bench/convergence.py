@@ -1,6 +1,6 @@
 """Convergence cost of compression: the same 3-stage job with and without top-k on a slow cut.
 
-    python -m testbeds.bench.convergence [--steps 300] [--out testbeds/results]
+    python -m testbeds.bench.convergence [--steps 300] [--out testbeds/results/convergence]
 
 For GPT-2 tiny on the Python-sources text and a small ResNet on the generated image set,
 the model is split into three stages (an even split over three local workers) and the
@@ -95,7 +95,7 @@ def run_one(addresses: list[str], job: JobSpec, mode: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbeds.bench.convergence", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", default="testbeds/results")
+    parser.add_argument("--out", default="testbeds/results/convergence")
     parser.add_argument("--jobs", default=",".join(JOBS))
     args = parser.parse_args(argv)
     out = Path(args.out)

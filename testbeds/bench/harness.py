@@ -1,7 +1,7 @@
 """The side-by-side benchmark: fusion and its baselines on one emulated WAN, interleaved.
 
     python -m testbeds.bench --topology two-sites --job job.toml \
-        --systems fusion,uniform,ddp,pipelining --steps 8 --repeats 2 --out testbeds/results/bench-two-sites-gpt2
+        --systems fusion,uniform,ddp,pipelining --steps 8 --repeats 2 --out testbeds/results/bench/bench-two-sites-gpt2
 
 One testbed (:func:`testbeds.net.backend.open_testbed`, the ``netns`` backend: gloo cannot cross a
 user-space proxy) runs every system on the same hosts and links; the systems take turns,

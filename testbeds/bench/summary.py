@@ -99,7 +99,7 @@ def summarize(docs: Sequence[dict[str, Any]]) -> tuple[list[str], list[tuple[str
     return rows, targets
 
 
-def render(docs: Sequence[dict[str, Any]], notes: str = "", *, source: str = "testbeds/results") -> str:
+def render(docs: Sequence[dict[str, Any]], notes: str = "", *, source: str = "testbeds/results/bench") -> str:
     """The summary of ``docs``; ``source``: the folder they were read from, named in the
     command the text says made it."""
     rows, targets = summarize(docs)
