@@ -39,12 +39,9 @@ With ``--simulate`` the table also gets the simulator's prediction for each syst
 (:mod:`testbeds.sim.simulate` in testbed mode: this machine's speed on every host, its own
 profile of the model, the coordinator's calibrated executor overheads) and its error.
 Before and after each run the benchmark times one micro-batch of the job's model on one
-thread for a second (:class:`testbeds.bench.speed_probe.ModelProbe`): this VM's speed drifts
-1.5-2x over minutes, and the simulator's ``probed`` prediction prices each system at the
-speed the probes saw around its runs over the speed the probe saw as the coordinator profiled.
-On ``probed-set-2026-12-02`` that did worse than the profile alone (22 against 24 of 24
-within 10 %): a second of probing reads one of the VM's speed phases. The probes stay as the
-record of how fast the machine was around each run.
+thread for a second (:class:`testbeds.bench.speed_probe.ModelProbe`), and the simulator's
+``probed`` prediction prices each system at the speed the probes saw around its runs over
+the speed the probe saw as the coordinator profiled (how that did: ``docs/benchmarks.md``).
 
 With ``FUSION_TRACE_DIR`` set, the coordinator and the workers inherit it and write an
 executor timeline of fusion's and uniform's runs (:mod:`executor.trace`; read it with
@@ -461,7 +458,9 @@ def run_baseline(
             return Run(system=system, note="n/a: the model has fewer than 2 blocks to split")
         hosts = hosts[:num_stages]
         try:
-            records, note = _run_ranks_retrying(tb, "testbeds.bench.baselines.pipelining", spec_file, hosts, **rank_args)
+            records, note = _run_ranks_retrying(
+                tb, "testbeds.bench.baselines.pipelining", spec_file, hosts, **rank_args
+            )
         except FusionError as e:
             return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
     # Ranks name links by rank; the table names hosts.

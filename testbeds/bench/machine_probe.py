@@ -58,7 +58,8 @@ ROUNDS = 3
 
 #: A busy core for the ``loaded`` curve: one thread of matmuls until killed.
 _HOG = (
-    "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\na = torch.tanh(a @ a)\nprint('ready', flush=True)\n"
+    "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\na = torch.tanh(a @ a)\n"
+    "print('ready', flush=True)\n"
     "while True:\n    a = torch.tanh(a @ a)\n"
 )
 
@@ -68,7 +69,8 @@ import torch
 torch.set_num_threads(1)
 from executor.client import ChannelPool, ExecutorClient
 from fusion.auth import process_keyring
-address, key, size, seconds, lo, hi = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
+address, key = sys.argv[1], bytes.fromhex(sys.argv[2])
+size, seconds, lo, hi = int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
 process_keyring().set_control(address, key)
 pool = ChannelPool()
 client = ExecutorClient(address, pool)
@@ -181,7 +183,8 @@ def measure_transfer_path(
 
     per_round = max(3, trials // rounds)
     echo(
-        f"timing the executors' transfer path for {len(sizes)} sizes after {len(pauses)} pause lengths, {rounds} rounds of {per_round} trials"
+        f"timing the executors' transfer path for {len(sizes)} sizes after {len(pauses)} pause lengths, "
+        f"{rounds} rounds of {per_round} trials"
     )
     keys = (0.0, *pauses)
     rows: dict[tuple[float, int], list[float]] = {(p, size): [] for p in keys for size in sizes}
@@ -315,7 +318,8 @@ def measure_interference(
             block()
 
     echo(
-        f"timing a computation while transfers of {len(sizes)} sizes overlap it, received and sent: {rounds} rounds of {seconds:g} s each"
+        f"timing a computation while transfers of {len(sizes)} sizes overlap it, received and sent: "
+        f"{rounds} rounds of {seconds:g} s each"
     )
     receive: dict[int, list[float]] = {size: [] for size in sizes}
     send: dict[int, list[float]] = {size: [] for size in sizes}
@@ -361,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         "--interference-seconds",
         type=float,
         default=SECONDS_PER_CASE,
-        help=f"seconds of timing per transfer size and side for the transfer interference (default {SECONDS_PER_CASE:g})",
+        help="seconds of timing per transfer size and side for the transfer interference "
+        f"(default {SECONDS_PER_CASE:g})",
     )
     p.add_argument(
         "--interference-rounds",

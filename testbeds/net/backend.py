@@ -45,8 +45,6 @@ def open_testbed(topology: str | Path | Topology, *, backend: str = "auto", pref
     return ProxyTestbed(topo, prefix=prefix, label=label)
 
 
-
-
 def _install_sigterm_exit() -> None:
     """Make SIGTERM unwind (``SystemExit``) so ``with open_testbed(...)`` tears down; only when
     SIGTERM still has its default action and we are on the main thread."""

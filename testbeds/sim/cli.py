@@ -45,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         metavar="BENCH_JSON",
-        help="instead: simulate the runs of these `testbeds.bench.harness --json` results and compare with what they measured",
+        help="instead: simulate the runs of these `testbeds.bench --json` results and compare with what they measured",
     )
     p.add_argument(
         "--driver",
         default=None,
         help="host of fusion's coordinator, whose control path is then priced (default: the first host with "
-        "--compute testbed, as testbeds.bench.harness runs it; else none: the driver sits with the first stage)",
+        "--compute testbed, as testbeds.bench runs it; else none: the driver sits with the first stage)",
     )
     p.add_argument(
         "--cores",

@@ -115,7 +115,7 @@ def replay_step(
     cores (1: one at a time, as the estimator assumes). ``pause_cost(pause_s, others_busy)``:
     seconds a computation takes beyond its profiled time when its worker has been off the
     core that long, with another core of its machine computing or not
-    (:class:`testbeds.bench.machine_probe.PauseCost`); an emulated device stretches that too.
+    (:class:`testbeds.sim.machine.PauseCost`); an emulated device stretches that too.
     ``transfer_cost(bytes, pause_s)``: seconds the sending and receiving executors spend on
     a transfer beyond the wire, by how long the pair has been quiet before it.
     ``interference``: what a transfer costs a computation of its sender or receiver that it
@@ -312,7 +312,7 @@ def _send(
     path_cost: Callable[[float, float], float] | None,
 ) -> tuple[float, float, float]:
     """One transfer through ``queue``; ``path_cost(size, pause)``: the executors' own work
-    on it, by how long the pair has been quiet (:class:`testbeds.bench.machine_probe.TransferPathCost`).
+    on it, by how long the pair has been quiet (:class:`testbeds.sim.machine.TransferPathCost`).
     Returns when it leaves, that path time, and when its data arrives."""
     if src == dst:
         return ready, 0.0, ready

@@ -89,7 +89,7 @@ def simulate_plan(
     ``detail``. Hosts that share a machine (:func:`testbed_topology`) share its ``cores``
     (``None``: one at a time, as the estimator assumes); ``pause_cost`` and
     ``transfer_cost``: what a stage's computation and a transfer's path through the
-    executors cost after a pause on such a machine (:mod:`testbeds.bench.machine_probe`);
+    executors cost after a pause on such a machine (:mod:`testbeds.sim.machine`);
     ``interference``: what a transfer costs the computation it overlaps in its process
     (:mod:`testbeds.sim.machine`).
     """

@@ -1,4 +1,4 @@
-"""The simulator against the testbed: each ``testbeds.bench.harness`` run simulated as it ran, next
+"""The simulator against the testbed: each ``testbeds.bench`` run simulated as it ran, next
 to what it measured (``python -m testbeds.simulate --validate BENCH_JSON...``)."""
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def _stage_factors(doc: dict[str, Any], name: str, sim: dict[str, Any] | None, m
 
 
 def add_simulation(doc: dict[str, Any], directory: Path) -> None:
-    """Write into a ``testbeds.bench.harness`` result the simulator's step time for each system and
+    """Write into a ``testbeds.bench`` result the simulator's step time for each system and
     its error against the measured one (:func:`validate_doc`: the plans fusion and uniform
     ran, the run's profile, and the same with compute calibrated on the run; the testbed's
     measured link times and the machine's pause costs where ``directory`` holds them)."""

@@ -287,7 +287,9 @@ def check_sigkill_then_down(backend: str, *, script: bool) -> None:
     if script:
         # One sleep per host outlived its owner (beside the netns backend's delay lines).
         sleeps = [
-            p for p in left.get("processes", []) if b"testbeds.net.delayline" not in Path(f"/proc/{p}/cmdline").read_bytes()
+            p
+            for p in left.get("processes", [])
+            if b"testbeds.net.delayline" not in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         assert len(sleeps) == 3, left
     if backend == "netns":

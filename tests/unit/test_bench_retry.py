@@ -33,7 +33,9 @@ def fake_ranks(failures: list[Exception]):
 
 @pytest.mark.parametrize("system", ["ddp", "pipelining"])
 def test_a_crashed_rank_runs_the_system_again(system: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_ranks, calls = fake_ranks([bench.RankCrashed("testbeds.bench.baselines.x rank 2 exited with -6: terminate called")])
+    run_ranks, calls = fake_ranks(
+        [bench.RankCrashed("testbeds.bench.baselines.x rank 2 exited with -6: terminate called")]
+    )
     monkeypatch.setattr(bench, "run_ranks", run_ranks)
     run = bench.run_baseline(SimpleNamespace(hosts=["a", "b"]), system, JOB, steps=2, workdir=tmp_path, timeout_s=10)
     assert len(calls) == 2

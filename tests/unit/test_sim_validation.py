@@ -80,7 +80,7 @@ def test_no_factors_without_recorded_compute(doc: dict) -> None:
 
 
 def test_rerendering_a_run_simulates_it_with_the_links_beside_it(tmp_path: Path) -> None:
-    """``testbeds.bench.harness --render RUN --simulate``: the links measured beside the result price
+    """``python -m testbeds.bench --render RUN --simulate``: the links measured beside the result price
     pipelining's transfers, the machine's pause cost beside it fusion's and uniform's
     computations, and the table says so."""
     import shutil

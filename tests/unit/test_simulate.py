@@ -425,7 +425,8 @@ def test_profile_emulation_stretches_only_what_is_on_the_core(tiny: costs.JobCos
     profile = baselines.simulate_pipelining(tiny, topo, cores=1, emulation="profile")
     assert fast.step_s < profile.step_s < wall.step_s
     assert (
-        baselines.simulate_ddp(tiny, topo, cores=1, emulation="profile").step_s < baselines.simulate_ddp(tiny, topo, cores=1).step_s
+        baselines.simulate_ddp(tiny, topo, cores=1, emulation="profile").step_s
+        < baselines.simulate_ddp(tiny, topo, cores=1).step_s
     )
     # no emulated host: the two emulations are one model
     assert baselines.simulate_pipelining(tiny, base, cores=1, emulation="profile").step_s == pytest.approx(fast.step_s)
