@@ -59,7 +59,7 @@ def markdown(doc: dict[str, Any]) -> str:
     )
     if "compute_factor" in doc:
         lines.append(
-            f"\nsimulated: `testbeds.sim.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
+            f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
             f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; "
             + (
                 "probed: the same with each system's compute as many times slower as the machine probes before and after its "
