@@ -18,7 +18,8 @@ import threading
 from pathlib import Path
 
 from fusion.cli.env import add_log_arg, run_cli, setup_logging
-from testbeds.net import TOPOLOGY_DIR, open_testbed
+from testbeds.net.backend import open_testbed
+from testbeds.net.testbed import TOPOLOGY_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def _interrupt_the_build() -> None:
     background job of a non-interactive shell inherits SIGINT ignored, so an interrupt that
     came before ``up`` waited for it was lost and the testbed stayed up. As
     ``KeyboardInterrupt`` it unwinds the build, which removes what it made (SIGTERM does
-    the same through :func:`testbeds.net.open_testbed`)."""
+    the same through :func:`testbeds.net.backend.open_testbed`)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -133,7 +134,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from testbeds.leftovers import sweep
+    from testbeds.net.leftovers import sweep
 
     found = sweep(everything=args.all, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -147,8 +148,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from testbeds.run import run_job_on_testbed
-    from testbeds.sim_topologies import emulated_slowdowns, slowdowns_label
+    from testbeds.net.launch import run_job_on_testbed
+    from testbeds.sim.topologies import emulated_slowdowns, slowdowns_label
 
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fusion-testbed-logs-"))
     _interrupt_the_build()

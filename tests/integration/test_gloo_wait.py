@@ -1,4 +1,4 @@
-"""What the simulator's GPipe model assumes of gloo (``testbeds.sim_baselines.simulate_pipelining``):
+"""What the simulator's GPipe model assumes of gloo (``testbeds.sim.baselines.simulate_pipelining``):
 a rank waiting for a point-to-point message sleeps, it does not spin on a core."""
 
 from __future__ import annotations

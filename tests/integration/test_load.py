@@ -1,6 +1,6 @@
 """A short run of the coordinator load test: 16 lightweight worker processes, no heartbeat lost.
 
-The full run (64 workers for 5 minutes beside a real job) is ``python -m testbeds.load_test``;
+The full run (64 workers for 5 minutes beside a real job) is ``python -m testbeds.bench.load_test``;
 this one uses a 0.5 s heartbeat interval so that ~10 s give every worker about twenty
 heartbeats, and no job (the job path is exercised by the security and recovery tests).
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from testbeds.load_test import format_table, run_load
+from testbeds.bench.load_test import format_table, run_load
 
 pytestmark = pytest.mark.timeout(180)
 

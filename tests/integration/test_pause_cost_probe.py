@@ -1,4 +1,4 @@
-"""The machine probe of testbeds.pause_cost, run for real: a busy child process for the
+"""The machine probe of testbeds.bench.machine_probe, run for real: a busy child process for the
 loaded curve, an executor process for the transfer path and the transfers sent out, an
 executor service in this process and a sending child for the transfers received; every
 process gone afterwards."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 
-from testbeds.interference import interference_beside
-from testbeds.pause_cost import PauseCost, main, transfer_path_beside
+from testbeds.bench.machine_probe import main
+from testbeds.sim.machine import PauseCost, interference_beside, transfer_path_beside
 
 
 def test_measure_writes_both_curves_and_stops_its_processes(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from executor import trace
 from executor.local import LocalCluster
 from executor.trace import TRACE_DIR_ENV, Tracer, use_tracer
 from fusion.config import JobSpec
-from testbeds.timeline import load_events, pick_job, summarize, transfers
+from testbeds.bench.timeline import load_events, pick_job, summarize, transfers
 from tests.support.parity import assert_parity
 
 JOB = JobSpec.from_dict(

@@ -1,7 +1,7 @@
 """Checks shared by the netns and proxy testbed tests: measured links, teardown, a job run.
 
 Throughput and RTT are measured by processes started on the testbed's hosts
-(``python -m testbeds.measure``), dialing the address :meth:`Testbed.expose` gives the
+(``python -m testbeds.net.measure``), dialing the address :meth:`Testbed.expose` gives the
 source host, so the bytes take the path fusion's own traffic takes.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fusion.launch import child_env
-from testbeds.leftovers import marked_processes
-from testbeds.net import Testbed, wait_for_line
+from testbeds.net.leftovers import marked_processes
+from testbeds.net.testbed import Testbed, wait_for_line
 
 HERE = Path(__file__).resolve().parent
 LINKS = HERE / "links.toml"
@@ -50,7 +50,7 @@ def _transfer(tb: Testbed, src: str, dst: str, seconds: float) -> tuple[float, f
     with open(log, "w") as f:
         sink = tb.spawn(
             dst,
-            [sys.executable, "-m", "testbeds.measure", "sink", "--listen", f"{tb.address(dst)}:{port}"],
+            [sys.executable, "-m", "testbeds.net.measure", "sink", "--listen", f"{tb.address(dst)}:{port}"],
             env=env,
             stdout=f,
         )
@@ -61,7 +61,7 @@ def _transfer(tb: Testbed, src: str, dst: str, seconds: float) -> tuple[float, f
         [
             sys.executable,
             "-m",
-            "testbeds.measure",
+            "testbeds.net.measure",
             "send",
             "--to",
             routes[src],
@@ -136,14 +136,14 @@ def measure_rtt(tb: Testbed, src: str, dst: str) -> float:
     with open(log, "w") as f:
         echo = tb.spawn(
             dst,
-            [sys.executable, "-m", "testbeds.measure", "echo", "--listen", f"{tb.address(dst)}:{port}"],
+            [sys.executable, "-m", "testbeds.net.measure", "echo", "--listen", f"{tb.address(dst)}:{port}"],
             env=env,
             stdout=f,
         )
     wait_for_line(log, r"ready", echo, 30)
     r = tb.spawn(
         src,
-        [sys.executable, "-m", "testbeds.measure", "rtt", "--to", routes[src], "--count", "10"],
+        [sys.executable, "-m", "testbeds.net.measure", "rtt", "--to", routes[src], "--count", "10"],
         env=env,
         stdout=subprocess.PIPE,
         text=True,
@@ -188,7 +188,7 @@ def leftovers_of(pid: int) -> dict[str, list[str]]:
 
 HOLD_SCRIPT = textwrap.dedent("""
     import sys, time
-    from testbeds.net import open_testbed
+    from testbeds.net.backend import open_testbed
     tb = open_testbed(sys.argv[1], backend=sys.argv[2])
     for h in tb.hosts:
         tb.spawn(h, ["sleep", "600"])
@@ -287,7 +287,9 @@ def check_sigkill_then_down(backend: str, *, script: bool) -> None:
     if script:
         # One sleep per host outlived its owner (beside the netns backend's delay lines).
         sleeps = [
-            p for p in left.get("processes", []) if b"testbeds.delayline" not in Path(f"/proc/{p}/cmdline").read_bytes()
+            p
+            for p in left.get("processes", [])
+            if b"testbeds.net.delayline" not in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         assert len(sleeps) == 3, left
     if backend == "netns":

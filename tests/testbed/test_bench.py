@@ -51,7 +51,7 @@ micro_batches = 2
 def _testbed_files(tmp_path: Path) -> Path:
     """Write the pair topology and the job into ``tmp_path`` (skip where netns is missing);
     the results' path prefix."""
-    from testbeds.net import netns_available
+    from testbeds.net.testbed import netns_available
 
     ok, why = netns_available()
     if not ok:
@@ -62,7 +62,7 @@ def _testbed_files(tmp_path: Path) -> Path:
 
 
 def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from testbeds.bench import main
+    from testbeds.bench.harness import main
 
     out = _testbed_files(tmp_path)
     rc = main(
@@ -135,7 +135,7 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
 def test_profile_emulation_reaches_every_system(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--emulation profile``: fusion's workers and the baselines' ranks on the emulated host
     stretch by the coordinator's profile, and the result says so."""
-    from testbeds.bench import main
+    from testbeds.bench.harness import main
 
     out = _testbed_files(tmp_path)
     args = [

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from testbeds.net import Testbed, netns_available, open_testbed
+from testbeds.net.backend import open_testbed
+from testbeds.net.testbed import Testbed, netns_available
 from tests.testbed import checks
 
 _ok, _why = netns_available()
@@ -61,7 +62,7 @@ def test_link_bytes_count_what_each_link_carried(tb: Testbed) -> None:
 
 
 def test_hosts_live_in_their_own_namespaces(tb: Testbed) -> None:
-    from testbeds.netns import namespace_pids
+    from testbeds.net.netns import namespace_pids
 
     proc = tb.spawn("b", ["sleep", "30"])
     try:
@@ -127,10 +128,10 @@ def test_sub_millisecond_links_skip_the_delay_proxy(tmp_path: Path) -> None:
 
 
 def test_link_times_time_each_link_class(tb: Testbed) -> None:
-    """``testbeds.link_times`` on the hosts themselves: a small message takes the round trip
+    """``testbeds.net.link_times`` on the hosts themselves: a small message takes the round trip
     (as the RTT check allows), a larger one at least half its bytes' time longer, for every
     ordered pair of clusters."""
-    from testbeds.link_times import link_classes, measure_testbed
+    from testbeds.net.link_times import link_classes, measure_testbed
 
     doc = measure_testbed(tb, sizes=(1024, 65536), echo=print)
     assert (doc["backend"], doc["latency_mode"]) == ("netns", tb.latency_mode)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from testbeds.net import Testbed, open_testbed
+from testbeds.net.backend import open_testbed
+from testbeds.net.testbed import Testbed
 from tests.testbed import checks
 
 

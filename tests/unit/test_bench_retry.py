@@ -11,7 +11,7 @@ import pytest
 
 from fusion.config import JobSpec
 from fusion.errors import FusionError
-from testbeds import bench
+from testbeds.bench import harness as bench
 
 JOB = JobSpec.from_toml(
     'name = "retry"\n[model]\nname = "gpt2"\npreset = "tiny"\n[data]\nbatch_size = 8\nseq_len = 16\n[train]\nsteps = 2\n'
@@ -33,12 +33,14 @@ def fake_ranks(failures: list[Exception]):
 
 @pytest.mark.parametrize("system", ["ddp", "pipelining"])
 def test_a_crashed_rank_runs_the_system_again(system: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_ranks, calls = fake_ranks([bench.RankCrashed("testbeds.baselines.x rank 2 exited with -6: terminate called")])
+    run_ranks, calls = fake_ranks(
+        [bench.RankCrashed("testbeds.bench.baselines.x rank 2 exited with -6: terminate called")]
+    )
     monkeypatch.setattr(bench, "run_ranks", run_ranks)
     run = bench.run_baseline(SimpleNamespace(hosts=["a", "b"]), system, JOB, steps=2, workdir=tmp_path, timeout_s=10)
     assert len(calls) == 2
     assert run.records and run.records[0]["bytes_per_link"] == {"a->b": 10.0}
-    assert "run again after a crash (testbeds.baselines.x rank 2 exited with -6" in run.note
+    assert "run again after a crash (testbeds.bench.baselines.x rank 2 exited with -6" in run.note
 
 
 def test_a_second_crash_or_a_ranks_own_error_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

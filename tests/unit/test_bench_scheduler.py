@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from testbeds import bench_scheduler as bench
+from testbeds.bench import scheduler as bench
 
 TINY_JOB = ("gpt2-tiny", "tiny", 2, 16)
 

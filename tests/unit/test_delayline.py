@@ -1,4 +1,4 @@
-"""The TUN delay line's queueing (``testbeds.delayline``) on a datagram socket pair in place
+"""The TUN delay line's queueing (``testbeds.net.delayline``) on a datagram socket pair in place
 of the TUN device: each packet held for its destination's delay, order kept, other
 packets straight through. The real device path is tested in tests/testbed/test_netns.py."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from testbeds.delayline import DelayLine, DelayLineError, main, parse_delay
+from testbeds.net.delayline import DelayLine, DelayLineError, main, parse_delay
 
 B = ipaddress.IPv4Address("10.77.0.2").packed
 C = ipaddress.IPv4Address("10.77.0.3").packed

@@ -196,7 +196,7 @@ def test_workers_on_one_machine_keep_their_emulated_ratios() -> None:
 
 def test_a_testbed_emulates_the_slowdowns_or_with_speeds_the_flops_ratios() -> None:
     from scheduler.topology import Topology, WorkerSpec
-    from testbeds.sim_topologies import emulated_slowdowns
+    from testbeds.sim.topologies import emulated_slowdowns
 
     workers = [
         WorkerSpec(name="fast", cluster="a", flops=1.4e13),

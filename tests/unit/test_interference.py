@@ -1,4 +1,4 @@
-"""Transfer interference (testbeds.interference): its costs by size, the fit that measures
+"""Transfer interference (testbeds.sim.machine): its costs by size, the fit that measures
 them, and the replay that charges them to the computations a transfer overlaps."""
 
 from __future__ import annotations
@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 
 from fusion.errors import ConfigError, FusionError
-from testbeds.interference import (
-    TransferInterference,
-    cost_per_transfer,
-    interference_beside,
-    overlap_share,
-)
-from testbeds.replay import replay_step
+from testbeds.bench.machine_probe import cost_per_transfer
+from testbeds.sim.machine import TransferInterference, interference_beside, overlap_share
+from testbeds.sim.replay import replay_step
 from tests.unit.test_opfence import chain_workload, make_topology
 
 SIZES = (16 << 10, 256 << 10, 1 << 20)

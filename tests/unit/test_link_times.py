@@ -11,15 +11,12 @@ import pytest
 from fusion.config import JobSpec
 from fusion.errors import ConfigError
 from scheduler.topology import Topology, WorkerSpec
-from testbeds import measure
-from testbeds.link_times import (
-    LinkCurve,
-    MeasuredTopology,
-    link_classes,
-    with_link_times,
-)
-from testbeds.sim_validation import link_times_beside
-from testbeds.simulate import JobCosts, job_costs, simulate_pipelining
+from testbeds.net import measure
+from testbeds.net.link_times import link_classes
+from testbeds.sim.baselines import simulate_pipelining
+from testbeds.sim.costs import JobCosts, job_costs
+from testbeds.sim.measured_links import LinkCurve, MeasuredTopology, with_link_times
+from testbeds.sim.validation import link_times_beside
 from tests.conftest import free_port
 
 MBPS = 1e6 / 8
@@ -132,7 +129,7 @@ def test_transfers_times_each_size_until_the_answer() -> None:
     """The real timer over loopback: an answer server process and the client."""
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "testbeds.measure", "answer", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "testbeds.net.measure", "answer", "--listen", f"127.0.0.1:{port}"],
         stdout=subprocess.PIPE,
         text=True,
     )

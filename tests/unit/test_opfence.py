@@ -41,7 +41,7 @@ from scheduler.partition import (
 from scheduler.plan import Plan, validate_plan
 from scheduler.planner import PlanRequest, make_plan
 from scheduler.topology import Topology, WorkerSpec
-from testbeds.bench_scheduler import random_instance
+from testbeds.bench.scheduler import random_instance
 
 TOPOLOGY_DIR = Path(__file__).resolve().parents[2] / "testbeds" / "topologies"
 #: The small shipped topologies (exhaustive search is run on each; paper-48 is for the simulator).

@@ -1,4 +1,4 @@
-"""The machine's cost of computing and transferring after a pause (testbeds.pause_cost):
+"""The machine's cost of computing and transferring after a pause (testbeds.bench.machine_probe):
 the curves, the timing loop, and what the replay makes of them (the probe itself runs in
 tests/integration/test_pause_cost_probe.py)."""
 
@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 
 from fusion.errors import ConfigError
-from testbeds.pause_cost import (
-    PauseCost,
-    TransferPathCost,
-    pause_cost_beside,
-    time_after_pauses,
-    transfer_path_beside,
-)
-from testbeds.replay import replay_step
+from testbeds.bench.machine_probe import time_after_pauses
+from testbeds.sim.machine import PauseCost, TransferPathCost, pause_cost_beside, transfer_path_beside
+from testbeds.sim.replay import replay_step
 from tests.unit.test_opfence import chain_workload, make_topology
 
 CURVE = PauseCost((0.001, 0.01, 0.1), (0.0002, 0.001, 0.002), (0.0001, 0.0005, 0.001))

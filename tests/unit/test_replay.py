@@ -1,4 +1,4 @@
-"""The event replay of the executor's step (testbeds.replay), against hand-computed timelines."""
+"""The event replay of the executor's step (testbeds.sim.replay), against hand-computed timelines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from scheduler.estimator import StepCosts, estimate
-from testbeds.replay import _SendQueue, replay_step
+from testbeds.sim.replay import _SendQueue, replay_step
 from tests.unit.test_opfence import MB, chain_workload, make_topology
 
 
@@ -79,7 +79,7 @@ def test_the_driver_feeds_one_send_after_another() -> None:
     assert replay.stages_done_s == pytest.approx((0.709,))
     assert replay.apply_s == pytest.approx(0.1)
     assert replay.step_s == pytest.approx(0.809)
-    # What testbeds.timeline sets beside a trace: RunStep, the last target, the stage's own end.
+    # What testbeds.bench.timeline sets beside a trace: RunStep, the last target, the stage's own end.
     assert replay.run_step_s == pytest.approx(0.1)
     assert replay.fed_s == pytest.approx({0: 0.656})
     assert replay.finished_s == pytest.approx((0.659,))

@@ -11,18 +11,19 @@ import pytest
 from fusion.config import JobSpec
 from fusion.errors import FusionError
 from scheduler.estimator import StepCosts
-from testbeds import sim_topologies
-from testbeds.sim_validation import (
+from testbeds.sim import topologies as sim_topologies
+from testbeds.sim.costs import job_costs
+from testbeds.sim.simulate import simulate_plan
+from testbeds.sim.validation import (
     _stage_factors,
     machine_drift,
     measured_driver_links,
     simulate_doc,
     validate_doc,
 )
-from testbeds.simulate import job_costs, simulate_plan
 
 REPO = Path(__file__).resolve().parents[2]
-RUN = REPO / "testbeds" / "results" / "bench-two-sites-resnet.json"
+RUN = Path(__file__).resolve().parent / "data" / "sim-validation" / "bench-two-sites-resnet.json"
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +80,12 @@ def test_no_factors_without_recorded_compute(doc: dict) -> None:
 
 
 def test_rerendering_a_run_simulates_it_with_the_links_beside_it(tmp_path: Path) -> None:
-    """``testbeds.bench --render RUN --simulate``: the links measured beside the result price
+    """``python -m testbeds.bench --render RUN --simulate``: the links measured beside the result price
     pipelining's transfers, the machine's pause cost beside it fusion's and uniform's
     computations, and the table says so."""
     import shutil
 
-    from testbeds import bench
+    from testbeds.bench import harness as bench
 
     shutil.copy(RUN, tmp_path / RUN.name)
     shutil.copy(RUN.parent / "links-two-sites.json", tmp_path / "links-two-sites.json")
@@ -114,7 +115,7 @@ def test_the_pause_cost_slows_only_the_executors_profiled_stages(doc: dict) -> N
     """fusion's and uniform's stages sleep between computations and pay the machine's pause
     cost in the profiled prediction; the calibrated one (the run's own compute, which
     includes it) and the gloo baselines (whose ranks poll) are unchanged."""
-    from testbeds.pause_cost import PauseCost
+    from testbeds.sim.machine import PauseCost
 
     cost = PauseCost((0.001, 0.01, 0.1), (0.0005, 0.002, 0.003), (0.0005, 0.002, 0.003))
     plain = {r["system"]: r for r in validate_doc(doc, "two-sites")}
@@ -131,7 +132,7 @@ def test_the_transfer_path_slows_the_executors_transfers_in_both_predictions(doc
     """The executors' own work per transfer is not in the compute a run measured, so both
     of uniform's predictions pay it; fusion's one-stage plan makes no transfers between
     stages, and the gloo baselines are priced as before."""
-    from testbeds.pause_cost import TransferPathCost
+    from testbeds.sim.machine import TransferPathCost
 
     path = TransferPathCost((1 << 10, 1 << 20), (0.0, 0.03), ((0.002, 0.004), (0.004, 0.006)))
     plain = {r["system"]: r for r in validate_doc(doc, "two-sites")}
@@ -146,7 +147,7 @@ def test_the_transfer_path_slows_the_executors_transfers_in_both_predictions(doc
 def test_without_recorded_compute_the_calibrated_column_still_leaves_the_pause_out(doc: dict) -> None:
     import copy
 
-    from testbeds.pause_cost import PauseCost
+    from testbeds.sim.machine import PauseCost
 
     bare = copy.deepcopy(doc)
     for row in bare["systems"].values():
@@ -162,8 +163,7 @@ def test_transfer_interference_slows_only_the_executors_profiled_computations(do
     """uniform's stages compute while their transfers come and go, and pay for them in the
     profiled prediction; the calibrated one (the run's own compute includes it), fusion's
     one-stage plan (no transfers between stages) and the gloo baselines are unchanged."""
-    from testbeds.interference import TransferInterference
-    from testbeds.pause_cost import TransferPathCost
+    from testbeds.sim.machine import TransferInterference, TransferPathCost
 
     path = TransferPathCost((1 << 10, 1 << 20), (0.0, 0.03), ((0.002, 0.004), (0.004, 0.006)))
     cost = TransferInterference((1 << 10, 1 << 20), (0.002, 0.004), (0.003, 0.005))
@@ -226,7 +226,7 @@ def test_profile_emulation_calibrates_the_part_on_the_core() -> None:
     """A host emulating 3x by the profile sleeps 2 profiles by construction: a run that
     measured 5 profiles there computed 3 on the core, 3x the profile, where a wall-time
     emulation's 5 over its 3 would be 5/3."""
-    from testbeds.sim_validation import _stage_factors
+    from testbeds.sim.validation import _stage_factors
 
     sim_row = {"detail": {"stages": ["a", "b"], "stage_compute_s": [0.01, 0.03]}}  # b: 3 x 0.01 per micro-batch
     doc = {"systems": {"uniform": {"compute_s": {"a": 0.02, "b": 0.05}}}, "emulated_slowdown": {"b": 3.0}}

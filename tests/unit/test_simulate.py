@@ -12,11 +12,10 @@ import pytest
 
 from fusion.config import JobSpec
 from scheduler.topology import Topology, WorkerSpec
-from testbeds import gloo_model as gloo
-from testbeds import sim_topologies
-from testbeds import simulate as sim
-from testbeds.baselines.split import block_names, even_split_points
-from testbeds.sim_baselines import gpipe_stages
+from testbeds.sim import baselines, cli, costs, gloo, simulate, topologies
+from testbeds.sim import topologies as sim_topologies
+from testbeds.sim.baselines import gpipe_stages
+from testbeds.sim.block_split import block_names, even_split_points
 
 REPO = Path(__file__).resolve().parents[2]
 MBPS = 1e6 / 8
@@ -43,9 +42,9 @@ def line_topology(n: int, *, bandwidth_bytes_per_s: float, latency_s: float, flo
 
 
 @pytest.fixture(scope="module")
-def tiny() -> sim.JobCosts:
+def tiny() -> costs.JobCosts:
     """GPT-2 tiny costed from FLOPs (captured on the meta device: fast, deterministic)."""
-    return sim.job_costs(JobSpec.from_toml(GPT2_TINY), costs="flops")
+    return costs.job_costs(JobSpec.from_toml(GPT2_TINY), costs="flops")
 
 
 def test_ring_allreduce_by_hand() -> None:
@@ -134,7 +133,7 @@ def test_ddp_bucket_params_fill_from_the_last_parameter() -> None:
     assert gloo.ddp_bucket_params([10.0]) == [[0]]
 
 
-def test_ddp_bucket_ready_times(tiny: sim.JobCosts) -> None:
+def test_ddp_bucket_ready_times(tiny: costs.JobCosts) -> None:
     """GPT-2's embedding is tied to its head: the bucket holding it is ready only when the
     backward has passed the embedding, at the very end."""
     wl = tiny.workload()
@@ -181,7 +180,7 @@ def test_job_costs_count_the_buffers() -> None:
     from fusion.models import build_model
 
     want = sum(b.numel() * b.element_size() for b in build_model("resnet", "tiny").buffers())
-    assert want > 0 and sim.job_costs(resnet, costs="flops").buffer_bytes == want
+    assert want > 0 and costs.job_costs(resnet, costs="flops").buffer_bytes == want
 
 
 def test_ddp_buckets() -> None:
@@ -218,7 +217,7 @@ def test_gpipe_rendezvous_pays_each_round_trip() -> None:
     assert gloo.gpipe_step_s(f, b, x, g, 2, x_latency=lat, g_latency=lat) == pytest.approx(9.0)
 
 
-def test_even_split_of_gpt2(tiny: sim.JobCosts) -> None:
+def test_even_split_of_gpt2(tiny: costs.JobCosts) -> None:
     assert tiny.blocks == ["transformer.h.0", "transformer.h.1"]
     assert even_split_points(tiny.blocks, 2) == ["transformer.h.1"]
     with pytest.raises(ValueError):
@@ -237,9 +236,9 @@ def test_block_names_of_resnet() -> None:
     assert block_names(build_model("resnet", "tiny")) == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
 
 
-def test_ddp_model_matches_its_parts(tiny: sim.JobCosts) -> None:
+def test_ddp_model_matches_its_parts(tiny: costs.JobCosts) -> None:
     topo = line_topology(4, bandwidth_bytes_per_s=100 * MBPS, latency_s=0.02)
-    r = sim.simulate_ddp(tiny, topo)
+    r = baselines.simulate_ddp(tiny, topo)
     wl = tiny.workload()
     param_bytes = wl.total_param_bytes
     # One bucket (143 KB < 1 MiB), ready on every rank at the end of the backward: its ring
@@ -256,21 +255,21 @@ def test_ddp_model_matches_its_parts(tiny: sim.JobCosts) -> None:
     assert r.step_s == pytest.approx(r.detail["compute_s"] + r.detail["allreduce_s"] + r.detail["optimizer_s"])
     assert r.slowest_link_bytes == int(2 * 3 / 4 * param_bytes)
     # Four ranks on two shared cores compute twice as long.
-    shared = sim.simulate_ddp(tiny, topo, cores=2)
+    shared = baselines.simulate_ddp(tiny, topo, cores=2)
     assert shared.detail["compute_s"] == pytest.approx(2 * r.detail["compute_s"])
 
 
-def test_ddp_does_not_apply_when_the_model_does_not_fit(tiny: sim.JobCosts) -> None:
+def test_ddp_does_not_apply_when_the_model_does_not_fit(tiny: costs.JobCosts) -> None:
     workers = [WorkerSpec(name=f"h{i}", cluster="c", flops=1e12, memory_bytes=1000) for i in range(2)]
     topo = Topology.from_measurements(workers, [[0.0] * 2] * 2, [[1e9] * 2] * 2)
-    r = sim.simulate_ddp(tiny, topo)
+    r = baselines.simulate_ddp(tiny, topo)
     assert r.step_s is None and r.note.startswith("n/a")
 
 
-def test_uniform_pays_the_driver_path(tiny: sim.JobCosts) -> None:
+def test_uniform_pays_the_driver_path(tiny: costs.JobCosts) -> None:
     topo = line_topology(2, bandwidth_bytes_per_s=100 * MBPS, latency_s=0.01)
-    near = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
-    far = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=0)
+    near = simulate.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
+    far = simulate.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=0)
     assert near.detail["driver_s"] == 0.0
     # The estimator's closed form (kept in detail): stage 1 (the loss stage) is remote: 2.5
     # round trips, then the target feed as one more pipeline element: its first send delays
@@ -290,24 +289,24 @@ def test_uniform_pays_the_driver_path(tiny: sim.JobCosts) -> None:
     assert near.step_s >= near.detail["estimator_step_s"] * 0.9
 
 
-def test_compression_shrinks_a_slow_cut(tiny: sim.JobCosts) -> None:
+def test_compression_shrinks_a_slow_cut(tiny: costs.JobCosts) -> None:
     # Two hosts that each need the other (tiny memory), joined by 1 Mbps: a cut must cross it.
     workers = [WorkerSpec(name=f"h{i}", cluster=f"h{i}", flops=1e12) for i in range(2)]
     topo = Topology.from_measurements(workers, [[0.0] * 2] * 2, [[1e6 / 8] * 2] * 2)
-    dense = sim.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
-    job_two = sim.JobCosts(**tiny.__dict__)
+    dense = simulate.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=None)
+    job_two = costs.JobCosts(**tiny.__dict__)
     plan_dense = dense.step_s
-    sparse = sim.simulate_plan(job_two, topo, strategy="uniform", compression="topk", driver=None)
+    sparse = simulate.simulate_plan(job_two, topo, strategy="uniform", compression="topk", driver=None)
     assert sparse.detail["keep_ratios"]  # the slow cut was marked
     assert sparse.step_s < plan_dense
     assert sparse.slowest_link_bytes < dense.slowest_link_bytes
 
 
-def test_simulate_json_shape(tiny: sim.JobCosts) -> None:
-    topo = sim.load_topology("two-sites")
-    report = sim.simulate(tiny, topo, sim.SYSTEMS, time_budget_s=0.2)
+def test_simulate_json_shape(tiny: costs.JobCosts) -> None:
+    topo = topologies.load_topology("two-sites")
+    report = simulate.simulate(tiny, topo, costs.SYSTEMS, time_budget_s=0.2)
     json.dumps(report)  # serialisable
-    assert set(report["systems"]) == set(sim.SYSTEMS)
+    assert set(report["systems"]) == set(costs.SYSTEMS)
     for name, row in report["systems"].items():
         assert {"step_s", "samples_per_s", "slowest_link_bytes", "hosts_used", "note"} <= set(row)
         assert row["step_s"] is not None and math.isfinite(row["step_s"]) and row["step_s"] > 0, name
@@ -326,18 +325,18 @@ def test_paper_48_file() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_big_batch() -> sim.JobCosts:
+def tiny_big_batch() -> costs.JobCosts:
     """GPT-2 tiny with a batch that gives every one of 1,024 DDP ranks a sample."""
-    return sim.job_costs(
+    return costs.job_costs(
         JobSpec.from_toml(GPT2_TINY).replace(data={"batch_size": 1024}, train={"micro_batches": 64}), costs="flops"
     )
 
 
 @pytest.mark.parametrize("n", [48, 256, 1024])
-def test_large_topologies_simulate(tiny_big_batch: sim.JobCosts, n: int) -> None:
-    topo = sim.load_topology(str(REPO / "testbeds/topologies/paper-48.toml") if n == 48 else f"paper-{n}")
+def test_large_topologies_simulate(tiny_big_batch: costs.JobCosts, n: int) -> None:
+    topo = topologies.load_topology(str(REPO / "testbeds/topologies/paper-48.toml") if n == 48 else f"paper-{n}")
     assert len(topo) == n
-    report = sim.simulate(tiny_big_batch, topo, sim.SYSTEMS, time_budget_s=0.2)
+    report = simulate.simulate(tiny_big_batch, topo, costs.SYSTEMS, time_budget_s=0.2)
     for name in ("fusion", "uniform", "ddp", "pipelining"):
         step = report["systems"][name]["step_s"]
         assert step is not None and math.isfinite(step) and step > 0, name
@@ -356,7 +355,7 @@ def test_paper_topology_rejects_partial_clusters() -> None:
 def test_profiled_costs_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "job.toml"
     job.write_text(GPT2_TINY)
-    rc = sim.main(
+    rc = cli.main(
         [
             "--topology",
             "two-sites",
@@ -375,7 +374,7 @@ def test_profiled_costs_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[st
     doc = json.loads(capsys.readouterr().out)
     assert doc["reference_flops"] > 0
     row = doc["topologies"]["two-sites"]
-    assert set(row["systems"]) == set(sim.SYSTEMS)
+    assert set(row["systems"]) == set(costs.SYSTEMS)
     assert (tmp_path / "r.md").read_text().count("| fusion |") == 1
 
 
@@ -387,25 +386,25 @@ def test_opfence_finds_the_a100_island_at_every_scale() -> None:
     from fusion.config import load_job
     from scheduler.planner import make_plan, request_for_job
 
-    spec = load_job(REPO / "testbeds/results/simulate-job-gpt2-medium.toml")
-    job = sim.job_costs(spec, costs="flops")
+    spec = load_job(REPO / "testbeds/jobs/simulate-gpt2-medium.toml")
+    job = costs.job_costs(spec, costs="flops")
     request = dataclasses.replace(request_for_job(spec, step_costs=job.step), time_budget_s=0.3)
     steps = {}
     for name in ("paper-48", "paper-256"):
-        topo = sim.load_topology(str(REPO / "testbeds/topologies/paper-48.toml") if name == "paper-48" else name)
+        topo = topologies.load_topology(str(REPO / "testbeds/topologies/paper-48.toml") if name == "paper-48" else name)
         plan = make_plan(job.dag, topo, request)
         assert len(plan.stages) >= 4 and all(s.worker.startswith("a100") for s in plan.stages), name
         steps[name] = plan.predicted_step_s
     assert steps["paper-256"] == pytest.approx(steps["paper-48"], rel=0.05)
 
 
-def test_pipelining_ranks_share_the_cores_all_the_time(tiny: sim.JobCosts) -> None:
+def test_pipelining_ranks_share_the_cores_all_the_time(tiny: costs.JobCosts) -> None:
     """gloo's waits poll: on a shared-core testbed a waiting rank competes with the
     computing one, so two ranks on one core each compute twice as slow."""
     topo = line_topology(2, bandwidth_bytes_per_s=1e12, latency_s=0.0)
-    alone = sim.simulate_pipelining(tiny, topo)
-    shared = sim.simulate_pipelining(tiny, topo, cores=1)
-    roomy = sim.simulate_pipelining(tiny, topo, cores=4)
+    alone = baselines.simulate_pipelining(tiny, topo)
+    shared = baselines.simulate_pipelining(tiny, topo, cores=1)
+    roomy = baselines.simulate_pipelining(tiny, topo, cores=4)
     assert roomy.step_s == pytest.approx(alone.step_s)
     # Links are free here, so the step is compute, the optimizer and the tied embedding's
     # all-reduce; only the compute is slowed.
@@ -413,7 +412,7 @@ def test_pipelining_ranks_share_the_cores_all_the_time(tiny: sim.JobCosts) -> No
     assert 1.5 * (alone.step_s - tied) < shared.step_s - tied <= 2 * (alone.step_s - tied)
 
 
-def test_profile_emulation_stretches_only_what_is_on_the_core(tiny: sim.JobCosts) -> None:
+def test_profile_emulation_stretches_only_what_is_on_the_core(tiny: costs.JobCosts) -> None:
     """Two GPipe ranks on one core, the second emulating a device 3x slower. ``wall``
     emulation stretches its shared-core compute 3x (2 x 3 = 6 profiles); ``profile`` leaves
     it on the core as it is (2 profiles) and sleeps 2 more, and DDP's ranks alike."""
@@ -421,16 +420,17 @@ def test_profile_emulation_stretches_only_what_is_on_the_core(tiny: sim.JobCosts
 
     base = line_topology(2, bandwidth_bytes_per_s=1e12, latency_s=0.0)
     topo = dataclasses.replace(base, workers=(base.workers[0], dataclasses.replace(base.workers[1], slowdown=3.0)))
-    fast = sim.simulate_pipelining(tiny, base, cores=1)
-    wall = sim.simulate_pipelining(tiny, topo, cores=1)
-    profile = sim.simulate_pipelining(tiny, topo, cores=1, emulation="profile")
+    fast = baselines.simulate_pipelining(tiny, base, cores=1)
+    wall = baselines.simulate_pipelining(tiny, topo, cores=1)
+    profile = baselines.simulate_pipelining(tiny, topo, cores=1, emulation="profile")
     assert fast.step_s < profile.step_s < wall.step_s
     assert (
-        sim.simulate_ddp(tiny, topo, cores=1, emulation="profile").step_s < sim.simulate_ddp(tiny, topo, cores=1).step_s
+        baselines.simulate_ddp(tiny, topo, cores=1, emulation="profile").step_s
+        < baselines.simulate_ddp(tiny, topo, cores=1).step_s
     )
     # no emulated host: the two emulations are one model
-    assert sim.simulate_pipelining(tiny, base, cores=1, emulation="profile").step_s == pytest.approx(fast.step_s)
-    from testbeds.sim_baselines import _emulated_scale
+    assert baselines.simulate_pipelining(tiny, base, cores=1, emulation="profile").step_s == pytest.approx(fast.step_s)
+    from testbeds.sim.baselines import _emulated_scale
 
     w = topo.workers[1]
     assert _emulated_scale(w.flops, w, 2.0, "wall") == pytest.approx(6.0)

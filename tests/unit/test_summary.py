@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testbeds import summary
+from testbeds.bench import summary
 
 
 def doc(topology: str, uniform: float, ddp: float, efficiency: float, losses: tuple[float, float]) -> dict:
@@ -68,7 +68,7 @@ def test_main_writes_the_summary_with_notes(tmp_path: Path) -> None:
     assert summary.main([str(tmp_path)]) == 0
     text = (tmp_path / "bench-summary.md").read_text()
     assert "4 of 4 targets met." in text and text.rstrip().endswith("hand-written")
-    assert f"`python -m testbeds.summary {tmp_path.as_posix()}`" in text  # the folder it was run on
+    assert f"`python -m testbeds.bench.summary {tmp_path.as_posix()}`" in text  # the folder it was run on
 
 
 def test_main_refuses_an_empty_folder(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``python -m testbeds.timeline``: a trace lined up per step and per link, on a trace
+"""``python -m testbeds.bench.timeline``: a trace lined up per step and per link, on a trace
 written by hand (two stages, two micro-batches) whose every figure is known."""
 
 from __future__ import annotations
@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fusion.errors import FusionError
-from testbeds.timeline import (
+from testbeds.bench.timeline import (
     load_events,
     main,
     pick_job,
-    replay_comparison,
     step_timelines,
     summarize,
     transfers,
@@ -163,39 +161,3 @@ def test_the_command_writes_tables_and_refuses_an_empty_directory(
     assert "no trace files" in capsys.readouterr().err
     assert main([str(trace_dir), "--skip", "9"]) == 2
     assert main([str(trace_dir), "--skip", "-1"]) == 2
-
-
-RESULTS = Path(__file__).resolve().parents[2] / "testbeds" / "results"
-TRACED = RESULTS / "traced-two-sites-resnet.json"
-TRACE = RESULTS / "traced-two-sites-resnet-trace"
-
-
-def test_the_committed_trace_is_set_beside_the_replay_of_its_run() -> None:
-    """The replay priced here is the one ``--simulate`` wrote into the run's result, and with
-    the compute the run measured each stage computes about what the trace timed."""
-    doc = summarize(TRACE, skip=4)
-    cmp = replay_comparison(doc, TRACED)
-    bench = json.loads(TRACED.read_text())
-    rows = {r["what"]: r for r in cmp["rows"]}
-    assert cmp["system"] == "uniform"
-    assert rows["step"]["profiled_ms"] == pytest.approx(bench["systems"]["uniform"]["simulated_step_s"] * 1e3, abs=0.1)
-    assert rows["step"]["calibrated_ms"] == pytest.approx(
-        bench["systems"]["uniform"]["calibrated_step_s"] * 1e3, abs=0.1
-    )
-    for k in range(4):
-        computed = rows[f"stage {k} computed"]
-        assert computed["calibrated_ms"] == pytest.approx(computed["traced_ms"], rel=0.15)
-        assert rows[f"stage {k} finished"]["profiled_ms"] < rows["driver heard all"]["profiled_ms"]
-    assert {"RunStep answered", "stage 0 fed", "stage 3 fed"} <= set(rows)
-
-
-def test_a_replay_needs_a_bench_result_with_a_replayed_system(tmp_path: Path) -> None:
-    doc = summarize(TRACE, skip=4)
-    bad = tmp_path / "bad.json"
-    bad.write_text("[1, 2]")
-    with pytest.raises(FusionError, match="not a testbeds.bench result"):
-        replay_comparison(doc, bad)
-    with pytest.raises(FusionError, match="cannot read"):
-        replay_comparison(doc, tmp_path / "missing.json")
-    with pytest.raises(FusionError, match="not a replayed system"):
-        replay_comparison(doc, TRACED, "ddp")

@@ -1,0 +1,241 @@
+"""Core benchmark: pipeline step time against one process, and gRPC tensor throughput
+against a plain TCP socket copy, measured side by side in one run.
+
+    python -m testbeds.bench_core                      # GPT-2 small on 2 and 4 workers
+    python -m testbeds.bench_core --preset tiny --steps 3 --sizes-mib 1,16 --json
+
+Both parts interleave the systems they compare and report medians, because these machines
+are noisy and absolute numbers drift between runs; the ratios are the result.
+
+- **Transport**: one executor process receives tensors through the full tensor path
+  (``ProbeWhole``, or the chunked ``Probe`` stream past one chunk: header validation,
+  reassembly into one buffer); a
+  second process receives the same number of bytes over a raw TCP socket into a
+  preallocated buffer. MB/s for each size, and gRPC as a fraction of the socket.
+- **Step time**: GPT-2 trained on one process, then split evenly over K local worker
+  processes (``uniform``, no compression). On one host the workers share its cores, so
+  the ratio measures fusion's overhead, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SINK = r"""
+import socket
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf = bytearray(MAX); view = memoryview(buf)
+while True:
+    hdr = c.recv(8, socket.MSG_WAITALL)
+    if len(hdr) < 8:
+        break
+    n = int.from_bytes(hdr, "little"); got = 0
+    while got < n:
+        got += c.recv_into(view[got:n])
+    c.sendall(b"k")
+"""
+
+
+#: Seconds a new executor spends on its start-up imports (~3 s on 2 cores), with margin.
+EXECUTOR_WARM_UP_S = 6.0
+
+
+class SocketSink:
+    """A separate process that receives length-prefixed bytes into a preallocated buffer."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SINK.replace("MAX", str(max_bytes))], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, data: memoryview) -> float:
+        t0 = time.perf_counter()
+        self.sock.sendall(len(data).to_bytes(8, "little"))
+        self.sock.sendall(data)
+        if self.sock.recv(1) != b"k":
+            raise RuntimeError("socket sink did not acknowledge")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(timeout=10)
+
+
+def bench_transport(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Median MB/s of gRPC (full tensor path) and a raw socket, interleaved per repeat."""
+    from executor.client import ChannelPool, ExecutorClient
+    from executor.local import LocalCluster
+
+    rows = []
+    max_bytes = max(sizes_mib) << 20
+    sink = SocketSink(max_bytes)
+    try:
+        with LocalCluster(1, torch_threads=1) as cluster:
+            pool = ChannelPool()
+            client = ExecutorClient(cluster.addresses[0], pool)
+            client.probe(1 << 20)  # warm up the channel
+            # ... and let the executor finish warming up: for its first seconds a background
+            # thread imports torch's optimizer machinery (executor.server._warm_imports) and
+            # holds the GIL, which timed every call at 3-5 ms instead of ~1 ms.
+            time.sleep(EXECUTOR_WARM_UP_S)
+            for mib in sizes_mib:
+                n = mib << 20
+                payload = memoryview(bytearray(n))
+                grpc_s, sock_s = [], []
+                for _ in range(repeats):
+                    grpc_s.append(client.probe(n)[0])
+                    sock_s.append(sink.send(payload))
+                g = n / statistics.median(grpc_s) / 1e6
+                s = n / statistics.median(sock_s) / 1e6
+                rows.append(
+                    {
+                        "size_mib": mib,
+                        "grpc_mb_per_s": round(g, 1),
+                        "socket_mb_per_s": round(s, 1),
+                        "ratio": round(g / s, 3),
+                    }
+                )
+            pool.close()
+    finally:
+        sink.close()
+    return rows
+
+
+def bench_steps(
+    preset: str, workers: list[int], steps: int, batch_size: int, seq_len: int, micro_batches: int, device: str
+) -> list[dict[str, Any]]:
+    """Median step seconds: one process vs an even split over K local workers."""
+    from executor.local import LocalCluster, train_distributed
+    from fusion.config import JobSpec
+    from fusion.training import train_reference
+
+    job = JobSpec.from_dict(
+        {
+            "model": {"name": "gpt2", "preset": preset},
+            "data": {"batch_size": batch_size, "seq_len": seq_len},
+            "train": {
+                "steps": steps,
+                "micro_batches": micro_batches,
+                "optimizer": "adamw",
+                "lr": 3e-4,
+                "schedule": "1f1b",
+            },
+        }
+    )
+    times: list[float] = []
+    last = time.perf_counter()
+
+    def tick(step: int, loss: float) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        print(f"  single-process step {step}: loss {loss:.4f}, {times[-1]:.2f}s", file=sys.stderr)
+
+    train_reference(job, device=device, on_step=tick)
+    single = statistics.median(times[1:] or times)
+    rows = [{"system": "single-process", "workers": 1, "step_s": round(single, 3), "ratio": 1.0}]
+    for k in workers:
+        with LocalCluster(k) as cluster:
+            time.sleep(EXECUTOR_WARM_UP_S)  # see bench_transport
+            result = train_distributed(
+                job,
+                cluster.addresses,
+                device=device,
+                on_step=lambda s: print(
+                    f"  {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s", file=sys.stderr
+                ),
+            )
+        step_s = statistics.median([s.step_s for s in result.stats[1:]] or [s.step_s for s in result.stats])
+        link_bytes = max((b for s in result.stats[-1:] for b in s.sent_bytes.values()), default=0)
+        rows.append(
+            {
+                "system": f"fusion-uniform-{k}",
+                "workers": k,
+                "step_s": round(step_s, 3),
+                "ratio": round(step_s / single, 3),
+                "max_link_bytes_per_step": link_bytes,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testbeds.bench_core", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", help="GPT-2 preset for the step-time part (default: small, 124M)")
+    parser.add_argument("--workers", default="2,4", help="worker counts to compare, comma-separated")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per system (the first is warm-up)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--sizes-mib", default="1,16,64", help="tensor sizes for the transport part")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--skip-steps", action="store_true", help="only the transport part")
+    parser.add_argument("--skip-transport", action="store_true", help="only the step-time part")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out: dict[str, Any] = {}
+    if not args.skip_transport:
+        out["transport"] = bench_transport([int(s) for s in args.sizes_mib.split(",")], args.repeats)
+    if not args.skip_steps:
+        out["steps"] = bench_steps(
+            args.preset,
+            [int(w) for w in args.workers.split(",")],
+            args.steps,
+            args.batch_size,
+            args.seq_len,
+            args.micro_batches,
+            args.device,
+        )
+        out["steps_config"] = {
+            "preset": args.preset,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "micro_batches": args.micro_batches,
+            "device": args.device,
+        }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    if "transport" in out:
+        print("\ntensor transport on loopback (median of interleaved repeats)")
+        print(f"{'size':>8} {'gRPC MB/s':>10} {'socket MB/s':>12} {'gRPC/socket':>12}")
+        for r in out["transport"]:
+            print(
+                f"{r['size_mib']:>5} MiB {r['grpc_mb_per_s']:>10.1f} {r['socket_mb_per_s']:>12.1f} {r['ratio']:>12.2f}"
+            )
+    if "steps" in out:
+        c = out["steps_config"]
+        print(
+            f"\nGPT-2 {c['preset']} step time (batch {c['batch_size']} x {c['seq_len']}, {c['micro_batches']} micro-batches, {c['device']})"
+        )
+        print(f"{'system':>22} {'step s':>8} {'vs 1 proc':>10}")
+        for r in out["steps"]:
+            print(f"{r['system']:>22} {r['step_s']:>8.3f} {r['ratio']:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

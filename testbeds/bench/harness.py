@@ -1,0 +1,762 @@
+"""The side-by-side benchmark: fusion and its baselines on one emulated WAN, interleaved.
+
+    python -m testbeds.bench --topology two-sites --job job.toml \
+        --systems fusion,uniform,ddp,pipelining --steps 8 --repeats 2 --out testbeds/results/bench/bench-two-sites-gpt2
+
+One testbed (:func:`testbeds.net.backend.open_testbed`, the ``netns`` backend: gloo cannot cross a
+user-space proxy) runs every system on the same hosts and links; the systems take turns,
+``--repeats`` rounds of each, so drift on a shared machine hits them alike. The systems:
+
+- ``fusion``: a real ``fusion-coordinator`` (on the first host: the job owner sits at one
+  site, and the driver's traffic crosses that host's links) and one ``fusion-worker`` per
+  host, the job submitted with ``[plan] strategy = "opfence"`` and ``[compression] mode =
+  "adatopk"``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``.
+- ``uniform``: the same fleet, ``strategy = "uniform"``, ``mode = "none"``: the naive
+  decentralized pipeline.
+- ``ddp``: :mod:`testbeds.bench.baselines.ddp`, one rank per host.
+- ``pipelining``: :mod:`testbeds.bench.baselines.pipelining`, GPipe over the first ``min(N,
+  blocks)`` hosts.
+
+Per system: the step seconds of each round, a mean over its timed steps with the extremes
+trimmed (the first ``--warmup`` steps of a run are left out; this VM switches between
+speeds in phases of a few seconds, 1 s windows 0.79-1.63x their median, and a median of a
+fast system's steps falls in one such phase where a mean weighs them as a long run meets
+them), the median of the rounds, samples (and tokens) per second, the bytes per step
+on the slowest link it sends over (lowest configured bandwidth; both directions), its final
+loss, fusion's speed-up over it, and, for fusion, its **efficiency**: the estimator's
+predicted step time for the plan fusion ran (``predicted_step_s``, priced with the costs the
+coordinator measured: profiled nodes, probed links, calibrated executor overheads, no
+compression) divided by the measured step time. 1.0 means the run is as fast as the model
+of its own plan says it can be; below, the executor loses time the model does not see.
+
+A host with a ``slowdown`` ``k`` (the topology file's testbed emulation factor) stretches
+each computation of every system to ``k`` times its length (:mod:`executor.emulation`;
+fusion's workers report the emulated speed, so its planner sees it). With
+``--emulate-speeds`` the hosts keep the topology's device speed ratios instead: ``k`` is how
+many times slower than the fastest host each is by ``flops / slowdown``. The table says so.
+
+With ``--simulate`` the table also gets the simulator's prediction for each system
+(:mod:`testbeds.sim.simulate` in testbed mode: this machine's speed on every host, its own
+profile of the model, the coordinator's calibrated executor overheads) and its error.
+Before and after each run the benchmark times one micro-batch of the job's model on one
+thread for a second (:class:`testbeds.bench.speed_probe.ModelProbe`), and the simulator's
+``probed`` prediction prices each system at the speed the probes saw around its runs over
+the speed the probe saw as the coordinator profiled (how that did: ``docs/benchmarks.md``).
+
+With ``FUSION_TRACE_DIR`` set, the coordinator and the workers inherit it and write an
+executor timeline of fusion's and uniform's runs (:mod:`executor.trace`; read it with
+``python -m testbeds.bench.timeline DIR``).
+
+Latency: this kernel has no ``sch_netem``; the netns backend adds every link's latency to
+every packet with a TUN delay line per host (``latency_mode = "tun"``), so gloo's traffic
+(ddp, pipelining) is delayed as fusion's is. Where TUN devices are missing too, latency is
+added on fusion's gRPC path only (``"userspace"``). The JSON says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import secrets
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from executor.emulation import EMULATIONS
+from fusion.config import JobSpec, load_job
+from fusion.errors import FusionError
+from fusion.profiling import trimmed_mean
+from scheduler.topology import Topology
+from testbeds.bench.report import markdown, write_chart
+from testbeds.bench.speed_probe import ModelProbe
+from testbeds.net.launch import slowdown_args
+from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
+#: Seconds of :class:`ModelProbe` steps before and after each run (the machine's speed then).
+PROBE_S = 1.0
+MBPS = 1e6 / 8
+
+
+# ---------------------------------------------------------------- job files
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise FusionError(f"cannot write {v!r} to a job file")
+
+
+def job_toml(spec: JobSpec) -> str:
+    """A job file for ``spec`` (its sections as TOML tables)."""
+    doc = spec.to_dict()
+    lines = []
+    for key, value in doc.items():
+        if not isinstance(value, dict) and value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            lines.append(f"\n[{key}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None)
+    return "\n".join(lines) + "\n"
+
+
+def system_job(spec: JobSpec, system: str, *, steps: int, num_hosts: int, out_dir: Path) -> JobSpec:
+    """The job as ``system`` runs it (fusion: OP-Fence + AdaTopK; uniform: even split, dense)."""
+    plan, compression = {"fusion": ("opfence", "adatopk"), "uniform": ("uniform", "none")}.get(
+        system, ("opfence", "none")
+    )
+    return spec.replace(
+        train={"steps": steps},
+        plan={"strategy": plan},
+        compression={"mode": compression},
+        cluster={"min_workers": num_hosts},
+        output={"dir": str(out_dir)},
+    )
+
+
+# ---------------------------------------------------------------- runs
+@dataclass
+class Run:
+    """One system's run: its per-step records and what it reported."""
+
+    system: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    final_loss: float | None = None
+    predicted_step_s: float | None = None
+    hosts_used: list[str] = field(default_factory=list)
+    plan_stages: list[dict[str, Any]] = field(default_factory=list)
+    """fusion/uniform: the plan it ran, ``[{"worker", "nodes"}]`` (to price it in the simulator)."""
+    note: str = ""
+    wall_s: float = 0.0
+    measured: dict[str, Any] | None = None
+    """fusion/uniform: the job's ``measured.json`` (what its coordinator planned from)."""
+    probe_s: tuple[float, float] | None = None
+    """The machine's speed just before and just after the run (:class:`testbeds.bench.speed_probe.ModelProbe`)."""
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class FusionFleet:
+    """A coordinator on the first host and a worker on every host of a testbed."""
+
+    def __init__(
+        self,
+        tb: Any,
+        workdir: Path,
+        *,
+        torch_threads: int = 1,
+        slowdowns: Mapping[str, float] | None = None,
+        emulation: str = "wall",
+    ) -> None:
+        self.tb = tb
+        self.workdir = workdir
+        self.token = secrets.token_hex(16)
+        self.host0 = tb.hosts[0]
+        from testbeds.net.testbed import wait_for_line
+
+        port = tb.free_port(self.host0)
+        tb.expose(self.host0, port)
+        self.coordinator = f"{tb.address(self.host0)}:{port}"
+        (workdir / "token").write_text(self.token)
+        log = workdir / "coordinator.log"
+        proc = tb.spawn(
+            self.host0,
+            [
+                sys.executable,
+                "-m",
+                "fusion.cli.coordinator",
+                "--host",
+                tb.address(self.host0),
+                "--port",
+                str(port),
+                "--token-file",
+                str(workdir / "token"),
+                "--state-dir",
+                str(workdir / "state"),
+                "--log-level",
+                "INFO",
+            ],
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
+        )
+        wait_for_line(log, r"listening on", proc, 60.0)
+        # One worker at a time: each measures its matmul speed at start-up, and workers that
+        # start together on one machine's cores would each measure a random share of it.
+        for host in tb.hosts:
+            wport = tb.free_port(host)
+            tb.expose(host, wport)
+            wlog = workdir / f"worker-{host}.log"
+            p = tb.spawn(
+                host,
+                [
+                    sys.executable,
+                    "-m",
+                    "fusion.cli.worker",
+                    "--coordinator",
+                    self.coordinator,
+                    "--token-file",
+                    str(workdir / "token"),
+                    "--name",
+                    host,
+                    "--listen",
+                    f"{tb.address(host)}:{wport}",
+                    "--torch-threads",
+                    str(torch_threads),
+                    "--log-level",
+                    "INFO",
+                    *slowdown_args((slowdowns or {}).get(host), emulation=emulation),
+                ],
+                stdout=open(wlog, "ab"),
+                stderr=subprocess.STDOUT,  # noqa: SIM115
+            )
+            wait_for_line(wlog, r"fusion-worker ready", p, 120.0)
+
+    def run(self, spec: JobSpec, system: str, *, timeout_s: float) -> Run:
+        """Submit the job from the first host, wait for its summary, read its metrics."""
+        job_file = self.workdir / f"{system}-{time.monotonic_ns()}.toml"
+        job_file.write_text(job_toml(spec))
+        env = {"FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        t0 = time.monotonic()
+        out = self._cli(["submit", str(job_file)], env)
+        job_id = out.split()[-1]
+        job_dir = Path(spec.output.dir) / job_id
+        summary_path = job_dir / "summary.json"
+        while not summary_path.exists():
+            if time.monotonic() - t0 > timeout_s:
+                self._cli(["cancel", job_id], env, check=False)
+                raise FusionError(f"{system} job {job_id} did not finish within {timeout_s:.0f}s")
+            time.sleep(0.5)
+        summary = json.loads(summary_path.read_text())
+        run = Run(system=system, records=_read_jsonl(job_dir / "metrics.jsonl"), wall_s=time.monotonic() - t0)
+        if summary.get("state") != "succeeded":
+            run.note = f"{summary.get('state')}: {summary.get('reason')}"
+        run.final_loss = summary.get("final_loss")
+        measured_path = job_dir / "measured.json"
+        if measured_path.exists():
+            run.measured = json.loads(measured_path.read_text())
+        plan_path = job_dir / "plan.json"
+        if plan_path.exists():
+            plan = json.loads(plan_path.read_text())
+            run.predicted_step_s = plan.get("predicted_step_s")
+            run.hosts_used = [s["worker"] for s in plan.get("stages", [])]
+            run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
+        return run
+
+    def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True) -> str:
+        import os
+
+        proc = self.tb.spawn(
+            self.host0,
+            [sys.executable, "-m", "fusion.cli.main", *args],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        out, _ = proc.communicate(timeout=120)
+        if check and proc.returncode != 0:
+            raise FusionError(f"fusion {' '.join(args)} failed: {out.strip()[-1000:]}")
+        return out
+
+    def model_profile(self) -> dict[str, Any] | None:
+        """The model profile the coordinator measured and calibrated (from its profile cache)."""
+        from fusion.cli.coordinator import STATE_DB
+
+        db = self.workdir / "state" / STATE_DB
+        if not db.exists():
+            return None
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            rows = conn.execute("SELECT profile_json FROM profiles ORDER BY updated_at DESC").fetchall()
+        for (text,) in rows:
+            p = json.loads(text)
+            if p.get("overhead_step_s") is not None:
+                return p
+        return None
+
+    def step_costs(self) -> dict[str, float] | None:
+        """The executor overheads the coordinator calibrated."""
+        p = self.model_profile()
+        if p is None:
+            return None
+        return {
+            "control_s": p["overhead_step_s"],
+            "micro_batch_s": p["overhead_micro_batch_s"],
+            "optimizer_s_per_byte": p["optimizer_s_per_byte"],
+        }
+
+
+def write_profiled(fleet: FusionFleet, spec: JobSpec, num_hosts: int, path: Path) -> Path:
+    """The baselines' profiled seconds (:mod:`testbeds.bench.baselines.profiled`) from the profile
+    the fleet's coordinator measured, written to ``path``."""
+    from fusion.training import build_job_model
+    from scheduler.estimator import StepCosts
+    from testbeds.bench.baselines.profiled import reference_document
+    from testbeds.sim.block_split import num_pipeline_stages
+    from testbeds.sim.costs import job_costs
+
+    profile, costs = fleet.model_profile(), fleet.step_costs()
+    if profile is None or costs is None:
+        raise FusionError("profile emulation: fusion's coordinator has no profile yet for the baselines to stretch by")
+    job = job_costs(spec, step=StepCosts(**costs), profile=profile)
+    doc = reference_document(job, num_pipeline_stages(build_job_model(spec), num_hosts))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def run_ranks(
+    tb: Any,
+    module: str,
+    spec_file: Path,
+    hosts: list[str],
+    *,
+    steps: int,
+    workdir: Path,
+    timeout_s: float,
+    slowdowns: Mapping[str, float] | None = None,
+    emulation: str = "wall",
+    profiled: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Start one ``module`` rank per host (rank 0 on the first) and return rank 0's records;
+    ``profiled``: the seconds ranks emulating by the profile stretch by
+    (:mod:`testbeds.bench.baselines.profiled`)."""
+    master = f"{tb.address(hosts[0])}:{tb.free_port(hosts[0])}"
+    metrics = workdir / f"{module.rsplit('.', 1)[-1]}-{time.monotonic_ns()}.jsonl"
+    procs = []
+    for rank, host in enumerate(hosts):
+        log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
+        procs.append(
+            tb.spawn(
+                host,
+                [
+                    sys.executable,
+                    "-m",
+                    module,
+                    "--job",
+                    str(spec_file),
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(len(hosts)),
+                    "--master",
+                    master,
+                    "--address",
+                    tb.address(host),
+                    "--steps",
+                    str(steps),
+                    "--metrics",
+                    str(metrics),
+                    *_rank_emulation_args((slowdowns or {}).get(host), emulation, profiled),
+                ],
+                stdout=open(log, "wb"),
+                stderr=subprocess.STDOUT,  # noqa: SIM115
+            )
+        )
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, p in enumerate(procs):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
+                error = RankCrashed if p.returncode < 0 else FusionError
+                raise error(
+                    f"{module} rank {rank} exited with {p.returncode}: {log.read_text(errors='replace')[-1500:]}"
+                )
+    except subprocess.TimeoutExpired as e:
+        raise FusionError(f"{module} did not finish within {timeout_s:.0f}s") from e
+    finally:
+        from testbeds.net.testbed import stop_process_group
+
+        for p in procs:
+            if p.poll() is None:
+                stop_process_group(p)
+    return _read_jsonl(metrics)
+
+
+def _rank_emulation_args(factor: float | None, emulation: str, profiled: Path | None) -> list[str]:
+    args = slowdown_args(factor, "--slowdown", emulation)
+    if args and emulation == "profile":
+        if profiled is None:
+            raise FusionError("profile emulation: no profiled seconds for the baselines' ranks")
+        args += ["--profiled", str(profiled)]
+    return args
+
+
+class RankCrashed(FusionError):
+    """A baseline rank was killed by a signal, not by its own error (on this VM gloo aborts
+    a rank with SIGABRT now and then: "terminate called without an active exception")."""
+
+
+def _run_ranks_retrying(
+    tb: Any, module: str, spec_file: Path, hosts: list[str], **kwargs: Any
+) -> tuple[list[dict[str, Any]], str]:
+    """:func:`run_ranks`, once more if a rank crashed; the records and a note saying so."""
+    try:
+        return run_ranks(tb, module, spec_file, hosts, **kwargs), ""
+    except RankCrashed as e:
+        first = str(e).splitlines()[0][:200]
+        logger.warning("%s; running it again", first)
+        return run_ranks(tb, module, spec_file, hosts, **kwargs), f"run again after a crash ({first})"
+
+
+def run_baseline(
+    tb: Any,
+    system: str,
+    spec: JobSpec,
+    *,
+    steps: int,
+    workdir: Path,
+    timeout_s: float,
+    slowdowns: Mapping[str, float] | None = None,
+    emulation: str = "wall",
+    profiled: Path | None = None,
+) -> Run:
+    """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not
+    apply, or when a crashed rank made it run again)."""
+    spec_file = workdir / f"{system}.toml"
+    spec_file.write_text(job_toml(spec))
+    hosts = list(tb.hosts)
+    t0 = time.monotonic()
+    rank_args: dict[str, Any] = {
+        "steps": steps,
+        "workdir": workdir,
+        "timeout_s": timeout_s,
+        "slowdowns": slowdowns,
+        "emulation": emulation,
+        "profiled": profiled,
+    }
+    if system == "ddp":
+        if spec.data.batch_size < len(hosts):
+            return Run(system=system, note=f"n/a: batch {spec.data.batch_size} < {len(hosts)} ranks")
+        records, note = _run_ranks_retrying(tb, "testbeds.bench.baselines.ddp", spec_file, hosts, **rank_args)
+    else:
+        from fusion.training import build_job_model
+        from testbeds.sim.block_split import num_pipeline_stages
+
+        num_stages = num_pipeline_stages(build_job_model(spec), len(hosts))
+        if num_stages < 2:
+            return Run(system=system, note="n/a: the model has fewer than 2 blocks to split")
+        hosts = hosts[:num_stages]
+        try:
+            records, note = _run_ranks_retrying(
+                tb, "testbeds.bench.baselines.pipelining", spec_file, hosts, **rank_args
+            )
+        except FusionError as e:
+            return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
+    # Ranks name links by rank; the table names hosts.
+    for r in records:
+        r["bytes_per_link"] = {
+            f"{hosts[int(a)]}->{hosts[int(b)]}": v
+            for a, b, v in ((*k.split("->"), v) for k, v in r.get("bytes_per_link", {}).items())
+        }
+    return Run(
+        system=system,
+        records=records,
+        final_loss=records[-1]["loss"] if records else None,
+        hosts_used=hosts,
+        wall_s=time.monotonic() - t0,
+        note=note,
+    )
+
+
+# ---------------------------------------------------------------- summary
+def slowest_link_bytes(topology: Topology, bytes_per_link: dict[str, float]) -> tuple[int, float | None]:
+    """(bytes over the lowest-bandwidth host pair used, both directions, the busiest such
+    pair if several are as slow; its Mbit/s)."""
+    names = topology.names()
+    pairs: dict[frozenset[str], float] = {}
+    bw: dict[frozenset[str], float] = {}
+    for key, size in bytes_per_link.items():
+        a, b = key.split("->")
+        if a == b or size <= 0 or a not in names or b not in names:
+            continue
+        pair = frozenset((a, b))
+        pairs[pair] = pairs.get(pair, 0.0) + size
+        i, j = names.index(a), names.index(b)
+        bw[pair] = min(topology.bandwidth_bytes_per_s[i][j], topology.bandwidth_bytes_per_s[j][i])
+    if not pairs:
+        return 0, None
+    slowest = min(bw.values())
+    return int(max(v for p, v in pairs.items() if bw[p] == slowest)), slowest / MBPS
+
+
+def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, Any]:
+    """One system's rounds → its row: trimmed means over timed steps, medians over rounds."""
+    per_round = []
+    for run in runs:
+        timed = [r for r in run.records if r["step"] >= warmup] or run.records
+        if timed:
+            per_round.append(trimmed_mean([r["step_s"] for r in timed]))
+    last = runs[-1]
+    row: dict[str, Any] = {
+        "note": next((r.note for r in runs if r.note), ""),
+        "rounds": len(per_round),
+        "hosts_used": last.hosts_used,
+    }
+    probes = [list(r.probe_s) for r in runs if r.probe_s]
+    if probes:  # the machine's speed before and after each round (ModelProbe), for the simulator
+        row["machine_probe_s"] = probes
+    if not per_round:
+        row.update(samples_per_s=None, step_s=None, slowest_link_bytes=None, final_loss=None)
+        return row
+    step_s = statistics.median(per_round)
+    batch = last.records[0]["samples_per_s"] * last.records[0]["step_s"]
+    timed = [r for r in last.records if r["step"] >= warmup] or last.records
+    links: dict[str, float] = {}
+    for r in timed:
+        for k, v in r.get("bytes_per_link", {}).items():
+            links[k] = links.get(k, 0.0) + v / len(timed)
+    slow_bytes, slow_mbps = slowest_link_bytes(topology, links)
+    row.update(
+        samples_per_s=batch / step_s,
+        step_s=step_s,
+        step_s_rounds=per_round,
+        slowest_link_bytes=slow_bytes,
+        slowest_link_mbps=slow_mbps,
+        final_loss=last.final_loss,
+        losses=[r["loss"] for r in last.records],
+    )
+    if "tokens_per_s" in last.records[0]:
+        tokens = last.records[0]["tokens_per_s"] * last.records[0]["step_s"]
+        row["tokens_per_s"] = tokens / step_s
+    if last.predicted_step_s:
+        row["predicted_step_s"] = last.predicted_step_s
+    if last.plan_stages:
+        row["plan"] = last.plan_stages
+    computed = [r["compute_s"] for r in timed if r.get("compute_s")]
+    if computed:  # measured compute seconds per step on each stage's worker (fusion, uniform)
+        row["compute_s"] = {w: trimmed_mean([c.get(w, 0.0) for c in computed]) for w in computed[-1]}
+    ratios = [r["compression"] for r in timed if r.get("compression")]
+    if ratios:
+        row["keep_ratios"] = {k: statistics.median(x[k]["keep_ratio"] for x in ratios if k in x) for k in ratios[-1]}
+    return row
+
+
+def report(rows: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The JSON contract: systems, fusion's speed-up over each baseline, its efficiency."""
+    fusion = rows.get("fusion", {})
+    speedup = {}
+    for name, row in rows.items():
+        if name != "fusion":
+            speedup[name] = row["step_s"] / fusion["step_s"] if fusion.get("step_s") and row.get("step_s") else None
+    efficiency = None
+    if fusion.get("step_s") and fusion.get("predicted_step_s"):
+        efficiency = fusion["predicted_step_s"] / fusion["step_s"]
+    return {**meta, "systems": rows, "speedup": speedup, "efficiency": efficiency}
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from testbeds.net.backend import open_testbed
+    from testbeds.net.testbed import resolve_topology
+
+    spec = load_job(args.job)
+    steps = args.steps or spec.train.steps
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    topology, label = resolve_topology(args.topology)
+    slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
+    emulation = args.emulation
+    if slowdowns:
+        print(f"emulating slower devices ({emulation}): {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
+    if slowdowns and emulation == "profile":
+        fleet_at = min((i for i, s in enumerate(systems) if s in ("fusion", "uniform")), default=len(systems))
+        if any(s in ("ddp", "pipelining") for s in systems[:fleet_at]):
+            raise FusionError(
+                "--emulation profile prices the emulated computations from fusion's coordinator profile: list fusion or "
+                "uniform before ddp and pipelining in --systems"
+            )
+    runs: dict[str, list[Run]] = {s: [] for s in systems}
+    fleet_costs = None
+    fleet_profile: dict[str, Any] | None = None
+    probe = ModelProbe(spec)
+    profile_probe_s: float | None = None  # the machine's speed as fusion's coordinator profiles (its first job)
+    with open_testbed(args.topology, backend=args.backend) as tb:
+        workdir = Path(tb.workdir)
+        fleet = (
+            FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation)
+            if {"fusion", "uniform"} & set(systems)
+            else None
+        )
+        profiled: Path | None = None
+        for round_idx in range(args.repeats):
+            for system in systems:
+                logger.info("round %d: %s", round_idx + 1, system)
+                before_s = probe.median_step_s(PROBE_S)
+                if system in ("fusion", "uniform") and profile_probe_s is None:
+                    profile_probe_s = before_s
+                t0 = time.monotonic()
+                if system in ("fusion", "uniform"):
+                    job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
+                    run = fleet.run(job, system, timeout_s=args.timeout)
+                else:
+                    job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
+                    if slowdowns and emulation == "profile" and profiled is None:
+                        assert fleet is not None
+                        profiled = write_profiled(fleet, spec, len(tb.hosts), workdir / "profiled.json")
+                    run = run_baseline(
+                        tb,
+                        system,
+                        job,
+                        steps=steps,
+                        workdir=workdir,
+                        timeout_s=args.timeout,
+                        slowdowns=slowdowns,
+                        emulation=emulation,
+                        profiled=profiled,
+                    )
+                run_s = time.monotonic() - t0
+                run.probe_s = (before_s, probe.median_step_s(PROBE_S))
+                print(
+                    f"  round {round_idx + 1} {system}: {len(run.records)} steps in {run_s:.1f}s, machine probe "
+                    f"{run.probe_s[0] * 1e3:.1f}/{run.probe_s[1] * 1e3:.1f} ms {run.note}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs[system].append(run)
+        if fleet is not None:
+            fleet_costs = fleet.step_costs()
+            fleet_profile = fleet.model_profile()
+        backend, latency_mode = tb.backend, tb.latency_mode
+    rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
+    meta = {
+        "topology": label,
+        "job_name": spec.name or Path(args.job).stem,
+        "num_hosts": len(topology),
+        "backend": backend,
+        "latency_mode": latency_mode,
+        "step_statistic": "trimmed-mean",
+        "sends": PACED_SENDS,
+        "emulated_slowdown": slowdowns,
+        "emulation": emulation,
+        "emulate_speeds": bool(args.emulate_speeds),
+        "steps": steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]),
+        "step_costs": fleet_costs,
+        "job": spec.to_dict(),
+        # The node costs the coordinator profiled: the simulator replays exactly these.
+        "profile": None
+        if fleet_profile is None
+        else {
+            k: fleet_profile.get(k)
+            for k in ("nodes", "matmul_flops", "optimizer_s_per_byte", "device_name", "compute_factor")
+        },
+        # What fusion's coordinator measured before planning (speeds, machines, link fits).
+        "measured": next((r.measured for r in runs.get("fusion", []) if r.measured), None),
+        # The machine's speed while the coordinator profiled and around each run: the
+        # simulator's "probed" prediction prices each system at its runs' speed over this one.
+        "machine_probe": {
+            "step_s_at_profile": profile_probe_s,
+            "seconds": PROBE_S,
+            "what": "median forward and backward of one micro-batch, one thread",
+        },
+    }
+    doc = report(rows, meta)
+    if args.simulate:
+        from testbeds.sim.validation import add_simulation
+
+        add_simulation(doc, Path(args.out).parent if args.out else Path("."))
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m testbeds.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--topology", help="topology file or shipped name (two-sites, three-continents, volunteers, ...)")
+    p.add_argument("--job", help="job file (TOML)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's)")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="first steps of a run left out of the timing (default: %(default)s)"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--backend", default="netns", help="testbed backend (default: %(default)s; gloo needs netns)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default: %(default)s)")
+    p.add_argument(
+        "--emulate-speeds",
+        action="store_true",
+        help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
+        "times slower, in every system (each computation is followed by a sleep; labelled in the output). "
+        "Without it, only hosts with a slowdown are emulated",
+    )
+    p.add_argument(
+        "--emulation",
+        choices=EMULATIONS,
+        default="wall",
+        help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
+        "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
+        "times (default: %(default)s; executor.emulation)",
+    )
+    p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+    p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")
+    p.add_argument(
+        "--render",
+        default=None,
+        metavar="JSON",
+        help="instead of running: re-render a result (with --simulate: re-simulate it)",
+    )
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if not args.render and not (args.topology and args.job):
+        p.error("give --topology and --job (or --render RESULT.json)")
+    try:
+        if args.render:
+            doc = json.loads(Path(args.render).read_text())
+            if args.simulate:
+                from testbeds.sim.validation import add_simulation
+
+                add_simulation(doc, Path(args.render).parent)
+        else:
+            doc = bench(args)
+    except FusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = markdown(doc)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out}.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+        Path(f"{out}.md").write_text(text)
+        write_chart(doc, Path(f"{out}.png"))
+    print(json.dumps(doc, indent=2, default=_json_default) if args.json else text)
+    return 0
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (set, frozenset, tuple)):
+        return list(v)
+    return str(v)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""How a side-by-side benchmark result reads: its markdown table and its PNG chart.
+
+Both are made from the result document alone (``python -m testbeds.bench --json``'s), so a
+committed result can be re-rendered (``--render RESULT.json``) without running anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from testbeds.sim.topologies import slowdowns_label
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The table (and the notes) as markdown."""
+    lines = [
+        f"# {doc['topology']}: {doc['job_name']}",
+        "",
+        f"`{doc['command']}`",
+        "",
+        (
+            f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
+            f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; "
+            f"{'trimmed means of the steps, medians of the rounds' if doc.get('step_statistic') == 'trimmed-mean' else 'medians'}."
+        ),
+        "",
+        *emulation_lines(doc),
+        (
+            "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err "
+            "| machine x | probed s | err | calibrated s | err | note |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in doc["systems"].items():
+
+        def f(v: Any, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        sp = doc["speedup"].get(name)
+        sim, err = r.get("simulated_step_s"), r.get("sim_error")
+        cal, cal_err = r.get("calibrated_step_s"), r.get("calibrated_error")
+        link = f"{r['slowest_link_mbps']:g} Mbps" if r.get("slowest_link_mbps") else "none"
+        lines.append(
+            f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | {f(r.get('step_s'), '.4g')} | {link} | "
+            f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | {'-' if name == 'fusion' else f(sp, '.2f')} | "
+            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | {f(r.get('machine_drift'), '.2f')} | "
+            f"{f(r.get('probed_step_s'), '.4g')} | {f(r.get('probed_error'), '+.0%')} | "
+            f"{f(cal, '.4g')} | {'-' if cal_err is None else f'{cal_err:+.0%}'} | "
+            f"{r.get('note', '')} |"
+        )
+    lines.append("")
+    eff = doc.get("efficiency")
+    fusion = doc["systems"].get("fusion", {})
+    lines.append(
+        f"fusion efficiency (predicted {f_or(fusion.get('predicted_step_s'))} s / measured {f_or(fusion.get('step_s'))} s): "
+        f"{'-' if eff is None else f'{eff:.2f}'}; fusion ran on {', '.join(fusion.get('hosts_used', [])) or '-'}"
+        + (f"; AdaTopK keep ratios {fusion['keep_ratios']}" if fusion.get("keep_ratios") else "")
+    )
+    if "compute_factor" in doc:
+        lines.append(
+            f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
+            f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; "
+            + (
+                "probed: the same with each system's compute as many times slower as the machine probes before and after its "
+                "runs were over the probe as the coordinator profiled (machine x, `testbeds.bench.speed_probe.ModelProbe`); "
+                if any(r.get("probed_step_s") for r in doc["systems"].values())
+                else ""
+            )
+            + "calibrated: the same with each host of fusion's and uniform's plans computing "
+            f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
+            + " ddp's gradient buckets are all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message."
+            + (
+                f" ddp's and pipelining's messages take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/net/link_times.py`)."
+                if doc.get("sim_links") == "measured"
+                else ""
+            )
+            + (
+                " fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
+                "`testbeds/bench/machine_probe.py`) in the simulated column."
+                if doc.get("sim_pause_cost")
+                else ""
+            )
+            + (
+                " Their transfers between stages pay the executors' measured transfer path (the same file) in both."
+                if doc.get("sim_transfer_path")
+                else ""
+            )
+            + (
+                " Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
+                "`testbeds/sim/machine.py`) in the simulated column."
+                if doc.get("sim_interference")
+                else ""
+            )
+            + (
+                " Their driver's calls pay the gRPC round trip the coordinator measured to the worker on its own host, on top of "
+                "the configured links."
+                if doc.get("sim_driver_links") == "measured"
+                else ""
+            )
+        )
+    lines += [
+        f"\n{name}'s bytes on the slowest link: {r['slowest_link_bytes_note']}"
+        for name, r in doc["systems"].items()
+        if r.get("slowest_link_bytes_note")
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def emulation_lines(doc: dict[str, Any]) -> list[str]:
+    """The table's label for a run with emulated slower devices (none without)."""
+    slowdowns = doc.get("emulated_slowdown")
+    if not slowdowns:
+        return []
+    hosts = slowdowns_label(slowdowns)
+    why = (
+        "the topology's device speed ratios, `--emulate-speeds`"
+        if doc.get("emulate_speeds")
+        else "the hosts' `slowdown`"
+    )
+    measure = (
+        "their seconds in fusion's coordinator profile (`--emulation profile`)"
+        if doc.get("emulation") == "profile"
+        else "their length"
+    )
+    return [
+        f"**Emulated slower devices** ({why}): {hosts}; every system's computations there are followed by a sleep of "
+        f"(factor - 1) times {measure} (`executor.emulation`).",
+        "",
+    ]
+
+
+def f_or(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def write_chart(doc: dict[str, Any], path: Path) -> None:
+    """A PNG: samples/s per system (bars), fusion's speed-up over each written above its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in doc["systems"].items()]
+    values = [doc["systems"][n].get("samples_per_s") or 0.0 for n in names]
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
+    bars = ax.bar(names, values, color=["#2a7" if n == "fusion" else "#888" for n in names])
+    for bar, name in zip(bars, names, strict=False):
+        r = doc["systems"][name]
+        sp = doc["speedup"].get(name)
+        label = "n/a" if not r.get("samples_per_s") else (f"fusion {sp:.1f}x" if sp else f"{r['samples_per_s']:.3g}/s")
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"{doc['topology']}: {doc['job_name']} ({doc['backend']}, {doc['repeats']} rounds)")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)

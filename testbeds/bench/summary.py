@@ -1,0 +1,165 @@
+"""The side-by-side benchmark's summary: one table over every ``bench-<topology>-<model>.json``
+and the issue's targets checked against it.
+
+    python -m testbeds.bench.summary testbeds/results/bench [--notes NOTES.md]
+
+writes ``bench-summary.md`` next to the JSON files (the notes file, hand-written analysis,
+is appended as it is). Targets (from the FusionLLM paper's reported range), as the issue
+words them: fusion ≥ 1.5× ``uniform`` on ``two-sites`` and ≥ 9.4× on ``three-continents``
+or ``volunteers`` (one target per model, met when either topology reaches it; both
+figures are shown); ≥ 3×
+``ddp`` wherever the topology has a link of 100 Mbps or less; efficiency (the plan's
+predicted step over the measured one) ≥ 0.8; final loss within 3 % of ``uniform``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from scheduler.topology import Topology
+from testbeds.sim.topologies import slowdowns_label
+
+TOPOLOGY_DIR = Path(__file__).resolve().parents[1] / "topologies"
+UNIFORM_TARGET = {"two-sites": 1.5}
+#: fusion over uniform on any one of these topologies (per model).
+WIDE_UNIFORM_TARGET = (("three-continents", "volunteers"), 9.4)
+DDP_TARGET = 3.0
+SLOW_LINK_MBPS = 100.0
+EFFICIENCY_TARGET = 0.8
+LOSS_GAP_TARGET = 0.03
+
+
+def slowest_link_mbps(topology: str) -> float:
+    """The topology's slowest link, in Mbps."""
+    t = Topology.load(TOPOLOGY_DIR / f"{topology}.toml")
+    return min(b for row in t.bandwidth_bytes_per_s for b in row) * 8 / 1e6
+
+
+def _emulated(slowdowns: dict[str, float] | None) -> str:
+    """The hosts a run emulated as slower devices, and by how much (``-``: none)."""
+    return slowdowns_label(slowdowns) if slowdowns else "-"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def summarize(docs: Sequence[dict[str, Any]]) -> tuple[list[str], list[tuple[str, str, bool]]]:
+    """The table's rows and the targets as (what, measured, met)."""
+    rows = []
+    targets: list[tuple[str, str, bool]] = []
+    wide_topologies, wide_goal = WIDE_UNIFORM_TARGET
+    wide: dict[str, list[tuple[str, float]]] = {}
+    for d in sorted(docs, key=lambda d: (d["topology"], d["job_name"])):
+        topo, model = d["topology"], d["job_name"]
+        fusion, uniform = d["systems"]["fusion"], d["systems"].get("uniform", {})
+        speed = d.get("speedup", {})
+        gap = None
+        if fusion.get("final_loss") is not None and uniform.get("final_loss"):
+            gap = abs(fusion["final_loss"] - uniform["final_loss"]) / uniform["final_loss"]
+        ran_on = ", ".join(fusion.get("hosts_used") or []) or "-"
+        rows.append(
+            f"| {topo} | {model} | {_emulated(d.get('emulated_slowdown'))} | {fusion.get('samples_per_s', 0):.3g} | {fusion.get('step_s', 0):.3g} | {ran_on} | "
+            f"{_ratio(speed.get('uniform'))} | {_ratio(speed.get('ddp'))} | {_ratio(speed.get('pipelining'))} | "
+            f"{_ratio(d.get('efficiency'))} | {'-' if gap is None else f'{gap:.2%}'} |"
+        )
+        label = f"on {topo} ({model})"
+        if topo in UNIFORM_TARGET and speed.get("uniform") is not None:
+            goal = UNIFORM_TARGET[topo]
+            targets.append((f"fusion >= {goal}x uniform {label}", f"{speed['uniform']:.2f}", speed["uniform"] >= goal))
+        if topo in wide_topologies and speed.get("uniform") is not None:
+            wide.setdefault(model, []).append((topo, speed["uniform"]))
+        if slowest_link_mbps(topo) <= SLOW_LINK_MBPS and speed.get("ddp") is not None:
+            targets.append(
+                (f"fusion >= {DDP_TARGET:g}x ddp {label}", f"{speed['ddp']:.2f}", speed["ddp"] >= DDP_TARGET)
+            )
+        if d.get("efficiency") is not None:
+            targets.append(
+                (
+                    f"efficiency >= {EFFICIENCY_TARGET} {label}",
+                    f"{d['efficiency']:.2f}",
+                    d["efficiency"] >= EFFICIENCY_TARGET,
+                )
+            )
+        if gap is not None:
+            targets.append((f"final loss within 3 % of uniform {label}", f"gap {gap:.2%}", gap <= LOSS_GAP_TARGET))
+    for model, measured in wide.items():
+        targets.append(
+            (
+                f"fusion >= {wide_goal}x uniform on {' or '.join(wide_topologies)} ({model})",
+                ", ".join(f"{topo} {x:.2f}" for topo, x in measured),
+                any(x >= wide_goal for _, x in measured),
+            )
+        )
+    return rows, targets
+
+
+def render(docs: Sequence[dict[str, Any]], notes: str = "", *, source: str = "testbeds/results/bench") -> str:
+    """The summary of ``docs``; ``source``: the folder they were read from, named in the
+    command the text says made it."""
+    rows, targets = summarize(docs)
+    met = sum(ok for _, _, ok in targets)
+    lines = [
+        "# Side-by-side benchmark: summary",
+        "",
+        (
+            f"Generated by `python -m testbeds.bench.summary {source}` from the `bench-<topology>-<model>.json` files next "
+            "to this one; each `.md` beside them has the full table and the exact command. fusion x B = B's step time / "
+            "fusion's (same batch; > 1: fusion is faster). Efficiency = the predicted step time of the plan fusion ran / "
+            "fusion's measured step time. Loss gap = |fusion - uniform| / uniform final loss. Slower devices (emulated): "
+            "hosts whose computations, in every system, were stretched to stand in for the topology's slower devices "
+            "(`executor.emulation`; every host shares this machine's CPU)."
+        ),
+        "",
+        "| topology | model | slower devices (emulated) | fusion samples/s | fusion step s | fusion ran on | x uniform | x ddp | x pipelining | efficiency | loss gap |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---:|---|",
+        *[f"| {what} | {measured} | {'yes' if ok else 'no'} |" for what, measured, ok in targets],
+        "",
+        f"{met} of {len(targets)} targets met.",
+    ]
+    if notes:
+        lines += ["", notes.rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m testbeds.bench.summary", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path, help="folder with bench-<topology>-<model>.json files")
+    p.add_argument(
+        "--notes",
+        type=Path,
+        default=None,
+        help="markdown appended after the tables (default: bench-notes.md there, if any)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="output file (default: RESULTS/bench-summary.md)")
+    args = p.parse_args(argv)
+    files = sorted(args.results.glob("bench-*-*.json"))
+    docs = [json.loads(f.read_text()) for f in files]
+    docs = [d for d in docs if "systems" in d and "fusion" in d["systems"]]
+    if not docs:
+        print(
+            f"error: no benchmark JSON (bench-<topology>-<model>.json with a fusion row) in {args.results}",
+            file=sys.stderr,
+        )
+        return 2
+    notes_path = args.notes or args.results / "bench-notes.md"
+    notes = notes_path.read_text() if notes_path.exists() else ""
+    out = args.out or args.results / "bench-summary.md"
+    out.write_text(render(docs, notes, source=args.results.as_posix()))
+    print(f"wrote {out} ({len(docs)} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,267 @@
+"""Run one fusion job on a testbed, the way users would run it on real machines.
+
+``fusion-coordinator`` starts on the first host, one ``fusion-worker`` per host (or
+``workers_per_host``) on every host, each listening on its host's address; every worker's
+executor port is :meth:`~testbeds.net.testbed.Testbed.expose`-d before the worker starts, so that
+every process's peer map already routes it over the emulated links when the first
+channel is opened. The job is submitted with ``fusion submit`` from the first host and
+followed with ``fusion logs --follow``; the final ``fusion status --json`` is the result.
+Workers reach the coordinator directly (control traffic); executor traffic — the
+coordinator's driver calls and every stage-to-stage transfer — crosses the emulated links.
+
+Every worker computes at this machine's speed unless ``slowdowns`` names its host (a
+host's ``slowdown``, or with ``python -m testbeds run --emulate-speeds`` the topology's speed
+ratios: :func:`testbeds.sim.topologies.emulated_slowdowns`), whose workers then run
+``fusion-worker --emulate-slowdown`` — emulation of a slower device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fusion.config import load_job
+from fusion.launch import child_env
+from testbeds.net.testbed import Testbed, TestbedError, wait_for_line
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 180.0
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+def worker_names(tb: Testbed, workers_per_host: int) -> list[tuple[str, str]]:
+    """``(host, worker name)`` for every worker: the host's name, or ``host-k`` with several."""
+    return [(h, h if workers_per_host == 1 else f"{h}-{k}") for h in tb.hosts for k in range(workers_per_host)]
+
+
+class TestbedRun:
+    """A coordinator and workers started on a testbed, and jobs run through them."""
+
+    __test__ = False
+
+    def __init__(
+        self,
+        tb: Testbed,
+        log_dir: Path,
+        *,
+        workers_per_host: int = 1,
+        torch_threads: int = 1,
+        echo: Callable[[str], None] = print,
+        slowdowns: Mapping[str, float] | None = None,
+    ) -> None:
+        if workers_per_host < 1:
+            raise TestbedError(f"--workers-per-host must be at least 1, got {workers_per_host}")
+        self.tb = tb
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.workers_per_host = workers_per_host
+        self.torch_threads = torch_threads
+        self.echo = echo
+        self.slowdowns = dict(slowdowns or {})
+        self.env = child_env()
+        self.token = secrets.token_urlsafe(18)
+        self.token_file = self.log_dir / "token"
+        self.token_file.write_text(self.token)
+        self.token_file.chmod(0o600)
+        self.coordinator = ""
+        self.head = tb.hosts[0]
+
+    def _spawn_logged(self, host: str, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as f:
+            proc = self.tb.spawn(host, [sys.executable, *argv], env=self.env, stdout=f, stderr=subprocess.STDOUT)
+        return proc, log
+
+    def start(self) -> None:
+        """Start the coordinator and every worker; return once all joined."""
+        tb = self.tb
+        port = tb.free_port(self.head)
+        proc, log = self._spawn_logged(
+            self.head,
+            "coordinator",
+            [
+                "-m",
+                "fusion.cli.coordinator",
+                "--host",
+                tb.address(self.head),
+                "--port",
+                str(port),
+                "--token-file",
+                str(self.token_file),
+                "--state-dir",
+                str(self.log_dir / "state"),
+                "--heartbeat-interval",
+                "1",
+                "--heartbeat-timeout",
+                "20",
+                "--log-level",
+                "INFO",
+            ],
+        )
+        m = wait_for_line(log, r"listening on (\S+:\d+)", proc, READY_TIMEOUT_S)
+        self.coordinator = m.group(1)
+        self.echo(f"coordinator on {self.head} at {self.coordinator} (log {log})")
+        started = []
+        for host, name in worker_names(tb, self.workers_per_host):
+            port = tb.free_port(host)
+            tb.expose(host, port)  # before it starts: every peer map routes it from the first channel
+            proc, log = self._spawn_logged(
+                host,
+                f"worker-{name}",
+                [
+                    "-m",
+                    "fusion.cli.worker",
+                    "--coordinator",
+                    self.coordinator,
+                    "--token-file",
+                    str(self.token_file),
+                    "--name",
+                    name,
+                    "--listen",
+                    f"{tb.address(host)}:{port}",
+                    "--torch-threads",
+                    str(self.torch_threads),
+                    "--log-level",
+                    "INFO",
+                    *slowdown_args(self.slowdowns.get(host)),
+                ],
+            )
+            started.append((name, proc, log))
+        for _name, proc, log in started:
+            wait_for_line(log, r"fusion-worker ready", proc, READY_TIMEOUT_S)
+        self.echo(f"{len(started)} worker(s) joined: {', '.join(n for n, _, _ in started)}")
+
+    def fusion(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+        """Run ``fusion ARGS`` on the first host against this run's coordinator."""
+        env = {**self.env, "FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        proc = self.tb.spawn(
+            self.head,
+            [sys.executable, "-m", "fusion.cli.main", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise TestbedError(f"'fusion {' '.join(args)}' did not finish within {timeout_s:.0f}s") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def submit(self, job_file: Path) -> str:
+        spec = load_job(job_file)
+        num_workers = len(self.tb.hosts) * self.workers_per_host
+        if spec.cluster.min_workers > num_workers:
+            raise TestbedError(
+                f"{job_file} needs min_workers = {spec.cluster.min_workers}; this testbed has {num_workers} worker(s)"
+            )
+        r = self.fusion("submit", str(Path(job_file).resolve()))
+        if r.returncode != 0:
+            raise TestbedError(f"fusion submit failed: {r.stderr.strip() or r.stdout.strip()}")
+        self.echo(r.stdout.strip())
+        return r.stdout.split()[-1]
+
+    def follow(self, job_id: str, *, timeout_s: float) -> dict[str, Any]:
+        """Echo the job's log lines until it ends; return its final ``fusion status --json``."""
+        env = {**self.env, "FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        proc = self.tb.spawn(
+            self.head,
+            [sys.executable, "-m", "fusion.cli.main", "logs", job_id, "--follow"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.echo(line.rstrip("\n"))
+
+        reader = threading.Thread(target=pump, name="follow", daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise TestbedError(f"job {job_id} did not finish within {timeout_s:.0f}s") from None
+        finally:
+            reader.join(5.0)
+        deadline = time.monotonic() + 30.0
+        while True:  # logs --follow ends at a terminal state; status confirms it
+            r = self.fusion("status", job_id, "--json")
+            if r.returncode != 0:
+                raise TestbedError(f"fusion status failed: {r.stderr.strip()}")
+            status = json.loads(r.stdout)
+            if status["state"] in TERMINAL_STATES or time.monotonic() > deadline:
+                return status
+            time.sleep(1.0)
+
+
+def slowdown_args(factor: float | None, flag: str = "--emulate-slowdown", emulation: str = "wall") -> list[str]:
+    """Arguments for a process on a host emulated ``factor`` times slower (none at 1):
+    ``fusion-worker``'s flag by default, the baselines' ``--slowdown``; ``emulation``: what
+    the factor multiplies (:data:`executor.emulation.EMULATIONS`)."""
+    if not factor or factor <= 1.0:
+        return []
+    return [flag, str(factor), *(["--emulation", emulation] if emulation != "wall" else [])]
+
+
+def summary_lines(status: dict[str, Any]) -> list[str]:
+    """The end-of-run summary a user reads."""
+    loss = f"{status['loss']:.4f}" if status.get("loss") is not None else "-"
+    rate = f", {status['samples_per_s']:.1f} samples/s" if status.get("samples_per_s") else ""
+    lines = [
+        f"job {status['id']}: {status['state']}" + (f" ({status['reason']})" if status.get("reason") else ""),
+        f"  steps {status['step']}/{status['steps']}, final loss {loss}{rate}",
+        f"  workers: {', '.join(status.get('workers') or []) or '-'}",
+        f"  outputs: {status.get('output_dir', '-')}",
+    ]
+    plan = status.get("plan")
+    if plan:
+        lines.append(
+            f"  plan ({plan['strategy']}): "
+            + ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"])
+        )
+    return lines
+
+
+def run_job_on_testbed(
+    tb: Testbed,
+    job_file: str | Path,
+    log_dir: Path,
+    *,
+    workers_per_host: int = 1,
+    timeout_s: float = 3600.0,
+    echo: Callable[[str], None] = print,
+    slowdowns: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Start the fleet on ``tb``, run the job to its end, return its final status."""
+    job_file = Path(job_file)
+    if not job_file.exists():
+        raise TestbedError(f"no job file {job_file}")
+    run = TestbedRun(tb, log_dir, workers_per_host=workers_per_host, echo=echo, slowdowns=slowdowns)
+    run.start()
+    job_id = run.submit(job_file)
+    status = run.follow(job_id, timeout_s=timeout_s)
+    for line in summary_lines(status):
+        echo(line)
+    carried = {k: v for k, v in tb.link_bytes().items() if v}
+    if carried:
+        how = "htb counters, frames of all traffic" if tb.backend == "netns" else "user-space proxies"
+        echo(
+            f"  bytes over the emulated links ({how}): "
+            + ", ".join(f"{s}->{d} {n:,}" for (s, d), n in sorted(carried.items()))
+        )
+    return status
