@@ -9,8 +9,10 @@ sets' keys their constructors' parameters.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import io
 import re
 import typing
 from pathlib import Path
@@ -137,3 +139,40 @@ def test_job_reference_is_found_with_every_section() -> None:
     reference = _section(_readme(), JOB_REFERENCE)
     headings = re.findall(r"^### `\[(\w+)\]`$", reference, flags=re.MULTILINE)
     assert sorted(headings) == sorted(_job_sections()), "one `### [section]` heading per job section, no others"
+
+
+def _help(build_parser: typing.Callable[[], typing.Any], args: list[str]) -> str:
+    """The ``--help`` text of a command (or sub-command), as its parser prints it."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*args, "--help"])
+    assert exit_info.value.code == 0, f"README runs a command that does not exist: {args}: {err.getvalue()}"
+    return out.getvalue()
+
+
+def _command_lines() -> list[list[str]]:
+    """Every command line of the README's shell code blocks, continuations joined, as words."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", _readme(), flags=re.MULTILINE | re.DOTALL)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    return [line.split("#")[0].replace("&&", " && ").split() for line in lines if line.strip()]
+
+
+def test_readme_commands_and_flags_exist() -> None:
+    from fusion.cli import coordinator, main, worker
+
+    parsers = {"fusion": main.build_parser, "fusion-worker": worker.build_parser}
+    parsers["fusion-coordinator"] = coordinator.build_parser
+    checked = 0
+    for words in _command_lines():
+        for i, word in enumerate(words):
+            if word not in parsers or (i > 0 and words[i - 1] != "&&"):
+                continue
+            rest = words[i + 1 :]
+            rest = rest[: rest.index("&&")] if "&&" in rest else rest
+            sub = [rest[0]] if word == "fusion" else []
+            text = _help(parsers[word], sub)
+            flags = [re.sub(r"[\[\]|]", "", w).split("=")[0] for w in rest if w.lstrip("[").startswith("--")]
+            unknown = [f for f in flags if f not in text]
+            assert not unknown, f"README runs `{word} {' '.join(sub)}` with flags it does not take: {unknown}"
+            checked += 1
+    assert checked >= 3, "the README's commands were not found"
