@@ -8,7 +8,8 @@ from executor.client import ChannelPool
 from executor.driver import SnapshotRequest
 from executor.local import LocalCluster
 from fusion.config import JobSpec
-from fusion.coordinator.recovery import answering, choose_buddies, snapshot_request
+from fusion.coordinator.recovery import answering
+from fusion.coordinator.replicas import choose_buddies, snapshot_request
 
 MBPS = 1e6 / 8
 
