@@ -162,7 +162,7 @@ def measure_receive(run: Callable[[], object], size: int, seconds: float, addres
     """Cost per received transfer: the executor service of this process at ``address``
     (control key ``key``) receives ``Probe`` transfers from a child process (stopped by its
     pid) while this thread computes."""
-    from executor.local import REPO_ROOT
+    from fusion.launch import REPO_ROOT
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     args = [address, key.hex(), str(size), str(seconds), *map(str, GAP_S)]
@@ -226,9 +226,9 @@ def measure_interference(
     and highest round (one round's fit moves by about 1 ms)."""
     from executor.access import ExecutorAccess
     from executor.client import ChannelPool, ExecutorClient
-    from executor.local import LocalCluster
     from executor.server import ExecutorService, start_server
     from fusion.auth import new_key
+    from fusion.launch.executors import LocalCluster
     from testbeds.bench_core import EXECUTOR_WARM_UP_S
     from testbeds.pause_cost import probe_computation
 

@@ -265,7 +265,7 @@ def measure_transfer_path(
     returns the median over rounds and the lowest and highest round.
     """
     from executor.client import ChannelPool, ExecutorClient
-    from executor.local import LocalCluster
+    from fusion.launch.executors import LocalCluster
     from testbeds.bench_core import EXECUTOR_WARM_UP_S
 
     per_round = max(3, trials // rounds)

@@ -6,10 +6,10 @@ import pytest
 
 from executor.client import ChannelPool
 from executor.driver import SnapshotRequest
-from executor.local import LocalCluster
 from fusion.config import JobSpec
 from fusion.coordinator.recovery import answering
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
+from fusion.launch.executors import LocalCluster
 
 MBPS = 1e6 / 8
 
