@@ -127,7 +127,6 @@ class JobRunner(threading.Thread):
         self._outputs: JobOutputs | None = None
         self._history: list[tuple[int, float]] = []
         self._durable: DurableWriter | None = None
-        self._idle_seen: frozenset[str] = frozenset()
         self.recovery = Recovery(self, pool=pool, checkpoints=self.checkpoints, initial=lambda: self.model.state_dict())
 
     # ------------------------------------------------------------- control from the coordinator
