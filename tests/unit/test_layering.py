@@ -199,6 +199,7 @@ def test_sources_are_found() -> None:
     assert LAYER_OF["fusion/graph/ir.py"] == "core"
     assert LAYER_OF["fusion/coordinator/store.py"] == "app"
     assert LAYER_OF["fusion/worker.py"] == "app"
+    assert LAYER_OF["fusion/launch/executors.py"] == "app"
 
 
 def test_checker_sees_every_kind_of_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
