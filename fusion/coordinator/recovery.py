@@ -31,7 +31,6 @@ import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.driver import PipelineDriver
-from fusion import errors
 from fusion.checkpoint import CheckpointDir
 from fusion.coordinator.restore import (
     Holdings,
@@ -42,7 +41,7 @@ from fusion.coordinator.restore import (
     snapshot_holdings,
 )
 from fusion.coordinator.store import WorkerRow
-from fusion.errors import CheckpointError, FusionError, RemoteError, StateError
+from fusion.errors import CheckpointError, FusionError, PoisonedInputError, RemoteError, StateError
 
 logger = logging.getLogger(__name__)
 
@@ -220,9 +219,8 @@ class Recovery:
         """Workers to drop after a failed step: worker id -> (reason, new state)."""
         job = self.job
         lost: dict[str, tuple[str, str]] = {}
-        poisoned = getattr(errors, "PoisonedInputError", None)
-        if poisoned is not None and isinstance(error, poisoned):
-            sender = int(getattr(error, "sender_stage", -1))
+        if isinstance(error, PoisonedInputError):
+            sender = error.sender_stage
             if 0 <= sender < len(job.stage_workers):
                 w = job.stage_workers[sender]
                 lost[w.worker_id] = (f"worker {w.name} ({w.address}) sent poisoned tensors: {error}", "excluded")
