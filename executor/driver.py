@@ -12,7 +12,7 @@ One step, as the driver sees it:
 5. ``ApplyStep``: each stage runs the job's optimizer on its own parameters.
 
 The coordinator drives jobs through this class; tests and benchmarks use it through
-:mod:`executor.local`.
+:mod:`fusion.launch.distributed`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from executor.local import LocalCluster
+from fusion.launch.executors import LocalCluster
 
 logger = logging.getLogger(__name__)
 

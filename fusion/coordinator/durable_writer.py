@@ -3,7 +3,8 @@
 The runner asks for one every ``checkpoint.durable_every`` steps; this fetches every stage's
 snapshot of that step from its worker (waiting for the background copy to finish), merges
 them into the whole model's state and writes it with :class:`fusion.checkpoint.CheckpointDir`,
-recording it in SQLite. Training goes on meanwhile.
+recording it with the job's :class:`CheckpointRecords` (the coordinator's SQLite store is
+one). Training goes on meanwhile.
 """
 
 from __future__ import annotations
@@ -12,17 +13,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from executor.client import ExecutorClient, run_parallel
+from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.driver import PipelineDriver
-from fusion.checkpoint import merge_states
+from fusion.checkpoint import CheckpointDir, merge_states
 from fusion.errors import FusionError, RemoteError
 
-if TYPE_CHECKING:
-    from fusion.coordinator.runner import JobRunner
-
 logger = logging.getLogger(__name__)
+
+
+class CheckpointRecords(Protocol):
+    """Where a written checkpoint is recorded (:class:`fusion.coordinator.store.Store` is one)."""
+
+    def add_checkpoint(self, job_id: str, *, step: int, path: str, sha256: str, size_bytes: int, keep: int) -> None:
+        """Record a checkpoint file of ``job_id``, keeping the newest ``keep``."""
+        ...
+
+    def log(self, job_id: str, kind: str, record: dict[str, Any]) -> int:
+        """Append a record to the job's log."""
+        ...
 
 
 class DurableWriter:
@@ -32,15 +42,24 @@ class DurableWriter:
     being written when the next is due, the next is skipped (the newer one will come).
     """
 
-    def __init__(self, runner: JobRunner) -> None:
-        self.runner = runner
+    def __init__(
+        self, *, job_id: str, pool: ChannelPool, checkpoints: CheckpointDir, records: CheckpointRecords, keep: int
+    ) -> None:
+        """Checkpoints of ``job_id`` go to ``checkpoints`` and are recorded in ``records``,
+        which keeps the newest ``keep``; snapshots are fetched over ``pool``."""
+        self.job_id = job_id
+        self.pool = pool
+        self.checkpoints = checkpoints
+        self.records = records
+        self.keep = keep
         self._thread: threading.Thread | None = None
 
     def submit(self, step: int, driver: PipelineDriver) -> None:
+        """Start writing the checkpoint of ``step`` from ``driver``'s stages, unless one is being written."""
         if self._thread is not None and self._thread.is_alive():
             logger.info(
                 "job %s: durable checkpoint at step %d skipped (the previous one is still being written)",
-                self.runner.job_id,
+                self.job_id,
                 step,
             )
             return
@@ -51,42 +70,44 @@ class DurableWriter:
         self._thread.start()
 
     def _write(self, step: int, keys: list[str], addresses: list[str], canonical: Callable[[str], str]) -> None:
-        r = self.runner
         t0 = time.perf_counter()
         try:
             states = run_parallel(
                 [
-                    lambda k=k, a=a: _fetch_when_ready(ExecutorClient(a, r.pool), r.job_id, k, step).tensors()
+                    lambda k=k, a=a: _fetch_when_ready(ExecutorClient(a, self.pool), self.job_id, k, step).tensors()
                     for k, a in zip(keys, addresses, strict=False)
                 ],
                 name="durable-fetch",
             )
-            ckpt = r.checkpoints.write(step, merge_states(states, canonical), {"job_id": r.job_id})
-            r.store.add_checkpoint(
-                r.job_id,
+            ckpt = self.checkpoints.write(step, merge_states(states, canonical), {"job_id": self.job_id})
+            self.records.add_checkpoint(
+                self.job_id,
                 step=step,
                 path=str(ckpt.path),
                 sha256=ckpt.sha256,
                 size_bytes=ckpt.size_bytes,
-                keep=r.spec.checkpoint.keep,
+                keep=self.keep,
             )
-            r.store.log(
-                r.job_id,
+            self.records.log(
+                self.job_id,
                 "event",
                 {
                     "event": "checkpoint",
-                    "message": f"durable checkpoint at step {step}: {ckpt.path.name}, {ckpt.size_bytes / 1e6:.1f} MB in {time.perf_counter() - t0:.2f}s",
+                    "message": f"durable checkpoint at step {step}: {ckpt.path.name}, "
+                    f"{ckpt.size_bytes / 1e6:.1f} MB in {time.perf_counter() - t0:.2f}s",
                     "step": step,
                 },
             )
         except (FusionError, OSError) as e:
-            logger.warning("job %s: durable checkpoint at step %d failed: %s", r.job_id, step, e)
+            logger.warning("job %s: durable checkpoint at step %d failed: %s", self.job_id, step, e)
 
     def wait(self) -> None:
+        """Block until the checkpoint being written (if any) is done."""
         if self._thread is not None:
             self._thread.join()
 
     def close(self) -> None:
+        """Wait a bounded time for the checkpoint being written (the job is ending)."""
         if self._thread is not None:
             self._thread.join(timeout=60)
 

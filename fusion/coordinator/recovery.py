@@ -1,239 +1,299 @@
-"""Restoring a job's stages to one step: from snapshots, a durable checkpoint, or the start.
+"""Recovery: bring a job back to one consistent step after its placement changed.
 
-After a worker is lost (or leaves, or a re-plan adds one), every stage of the job's new
-placement must hold the state of one and the same step ``R`` before training resumes at
-``R``. Where that state can come from, best first:
+DESIGN.md, Checkpoints and failures: when a worker stops heart-beating the coordinator
+pauses the job, re-plans onto the remaining or newly joined workers, restores state from
+the replica (or disk), rolls every stage back to the newest common step and replays the
+data from there. :class:`Recovery` is that sequence; the runner calls it and goes on
+training at the step it returns:
 
-1. **Snapshots** held in workers' memory (each worker's own, and the replicas it holds for
-   its peers). A new stage whose node set equals an old stage's (same stage key) is restored
-   straight from a snapshot of it: locally if its new worker holds one, else pulled by the
-   new worker from the holder. A stage cut differently (after a re-plan) is given its slice of
-   the whole-model state, merged by the coordinator from all old stages' snapshots.
-2. A **durable checkpoint** on the coordinator's disk (when a stage and its buddy died at
-   once, or the coordinator restarted).
-3. The **initial model** (step 0): always available, since the coordinator builds it
-   deterministically from the job's seed.
+- :meth:`Recovery.recover` after a failed step: find the workers that are gone (or sent
+  poisoned tensors), drop them, let spares step in or re-plan onto the rest (waiting for a
+  worker to join when none is left), restore every stage and replay from the restore point;
+- :meth:`Recovery.move` between steps, when workers leave or joiners are put to use: every
+  stage snapshots the step first, so nothing is redone;
+- :meth:`Recovery.resume` after a coordinator restart, from the newest durable checkpoint.
 
-``R`` is the newest step for which one of these covers every stage; the data of steps
-``R``, ``R+1``, … is then replayed, so the result equals an uninterrupted run.
-
-The rest of what the runner needs to survive failures, none of it tied to its state, is
-here too: which worker holds each stage's replica (:func:`choose_buddies`), what to
-snapshot after a step (:func:`snapshot_request`), which workers still answer
-(:func:`answering`), and why a job failed (:func:`diagnose`).
+Where the state comes from is :mod:`fusion.coordinator.restore`'s; what recovery needs
+of the job (its workers, a way to place it anew, its log) is :class:`RecoveringJob`.
+Which workers still answer (:func:`answering`) and why a job failed (:func:`diagnose`)
+are here too.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
-from executor.driver import PipelineDriver, SnapshotRequest
-from fusion.checkpoint import (
-    CheckpointDir,
-    CheckpointFile,
-    make_snapshot,
-    merge_states,
-    stage_subset,
+from executor.driver import PipelineDriver
+from fusion.checkpoint import CheckpointDir
+from fusion.coordinator.restore import (
+    Holdings,
+    RestorePoint,
+    WholeState,
+    choose_restore_point,
+    restore_stages,
+    snapshot_holdings,
 )
-from fusion.config import JobSpec
-from fusion.errors import FusionError, RemoteError
+from fusion.coordinator.store import WorkerRow
+from fusion.errors import CheckpointError, FusionError, PoisonedInputError, RemoteError, StateError
 
 logger = logging.getLogger(__name__)
 
-#: (stage key, step) -> addresses of the workers holding that snapshot.
-Holdings = dict[tuple[str, int], list[str]]
+#: Recoveries one job may go through before it is failed (a fault that keeps coming back).
+MAX_RECOVERIES = 20
+#: How long a job with too few live workers waits for more before failing.
+WAIT_FOR_WORKERS_S = 300.0
 
 
-def snapshot_holdings(job_id: str, addresses: Iterable[str], pool: ChannelPool) -> Holdings:
-    """Which worker holds which complete snapshot; workers that do not answer hold nothing."""
-    addresses = list(dict.fromkeys(addresses))
+class RecoveringJob(Protocol):
+    """What :class:`Recovery` reads and changes of the job it recovers.
 
-    def ask(address: str) -> list[tuple[str, int]]:
-        try:
-            return [
-                (i.stage_key, int(i.step)) for i in ExecutorClient(address, pool).list_snapshots(job_id, timeout_s=5.0)
-            ]
-        except FusionError as e:
-            logger.info("listing snapshots on %s failed: %s", address, e)
-            return []
+    :class:`~fusion.coordinator.runner.JobRunner` is the one implementation.
+    """
 
-    held: Holdings = {}
-    for address, keys in zip(addresses, run_parallel([lambda a=a: ask(a) for a in addresses], name="list-snapshots"), strict=False):
-        for key in keys:
-            held.setdefault(key, []).append(address)
-    return held
+    job_id: str
+    workers: list[WorkerRow]
+    """The workers the job holds: those in the plan and its spares."""
+    stage_workers: list[WorkerRow]
+    """Each stage's worker, in stage order."""
+
+    @property
+    def driver(self) -> PipelineDriver:
+        """The driver of the current placement."""
+        ...
+
+    def planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
+        """The workers of ``workers`` to plan over (the rest are spares)."""
+        ...
+
+    def configure(
+        self,
+        workers: Sequence[WorkerRow],
+        *,
+        why: str,
+        same_stages: bool,
+        replace: Mapping[str, WorkerRow] | None = None,
+        note: str = "",
+        held: Sequence[WorkerRow] | None = None,
+    ) -> None:
+        """Build and load a new driver, its stages without parameters (a restore follows)."""
+        ...
+
+    def claim(self, *, force: bool = False) -> list[WorkerRow]:
+        """Take idle workers from the coordinator; returns those that joined."""
+        ...
+
+    def drop(self, worker: WorkerRow, state: str) -> None:
+        """Let ``worker`` go from the job, to the coordinator's ``state`` (``gone``, ``excluded``)."""
+        ...
+
+    def event(self, event: str, message: str, **extra: Any) -> None:
+        """Record a job event (``fusion status``, ``metrics.jsonl``)."""
+        ...
+
+    def rewind(self, step: int) -> None:
+        """Forget the job's progress from ``step`` on (it is replayed)."""
+        ...
+
+    def stopping(self) -> tuple[str, str] | None:
+        """``(state, reason)`` once the job is being stopped, else ``None``."""
+        ...
 
 
-@dataclass(frozen=True)
-class RestorePoint:
-    """The step to resume at and where its state comes from."""
+class Recovery:
+    """Restores a job's stages to one step after the job lost, shed or gained workers.
 
-    step: int
-    source: str
-    """``"snapshots"``, ``"durable"`` or ``"initial"``."""
-    durable: CheckpointFile | None = None
-
-    def describe(self) -> str:
-        if self.source == "durable" and self.durable is not None:
-            return f"durable checkpoint {self.durable.path.name} (step {self.step})"
-        if self.source == "initial":
-            return "the initial model (step 0)"
-        return f"snapshots in workers' memory (step {self.step})"
-
-
-def choose_restore_point(
-    old_keys: Sequence[str], held: Holdings, durable: Sequence[CheckpointFile], *, at_most: int | None = None
-) -> RestorePoint:
-    """The newest step every old stage can be restored to (snapshots win ties)."""
-    steps = {step for _, step in held}
-    complete = [s for s in steps if all(held.get((k, s)) for k in old_keys) and (at_most is None or s <= at_most)]
-    best = RestorePoint(step=0, source="initial")
-    if complete:
-        best = RestorePoint(step=max(complete), source="snapshots")
-    for ckpt in durable:
-        if ckpt.step > best.step and (at_most is None or ckpt.step <= at_most):
-            best = RestorePoint(step=ckpt.step, source="durable", durable=ckpt)
-    return best
-
-
-class WholeState:
-    """The whole-model state at a restore point, built only if some stage needs it."""
+    Every method leaves each stage of the job's (new) driver at the step it returns, with
+    the job's progress rewound to it; :attr:`count` counts the failed steps recovered from.
+    """
 
     def __init__(
         self,
-        point: RestorePoint,
+        job: RecoveringJob,
         *,
-        job_id: str,
-        old_keys: Sequence[str],
-        held: Holdings,
         pool: ChannelPool,
         checkpoints: CheckpointDir,
         initial: Callable[[], Mapping[str, torch.Tensor]],
-        canonical: Callable[[str], str],
     ) -> None:
-        self.point = point
-        self.job_id = job_id
-        self.old_keys = list(old_keys)
-        self.held = held
+        """``initial`` gives the model's state at step 0 (the last resort of a restore)."""
+        self.job = job
         self.pool = pool
         self.checkpoints = checkpoints
         self.initial = initial
-        self.canonical = canonical
-        self._whole: dict[str, torch.Tensor] | None = None
+        self.count = 0
 
-    def get(self) -> dict[str, torch.Tensor]:
-        if self._whole is None:
-            self._whole = self._build()
-        return self._whole
+    def recover(self, error: FusionError, failed_step: int, flagged: Mapping[str, str]) -> int:
+        """Recover from ``error`` at ``failed_step``; returns the step to resume at.
 
-    def _build(self) -> dict[str, torch.Tensor]:
-        p = self.point
-        if p.source == "initial":
-            from fusion.checkpoint import model_state
-
-            return model_state(self.initial())
-        if p.source == "durable":
-            assert p.durable is not None
-            return self.checkpoints.load(p.durable)
-        fetched = run_parallel(
-            [
-                lambda k=k: (
-                    ExecutorClient(self.held[(k, p.step)][0], self.pool).get_snapshot(self.job_id, k, p.step).tensors()
-                )
-                for k in self.old_keys
-            ],
-            name="fetch-snapshot",
+        ``flagged`` are the workers reported lost meanwhile (worker id -> reason). Re-raises
+        ``error`` when no worker is lost (the failure is not one recovery can mend), and
+        fails the job after :data:`MAX_RECOVERIES`.
+        """
+        job = self.job
+        t0 = time.perf_counter()
+        lost = self._find_lost(error, flagged)
+        if not lost:
+            raise error
+        t_found = time.perf_counter()
+        self.count += 1
+        if self.count > MAX_RECOVERIES:
+            raise StateError(f"gave up after {MAX_RECOVERIES} recoveries; last: {failure_reason(error)}")
+        dropped = [w.address for w in job.workers if w.worker_id in lost]
+        for wid, (reason, state) in lost.items():
+            w = next((w for w in job.workers if w.worker_id == wid), None)
+            if w is None:
+                continue
+            job.event(
+                "worker_excluded" if state == "excluded" else "worker_lost",
+                reason,
+                worker=w.name,
+                failed_step=failed_step,
+            )
+            job.drop(w, state)
+        old_keys = list(job.driver.stage_keys)
+        # Snapshots are read before any worker is reloaded, from every worker still here and
+        # from dropped ones that still answer (heart-beats late under load is not death).
+        held = snapshot_holdings(job.job_id, [w.address for w in job.workers] + dropped, self.pool)
+        t_held = time.perf_counter()
+        self._place(lost=set(lost))
+        t_placed = time.perf_counter()
+        point = self._restore(old_keys, held)
+        t_end = time.perf_counter()
+        phases = {
+            "find_lost_s": t_found - t0,
+            "list_snapshots_s": t_held - t_found,
+            "place_and_load_s": t_placed - t_held,
+            "restore_s": t_end - t_placed,
+        }
+        job.event(
+            "resumed_at_step",
+            f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) "
+            f"after {t_end - t0:.2f}s ({', '.join(f'{k[:-2]} {v:.2f}s' for k, v in phases.items())})",
+            step=point.step,
+            failed_step=failed_step,
+            recover_s=round(t_end - t0, 3),
+            **{k: round(v, 3) for k, v in phases.items()},
         )
-        return merge_states(fetched, self.canonical)
+        return point.step
 
+    def move(self, step: int, *, exclude: set[str], why: str) -> None:
+        """Re-plan between steps without the ``exclude`` workers; every stage resumes at ``step``.
 
-def restore_stages(driver: PipelineDriver, point: RestorePoint, held: Holdings, whole: WholeState) -> dict[int, str]:
-    """Bring every stage of ``driver`` (loaded, parameters not yet set) to ``point.step``.
+        Every stage snapshots ``step`` first, so nothing is redone; the excluded workers
+        stay in the job (serving their snapshots) until the caller lets them go.
+        """
+        job = self.job
+        t0 = time.perf_counter()
+        driver = job.driver
+        old_keys = list(driver.stage_keys)
+        run_parallel(
+            [lambda i=i: driver.clients[i].take_snapshot(job.job_id, i, step) for i in range(len(driver.stages))],
+            name="take-snapshot",
+        )
+        held = snapshot_holdings(job.job_id, [w.address for w in job.workers], self.pool)
+        keep = [w for w in job.workers if w.worker_id not in exclude]
+        if not keep:
+            raise StateError("every worker of the job is leaving")
+        # Plan over the ones that stay; the leavers still serve their snapshots.
+        job.configure(job.planning_set(keep), why=why, same_stages=False, held=keep)
+        self._restore(old_keys, held, at_most=step)
+        job.event(
+            "resumed_at_step",
+            f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)",
+            step=step,
+        )
 
-    Returns, per stage, where its state came from (for the job's events).
-    """
-    job_id = driver.job_id
-    step = point.step
-    sources: dict[int, str] = {}
-    direct: list[int] = []
-    for spec in driver.stages:
-        holders = held.get((driver.stage_keys[spec.stage_idx], step), []) if point.source == "snapshots" else []
-        if holders:
-            direct.append(spec.stage_idx)
-    needs_whole = [s.stage_idx for s in driver.stages if s.stage_idx not in direct]
-    if needs_whole:
-        whole.get()  # build once, before the parallel pushes
+    def resume(self) -> RestorePoint | None:
+        """After a coordinator restart: restore the newest durable checkpoint, if there is one."""
+        if not self.checkpoints.list():
+            return None
+        return self._restore(self.job.driver.stage_keys, {})
 
-    def one(idx: int) -> None:
-        client = driver.clients[idx]
-        address = driver.addresses[idx]
-        key = driver.stage_keys[idx]
-        if idx in direct:
-            holders = held[(key, step)]
-            source = "" if address in holders else holders[0]
-            client.restore_stage(job_id, idx, step, source_address=source)
-            # Held locally: its own snapshot, or the replica it kept as the lost worker's buddy.
-            sources[idx] = "the snapshot on its worker" if not source else f"the replica on {source}"
+    def _find_lost(self, error: FusionError, flagged: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+        """Workers to drop after a failed step: worker id -> (reason, new state)."""
+        job = self.job
+        lost: dict[str, tuple[str, str]] = {}
+        if isinstance(error, PoisonedInputError):
+            sender = error.sender_stage
+            if 0 <= sender < len(job.stage_workers):
+                w = job.stage_workers[sender]
+                lost[w.worker_id] = (f"worker {w.name} ({w.address}) sent poisoned tensors: {error}", "excluded")
+        for wid, reason in flagged.items():
+            lost.setdefault(wid, (reason, "gone"))
+        # A refused connection is a dead process; a slow answer on a loaded machine is not,
+        # so it gets a second, longer chance before the worker is dropped.
+        addresses = [w.address for w in job.workers]
+        for w, ok in zip(job.workers, answering(addresses, self.pool, (2.0, 8.0)), strict=False):
+            if not ok:
+                lost.setdefault(
+                    w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {failure_reason(error)}", "gone")
+                )
+        return lost
+
+    def _place(self, *, lost: set[str]) -> None:
+        """A new placement without the ``lost`` workers: spares step in, else re-plan."""
+        job = self.job
+        job.claim()
+        in_plan = {w.worker_id for w in job.stage_workers}
+        spares = [w for w in job.workers if w.worker_id not in in_plan]
+        gone = [w for w in job.stage_workers if w.worker_id in lost]
+        if not gone:  # only spares were lost: the stages stay where they are
+            job.configure(job.stage_workers, why="replaced", same_stages=True, replace={})
             return
-        state = stage_subset(whole.get(), driver.state_names(idx), driver.canonical)
-        client.put_snapshot(make_snapshot(job_id, idx, key, step, state))
-        client.restore_stage(job_id, idx, step)
-        sources[idx] = point.describe()
+        if len(spares) >= len(gone):
+            replace = {w.worker_id: s for w, s in zip(gone, spares, strict=False)}
+            note = ", ".join(f"{w.name} → {replace[w.worker_id].name}" for w in gone) + "; "
+            job.configure(job.stage_workers, why="replaced", same_stages=True, replace=replace, note=note)
+            return
+        self._wait_for_workers()
+        job.configure(job.planning_set(job.workers), why="replanned", same_stages=False)
 
-    run_parallel([lambda i=i: one(i) for i in range(len(driver.stages))], name="restore")
-    return sources
+    def _wait_for_workers(self) -> None:
+        job = self.job
+        deadline = time.monotonic() + WAIT_FOR_WORKERS_S
+        if not job.workers:
+            job.event("waiting_for_workers", "no live worker left; waiting for one to join")
+        while not job.workers:
+            if job.stopping() is not None or time.monotonic() > deadline:
+                raise StateError(f"no live worker left and none joined within {WAIT_FOR_WORKERS_S:.0f}s")
+            time.sleep(0.5)
+            job.claim(force=True)
 
-
-def choose_buddies(
-    stage_addresses: Sequence[str], addresses: Sequence[str], link: Callable[[str, str], tuple[float, float] | None]
-) -> dict[int, str]:
-    """Each stage's replica holder: the other worker (of ``addresses``, the job's held
-    workers) on the fastest link from the stage's worker, by ``link(a, b)`` (a fit of
-    ``(latency, bandwidth)``, ``None`` when unknown).
-
-    Links within a factor of two count as equal; ties go round the ring of stages (and
-    spares), so replicas spread out instead of piling on one worker.
-    """
-    ring = list(dict.fromkeys([*stage_addresses, *addresses]))
-    if len(ring) < 2:
-        return {}
-    out: dict[int, str] = {}
-    for i, address in enumerate(stage_addresses):
-        start = ring.index(address)
-        order = [ring[(start + k) % len(ring)] for k in range(1, len(ring))]
-
-        def bandwidth(b: str, a: str = address) -> float:
-            fit = link(a, b)
-            return fit[1] if fit is not None else 0.0
-
-        best = max(bandwidth(b) for b in order)
-        out[i] = next(b for b in order if bandwidth(b) * 2 >= best)
-    return out
-
-
-def snapshot_request(
-    spec: JobSpec,
-    step: int,
-    buddies: Mapping[int, str],
-    stage_addresses: Sequence[str],
-    link: Callable[[str, str], tuple[float, float] | None],
-) -> SnapshotRequest | None:
-    """What to snapshot after ``step``: nothing between checkpoints; replicas to ``buddies``
-    every ``replicate_every`` steps, paced at ``replicate_share`` of the slowest known
-    buddy link (so replication does not starve training traffic)."""
-    done = step + 1
-    ck = spec.checkpoint
-    if done >= spec.train.steps or (done % ck.replicate_every and done % ck.durable_every):
-        return None
-    fits = [link(stage_addresses[i], b) for i, b in buddies.items()]
-    known = [f[1] for f in fits if f is not None]
-    rate = ck.replicate_share * min(known) if known else 0.0
-    return SnapshotRequest(buddies=dict(buddies) if done % ck.replicate_every == 0 else {}, rate_bytes_per_s=rate)
+    def _restore(self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None) -> RestorePoint:
+        """Bring every stage of the job's driver to the newest step they can all reach."""
+        job = self.job
+        bad: set[Path] = set()
+        while True:
+            durable = [c for c in self.checkpoints.list() if c.path not in bad]
+            point = choose_restore_point(old_keys, held, durable, at_most=at_most)
+            whole = WholeState(
+                point,
+                job_id=job.job_id,
+                old_keys=old_keys,
+                held=held,
+                pool=self.pool,
+                checkpoints=self.checkpoints,
+                initial=self.initial,
+                canonical=job.driver.canonical,
+            )
+            try:
+                sources = restore_stages(job.driver, point, held, whole)
+            except CheckpointError as e:
+                if point.durable is None:
+                    raise
+                job.event("checkpoint_corrupt", f"{point.durable.path.name} failed its checks and was skipped: {e}")
+                bad.add(point.durable.path)
+                continue
+            text = "; ".join(f"stage {i} ({job.stage_workers[i].name}) from {s}" for i, s in sorted(sources.items()))
+            job.event("restored_from", text, step=point.step, source=point.source)
+            job.rewind(point.step)
+            return point
 
 
 def failure_reason(e: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""Run one job on a set of workers: plan, load stages, train, survive failures, write outputs.
+"""Run one job on a set of workers: plan, load stages, train, write outputs.
 
 A :class:`JobRunner` is a thread owned by the coordinator. It moves the job through
 ``planning`` → ``running`` → ``succeeded`` (or ``failed``/``cancelled`` with a reason),
@@ -6,26 +6,23 @@ records what planning measured (``measured.json``) and per-step metrics in SQLit
 ``metrics.jsonl``, and at the end writes ``model.safetensors``, ``loss.png``, ``plan.json``
 and ``summary.json``.
 
-Volunteers come and go (DESIGN.md, Checkpoints and failures), so the runner also:
+Volunteers come and go (DESIGN.md, Checkpoints and failures), so around the steps the runner:
 
 - asks every stage to **snapshot** its state every ``checkpoint.replicate_every`` steps and
-  stream it to a **buddy** worker (paced below the link's bandwidth), and writes a
-  **durable checkpoint** every ``checkpoint.durable_every`` steps (:class:`DurableWriter`);
-- on a failed step, finds the workers that are gone (or sent poisoned tensors), replaces
-  them with spares or re-plans onto the rest, restores every stage to the newest step that
-  all of them can reach (:mod:`fusion.coordinator.recovery`), and replays from there;
-- between steps, hands off the state of a worker that is leaving (Ctrl-C) and puts workers
-  that joined to use when that pays off.
+  stream it to a **buddy** worker (:mod:`~fusion.coordinator.replicas`), and has a durable
+  checkpoint written every ``checkpoint.durable_every`` steps
+  (:class:`~fusion.coordinator.durable_writer.DurableWriter`);
+- on a failed step, hands the job to its :class:`~fusion.coordinator.recovery.Recovery`,
+  which drops the workers that are gone, re-places the job and restores every stage, and
+  replays from the step it returns;
+- between steps, lets a worker that is leaving (Ctrl-C) hand off its state and puts workers
+  that joined to use when that pays off (both a :meth:`Recovery.move`).
 
-Every such event (``worker_lost``, ``replaced``, ``replanned``, ``restored_from``,
-``resumed_at_step``, …) goes to the job's log (``fusion status``) and ``metrics.jsonl``.
-
-The module is longer than most because :class:`JobRunner` is one state machine: planning,
-training and recovery read and change the same state (the plan, the stage workers, the
-driver, the snapshot holdings); the pieces that need none of it live beside it
-(:mod:`~fusion.coordinator.planning`; :mod:`~fusion.coordinator.recovery`: restore points,
-buddies, snapshot requests, liveness; :mod:`~fusion.coordinator.outputs`;
-:mod:`~fusion.coordinator.durable_writer`).
+Placing the job — planning over workers, building and loading the driver, choosing buddies
+(:meth:`JobRunner.configure`) — stays here: training and recovery both change it, and it is
+the state they share. Every event (``worker_lost``, ``replaced``, ``replanned``,
+``restored_from``, ``resumed_at_step``, …) goes to the job's log (``fusion status``) and
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +40,6 @@ from compress import AdaTopK
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import RatioController, cut_settings
 from executor.driver import PipelineDriver, StepStats
-from fusion import errors
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
 from fusion.coordinator.durable_writer import DurableWriter
@@ -64,21 +60,10 @@ from fusion.coordinator.planning import (
     plan_job,
     stage_profiled_s,
 )
-from fusion.coordinator.recovery import (
-    Holdings,
-    RestorePoint,
-    WholeState,
-    answering,
-    choose_buddies,
-    choose_restore_point,
-    diagnose,
-    failure_reason,
-    restore_stages,
-    snapshot_holdings,
-    snapshot_request,
-)
+from fusion.coordinator.recovery import Recovery, diagnose
+from fusion.coordinator.replicas import choose_buddies, snapshot_request
 from fusion.coordinator.store import Store, WorkerRow
-from fusion.errors import CheckpointError, FusionError, StateError
+from fusion.errors import FusionError, StateError
 from fusion.graph.export import capture
 from fusion.graph.split import StageSpec, split_stages
 from fusion.training import (
@@ -91,12 +76,8 @@ from scheduler.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-#: Recoveries one job may go through before it is failed (a fault that keeps coming back).
-MAX_RECOVERIES = 20
 #: A joiner is used under ``use_joiners = "if_faster"`` when the re-plan is this much faster.
 JOINER_GAIN = 0.9
-#: How long a job with too few live workers waits for more before failing.
-WAIT_FOR_WORKERS_S = 300.0
 
 
 class JobRunner(threading.Thread):
@@ -141,13 +122,12 @@ class JobRunner(threading.Thread):
         self._driver: PipelineDriver | None = None
         self._lost: dict[str, str] = {}
         self._leaving: dict[str, threading.Event] = {}
-        self._recoveries = 0
         self._measurements: Measurements | None = None
         self._measured: list[str] = []  # worker ids in measurement order
         self._outputs: JobOutputs | None = None
         self._history: list[tuple[int, float]] = []
         self._durable: DurableWriter | None = None
-        self._idle_seen: frozenset[str] = frozenset()
+        self.recovery = Recovery(self, pool=pool, checkpoints=self.checkpoints, initial=lambda: self.model.state_dict())
 
     # ------------------------------------------------------------- control from the coordinator
     @property
@@ -183,12 +163,14 @@ class JobRunner(threading.Thread):
             event.set()
         return event
 
-    def _stopping(self) -> tuple[str, str] | None:
+    def stopping(self) -> tuple[str, str] | None:
+        """``(state, reason)`` once :meth:`stop` was called, else ``None``."""
         with self._lock:
             return self._stop_state
 
     @property
     def driver(self) -> PipelineDriver:
+        """The driver of the current placement."""
         assert self._driver is not None
         return self._driver
 
@@ -201,11 +183,11 @@ class JobRunner(threading.Thread):
             self.store.transition(self.job_id, "planning")
             self._prepare()
             self._measure(self.workers)
-            self._configure(self._planning_set(self.workers), why="planned", same_stages=False)
+            self.configure(self.planning_set(self.workers), why="planned", same_stages=False)
             step = self._resume_from_durable()
             self.store.transition(self.job_id, "running")
             while step < self.spec.train.steps:
-                if self._stopping() is not None:
+                if self.stopping() is not None:
                     break
                 step = self._between_steps(step)
                 x, y = job_batch(self.spec, self.dataset, step)
@@ -219,13 +201,13 @@ class JobRunner(threading.Thread):
                         ),
                     )
                 except FusionError as e:
-                    if self._stopping() is not None:
+                    if self.stopping() is not None:
                         raise
-                    step = self._recover(e, step)
+                    step = self.recovery.recover(e, step, self._take_lost())
                     continue
                 self._after_step(stats, x, step)
                 step += 1
-            stop = self._stopping()
+            stop = self.stopping()
             if stop is not None:
                 raise StateError(stop[1])
             if self._durable is not None:
@@ -239,7 +221,7 @@ class JobRunner(threading.Thread):
             outputs.write_summary(self._summary("succeeded", None, t_start))
             self.store.transition(self.job_id, "succeeded")
         except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
-            stop = self._stopping()
+            stop = self.stopping()
             state, reason = (
                 stop
                 if stop is not None
@@ -281,10 +263,16 @@ class JobRunner(threading.Thread):
         done = step + 1
         if done % self.spec.checkpoint.durable_every == 0 and done < self.spec.train.steps:
             if self._durable is None:
-                self._durable = DurableWriter(self)
+                self._durable = DurableWriter(
+                    job_id=self.job_id,
+                    pool=self.pool,
+                    checkpoints=self.checkpoints,
+                    records=self.store,
+                    keep=self.spec.checkpoint.keep,
+                )
             self._durable.submit(done, self.driver)
 
-    def _event(self, event: str, message: str, *, to_metrics: bool = True, **extra: Any) -> None:
+    def event(self, event: str, message: str, *, to_metrics: bool = True, **extra: Any) -> None:
         """Log a job event (``fusion status``); changes of course also go to metrics.jsonl."""
         record = {"event": event, "message": message, **extra}
         self.store.log(self.job_id, "event", record)
@@ -337,52 +325,59 @@ class JobRunner(threading.Thread):
             },
         )
 
-    def _planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
+    def planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
         """The workers to plan over: all but the job's spares (at least one)."""
         keep = max(1, len(workers) - self.spec.cluster.spares)
         return list(workers[:keep])
 
-    def _plan_over(self, workers: Sequence[WorkerRow]) -> Plan:
+    def _plan_over(self, workers: Sequence[WorkerRow], held: Sequence[WorkerRow]) -> Plan:
+        """A plan over ``workers``; unmeasured ones have the links of all ``held`` measured first."""
         assert self._measurements is not None
         if any(w.worker_id not in self._measured for w in workers):
-            self._measure(list(self.workers))
+            self._measure(list(held))
         assert self._measurements is not None
         indices = [self._measured.index(w.worker_id) for w in workers]
         return plan_job(self.spec, self._measurements.subset(indices))
 
-    def _configure(
+    def configure(
         self,
         workers: Sequence[WorkerRow],
         *,
         why: str,
         same_stages: bool,
-        replace: dict[str, WorkerRow] | None = None,
+        replace: Mapping[str, WorkerRow] | None = None,
         note: str = "",
+        held: Sequence[WorkerRow] | None = None,
     ) -> None:
         """Build (and load) the driver for a new placement.
 
         ``same_stages``: keep the current stages and swap workers per ``replace`` (old worker
         id → new worker); otherwise plan over ``workers`` afresh. The new driver's stages are
         loaded without parameters when a restore follows (``why`` other than ``planned``).
+        ``held``: the job's workers the placement may use (default: all it holds); the old
+        stages are unloaded there, the rest are admitted as spares and buddies.
         """
         t0 = time.perf_counter()
+        held = list(self.workers if held is None else held)
         if same_stages:
             assert replace is not None
             stage_workers = [replace.get(w.worker_id, w) for w in self.stage_workers]
             plan = dataclasses.replace(
                 self.plan,
-                stages=tuple(dataclasses.replace(s, worker=w.name) for s, w in zip(self.plan.stages, stage_workers, strict=False)),
+                stages=tuple(
+                    dataclasses.replace(s, worker=w.name) for s, w in zip(self.plan.stages, stage_workers, strict=False)
+                ),
             )
             stages = self.stages
         else:
-            plan = self._plan_over(workers)
+            plan = self._plan_over(workers, held)
             by_name = {w.name: w for w in workers}
             stage_workers = [by_name[s.worker] for s in plan.stages]
             stages = split_stages(self.captured.dag, plan.assignment())
         old = self._driver
         if old is not None:
             # The old stages go; their snapshots stay (the restore reads them).
-            addresses = {w.address for w in self.workers}
+            addresses = {w.address for w in held}
             run_parallel(
                 [
                     lambda a=a: _quiet(
@@ -403,20 +398,23 @@ class JobRunner(threading.Thread):
         self._outputs.write_plan(plan.to_dict())
         driver.load(set_initial=why == "planned")
         in_plan = {w.worker_id for w in stage_workers}
-        spares = [w.address for w in self.workers if w.worker_id not in in_plan]
+        spares = [w.address for w in held if w.worker_id not in in_plan]
         run_parallel([lambda a=a: _quiet(lambda: driver.admit([a])) for a in spares], name="admit")
         self.buddies = choose_buddies(
-            [w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get
+            [w.address for w in self.stage_workers], [w.address for w in held], self.links.get
         )
         predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
         where = ", ".join(w.name for w in stage_workers)
-        buddies = ", ".join(f"{stage_workers[i].name}→{self._name_of(a)}" for i, a in sorted(self.buddies.items()))
-        self._event(
+        buddies = ", ".join(
+            f"{stage_workers[i].name}→{self._name_of(a, held)}" for i, a in sorted(self.buddies.items())
+        )
+        self.event(
             why,
-            f"{note}{plan.strategy}: {len(stages)} stage(s) on {where}{predicted}; replicas {buddies or 'none'} ({time.perf_counter() - t0:.2f}s)",
+            f"{note}{plan.strategy}: {len(stages)} stage(s) on {where}{predicted}; "
+            f"replicas {buddies or 'none'} ({time.perf_counter() - t0:.2f}s)",
             to_metrics=why != "planned",
             stages=[w.name for w in stage_workers],
-            buddies={stage_workers[i].name: self._name_of(a) for i, a in self.buddies.items()},
+            buddies={stage_workers[i].name: self._name_of(a, held) for i, a in self.buddies.items()},
         )
 
     def _make_driver(
@@ -452,161 +450,49 @@ class JobRunner(threading.Thread):
             else None,
         )
 
-    def _name_of(self, address: str) -> str:
-        return next((w.name for w in self.workers if w.address == address), address)
+    @staticmethod
+    def _name_of(address: str, workers: Sequence[WorkerRow]) -> str:
+        return next((w.name for w in workers if w.address == address), address)
 
-    # ------------------------------------------------------------- failures
-    def _find_lost(self, error: FusionError) -> dict[str, tuple[str, str]]:
-        """Workers to drop after a failed step: worker id -> (reason, new state)."""
-        lost: dict[str, tuple[str, str]] = {}
-        poisoned = getattr(errors, "PoisonedInputError", None)
-        if poisoned is not None and isinstance(error, poisoned):
-            sender = int(getattr(error, "sender_stage", -1))
-            if 0 <= sender < len(self.stage_workers):
-                w = self.stage_workers[sender]
-                lost[w.worker_id] = (f"worker {w.name} ({w.address}) sent poisoned tensors: {error}", "excluded")
+    # ------------------------------------------------------------- membership
+    def _take_lost(self) -> dict[str, str]:
+        """The workers reported lost since the last call (worker id -> reason)."""
         with self._lock:
             flagged = dict(self._lost)
             self._lost.clear()
-        for wid, reason in flagged.items():
-            lost.setdefault(wid, (reason, "gone"))
+        return flagged
 
-        # A refused connection is a dead process; a slow answer on a loaded machine is not,
-        # so it gets a second, longer chance before the worker is dropped.
-        for w, ok in zip(self.workers, answering([w.address for w in self.workers], self.pool, (2.0, 8.0)), strict=False):
-            if not ok:
-                lost.setdefault(
-                    w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {failure_reason(error)}", "gone")
-                )
-        return lost
+    def drop(self, worker: WorkerRow, state: str) -> None:
+        """Let ``worker`` go from the job; the coordinator records it as ``state``."""
+        self.workers.remove(worker)
+        self.release(self, worker, state)
 
-    def _recover(self, error: FusionError, failed_step: int) -> int:
-        """Recover from a failed step; returns the step to resume at (or re-raises)."""
-        t0 = time.perf_counter()
-        lost = self._find_lost(error)
-        if not lost:
-            raise error
-        t_found = time.perf_counter()
-        self._recoveries += 1
-        if self._recoveries > MAX_RECOVERIES:
-            raise StateError(f"gave up after {MAX_RECOVERIES} recoveries; last: {failure_reason(error)}")
-        for wid, (reason, state) in lost.items():
-            w = next((w for w in self.workers if w.worker_id == wid), None)
-            if w is None:
-                continue
-            self._event(
-                "worker_excluded" if state == "excluded" else "worker_lost",
-                reason,
-                worker=w.name,
-                failed_step=failed_step,
-            )
-            self.release(self, w, state)
-        dropped = [w.address for w in self.workers if w.worker_id in lost]
-        self.workers = [w for w in self.workers if w.worker_id not in lost]
-        old_keys = list(self.driver.stage_keys)
-        # Snapshots are read before any worker is reloaded, from every worker still here and
-        # from dropped ones that still answer (heart-beats late under load is not death).
-        held = snapshot_holdings(self.job_id, [w.address for w in self.workers] + dropped, self.pool)
-        t_held = time.perf_counter()
-        self._place(lost=set(lost))
-        t_placed = time.perf_counter()
-        point = self._restore(old_keys, held)
-        t_end = time.perf_counter()
-        phases = {
-            "find_lost_s": t_found - t0,
-            "list_snapshots_s": t_held - t_found,
-            "place_and_load_s": t_placed - t_held,
-            "restore_s": t_end - t_placed,
-        }
-        self._event(
-            "resumed_at_step",
-            f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) after {t_end - t0:.2f}s "
-            f"({', '.join(f'{k[:-2]} {v:.2f}s' for k, v in phases.items())})",
-            step=point.step,
-            failed_step=failed_step,
-            recover_s=round(t_end - t0, 3),
-            **{k: round(v, 3) for k, v in phases.items()},
+    def rewind(self, step: int) -> None:
+        """Forget the losses from ``step`` on (they are replayed) and report ``step`` as the progress."""
+        self._history = [(s, loss) for s, loss in self._history if s < step]
+        self.store.set_progress(
+            self.job_id,
+            step=step,
+            loss=self._history[-1][1] if self._history else float("nan"),
+            samples_per_s=0.0,
         )
-        return point.step
-
-    def _place(self, *, lost: set[str]) -> None:
-        """A new placement without the ``lost`` workers: spares step in, else re-plan."""
-        self._claim()
-        in_plan = {w.worker_id for w in self.stage_workers}
-        spares = [w for w in self.workers if w.worker_id not in in_plan]
-        gone = [w for w in self.stage_workers if w.worker_id in lost]
-        if not gone:  # only spares were lost: the stages stay where they are
-            self._configure(self.stage_workers, why="replaced", same_stages=True, replace={})
-            return
-        if len(spares) >= len(gone):
-            replace = {w.worker_id: s for w, s in zip(gone, spares, strict=False)}
-            note = ", ".join(f"{w.name} → {replace[w.worker_id].name}" for w in gone) + "; "
-            self._configure(self.stage_workers, why="replaced", same_stages=True, replace=replace, note=note)
-            return
-        self._wait_for_workers()
-        self._configure(self._planning_set(self.workers), why="replanned", same_stages=False)
-
-    def _wait_for_workers(self) -> None:
-        deadline = time.monotonic() + WAIT_FOR_WORKERS_S
-        if not self.workers:
-            self._event("waiting_for_workers", "no live worker left; waiting for one to join")
-        while not self.workers:
-            if self._stopping() is not None or time.monotonic() > deadline:
-                raise StateError(f"no live worker left and none joined within {WAIT_FOR_WORKERS_S:.0f}s")
-            time.sleep(0.5)
-            self._claim(force=True)
-
-    def _restore(self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None) -> RestorePoint:
-        """Bring every stage of the current driver to the newest step they can all reach."""
-        bad: set[Path] = set()
-        while True:
-            durable = [c for c in self.checkpoints.list() if c.path not in bad]
-            point = choose_restore_point(old_keys, held, durable, at_most=at_most)
-            whole = WholeState(
-                point,
-                job_id=self.job_id,
-                old_keys=old_keys,
-                held=held,
-                pool=self.pool,
-                checkpoints=self.checkpoints,
-                initial=self.model.state_dict,
-                canonical=self.driver.canonical,
-            )
-            try:
-                sources = restore_stages(self.driver, point, held, whole)
-            except CheckpointError as e:
-                if point.durable is None:
-                    raise
-                self._event("checkpoint_corrupt", f"{point.durable.path.name} failed its checks and was skipped: {e}")
-                bad.add(point.durable.path)
-                continue
-            text = "; ".join(f"stage {i} ({self.stage_workers[i].name}) from {s}" for i, s in sorted(sources.items()))
-            self._event("restored_from", text, step=point.step, source=point.source)
-            self._history = [(s, loss) for s, loss in self._history if s < point.step]
-            self.store.set_progress(
-                self.job_id,
-                step=point.step,
-                loss=self._history[-1][1] if self._history else float("nan"),
-                samples_per_s=0.0,
-            )
-            return point
 
     def _resume_from_durable(self) -> int:
         """After a coordinator restart: continue from the newest durable checkpoint."""
-        if not self.checkpoints.list():
+        point = self.recovery.resume()
+        if point is None:
             return 0
-        point = self._restore(self.driver.stage_keys, {})
         self._history = read_history(Path(self.output_dir) / METRICS_FILE, point.step)
-        self._event("resumed_at_step", f"resumed at step {point.step} from {point.describe()}", step=point.step)
+        self.event("resumed_at_step", f"resumed at step {point.step} from {point.describe()}", step=point.step)
         return point.step
 
     # ------------------------------------------------------------- between steps
-    def _claim(self, *, force: bool = False) -> list[WorkerRow]:
+    def claim(self, *, force: bool = False) -> list[WorkerRow]:
         """Take idle workers from the coordinator (used as spares or in the next re-plan)."""
         joined = [w for w in self.claim_idle(self) if w.worker_id not in self.worker_ids]
         self.workers.extend(joined)
         for w in joined:
-            self._event("worker_joined", f"worker {w.name} ({w.address}) joined the job", worker=w.name)
+            self.event("worker_joined", f"worker {w.name} ({w.address}) joined the job", worker=w.name)
         return joined
 
     def _between_steps(self, step: int) -> int:
@@ -619,9 +505,8 @@ class JobRunner(threading.Thread):
         for wid, reason in flagged.items():  # a spare stopped heart-beating: just let it go
             w = next((w for w in self.workers if w.worker_id == wid), None)
             if w is not None:
-                self._event("worker_lost", reason, worker=w.name, failed_step=step)
-                self.workers.remove(w)
-                self.release(self, w, "gone")
+                self.event("worker_lost", reason, worker=w.name, failed_step=step)
+                self.drop(w, "gone")
                 self.buddies = choose_buddies(
                     [w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get
                 )
@@ -631,71 +516,43 @@ class JobRunner(threading.Thread):
         policy = self.spec.cluster.use_joiners
         if policy == "never":
             return step
-        joined = self._claim()
+        joined = self.claim()
         if not joined:
             return step
         if policy == "if_faster" and not self._faster_with_joiners():
             return step
-        self._reconfigure_planned(step, exclude=set(), why="replanned")
+        self.recovery.move(step, exclude=set(), why="replanned")
         return step
 
     def _faster_with_joiners(self) -> bool:
         current = self.plan.predicted_step_s
-        candidate = self._plan_over(self._planning_set(self.workers))
+        candidate = self._plan_over(self.planning_set(self.workers), self.workers)
         faster = (
             current is not None
             and candidate.predicted_step_s is not None
             and candidate.predicted_step_s < JOINER_GAIN * current
         )
-        self._event(
+        self.event(
             "replan_considered",
-            f"with {len(self.workers)} workers the plan would take {candidate.predicted_step_s}s/step vs {current}s now: {'re-planning' if faster else 'keeping the plan'}",
+            f"with {len(self.workers)} workers the plan would take {candidate.predicted_step_s}s/step "
+            f"vs {current}s now: {'re-planning' if faster else 'keeping the plan'}",
         )
         return faster
 
     def _handoff(self, step: int, leaving: set[str]) -> None:
         names = [w.name for w in self.workers if w.worker_id in leaving]
-        self._event(
+        self.event(
             "worker_leaving",
             f"{', '.join(names)} asked to leave; handing off their state at step {step}",
             workers=names,
         )
-        self._reconfigure_planned(step, exclude=leaving, why="replanned")
+        self.recovery.move(step, exclude=leaving, why="replanned")
         with self._lock:
             events = [self._leaving[wid] for wid in leaving]
         for w in [w for w in self.workers if w.worker_id in leaving]:
-            self.workers.remove(w)
-            self.release(self, w, "gone")
+            self.drop(w, "gone")
         for ev in events:
             ev.set()
-
-    def _reconfigure_planned(self, step: int, *, exclude: set[str], why: str) -> None:
-        """A re-plan between steps: snapshot every stage now, move, restore — nothing redone."""
-        t0 = time.perf_counter()
-        driver = self.driver
-        old_keys = list(driver.stage_keys)
-        run_parallel(
-            [lambda i=i: driver.clients[i].take_snapshot(self.job_id, i, step) for i in range(len(driver.stages))],
-            name="take-snapshot",
-        )
-        held = snapshot_holdings(self.job_id, [w.address for w in self.workers], self.pool)
-        keep = [w for w in self.workers if w.worker_id not in exclude]
-        if not keep:
-            raise StateError("every worker of the job is leaving")
-        held_workers = self.workers
-        self.workers = keep  # plan over the ones that stay; the leavers still serve their snapshots
-        try:
-            self._configure(self._planning_set(keep), why=why, same_stages=False)
-            self._restore(old_keys, held, at_most=step)
-        finally:
-            self.workers = [w for w in held_workers if w.worker_id not in exclude] + [
-                w for w in held_workers if w.worker_id in exclude
-            ]
-        self._event(
-            "resumed_at_step",
-            f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)",
-            step=step,
-        )
 
     # ------------------------------------------------------------- records
     def _record(self, stats: StepStats, x: Any) -> dict[str, Any]:
@@ -719,7 +576,7 @@ class JobRunner(threading.Thread):
             [loss for _, loss in self._history],
             wall_s=time.time() - t_start,
             workers=[w.name for w in self.workers],
-            recoveries=self._recoveries,
+            recoveries=self.recovery.count,
         )
 
 

@@ -29,8 +29,9 @@ from typing import Any
 
 from compress import AdaTopK
 from executor.compression import CutSetting, RatioController
-from executor.local import LocalCluster, train_distributed
 from fusion.config import JobSpec
+from fusion.launch.distributed import train_distributed
+from fusion.launch.executors import LocalCluster
 from fusion.wire import tensor_pb2 as pb
 
 SLOW_CUT = (1, 2)

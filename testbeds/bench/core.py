@@ -83,7 +83,7 @@ class SocketSink:
 def bench_transport(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
     """Median MB/s of gRPC (full tensor path) and a raw socket, interleaved per repeat."""
     from executor.client import ChannelPool, ExecutorClient
-    from executor.local import LocalCluster
+    from fusion.launch.executors import LocalCluster
 
     rows = []
     max_bytes = max(sizes_mib) << 20
@@ -124,8 +124,9 @@ def bench_steps(
     preset: str, workers: list[int], steps: int, batch_size: int, seq_len: int, micro_batches: int, device: str
 ) -> list[dict[str, Any]]:
     """Median step seconds: one process vs an even split over K local workers."""
-    from executor.local import LocalCluster, train_distributed
     from fusion.config import JobSpec
+    from fusion.launch.distributed import train_distributed
+    from fusion.launch.executors import LocalCluster
     from fusion.training import train_reference
 
     job = JobSpec.from_dict(

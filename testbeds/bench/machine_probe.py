@@ -178,7 +178,7 @@ def measure_transfer_path(
     returns the median over rounds and the lowest and highest round.
     """
     from executor.client import ChannelPool, ExecutorClient
-    from executor.local import LocalCluster
+    from fusion.launch.executors import LocalCluster
     from testbeds.bench.core import EXECUTOR_WARM_UP_S
 
     per_round = max(3, trials // rounds)
@@ -242,7 +242,7 @@ def measure_receive(run: Callable[[], object], size: int, seconds: float, addres
     """Cost per received transfer: the executor service of this process at ``address``
     (control key ``key``) receives ``Probe`` transfers from a child process (stopped by its
     pid) while this thread computes."""
-    from executor.local import REPO_ROOT
+    from fusion.launch import REPO_ROOT
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     args = [address, key.hex(), str(size), str(seconds), *map(str, GAP_S)]
@@ -306,9 +306,9 @@ def measure_interference(
     and highest round (one round's fit moves by about 1 ms)."""
     from executor.access import ExecutorAccess
     from executor.client import ChannelPool, ExecutorClient
-    from executor.local import LocalCluster
     from executor.server import ExecutorService, start_server
     from fusion.auth import new_key
+    from fusion.launch.executors import LocalCluster
     from testbeds.bench.core import EXECUTOR_WARM_UP_S
 
     block = probe_computation()

@@ -48,10 +48,10 @@ def bench_overhead(
     preset: str, workers: int, rounds: int, batch: int, seq: int, micro: int, every: int
 ) -> dict[str, Any]:
     from executor.driver import PipelineDriver, SnapshotRequest
-    from executor.local import LocalCluster
     from fusion.config import JobSpec
     from fusion.graph.export import capture
     from fusion.graph.split import split_stages
+    from fusion.launch.executors import LocalCluster
     from fusion.training import (
         build_job_dataset,
         build_job_model,

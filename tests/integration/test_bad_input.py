@@ -16,12 +16,12 @@ import torch
 
 from executor.client import ChannelPool, ExecutorClient
 from executor.driver import PipelineDriver
-from executor.local import LocalCluster
 from executor.transport import HEADER_ALLOWANCE_BYTES, tensor_meta
 from fusion.config import JobSpec
 from fusion.errors import RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
+from fusion.launch.executors import LocalCluster
 from fusion.training import (
     build_job_dataset,
     build_job_model,

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from executor.client import ChannelPool
-from executor.local import LocalCluster
 from fusion.config import JobSpec
 from fusion.coordinator.planning import (
     Endpoint,
@@ -31,6 +30,7 @@ from fusion.coordinator.planning import (
 )
 from fusion.errors import FusionError
 from fusion.graph.export import capture
+from fusion.launch.executors import LocalCluster
 from fusion.training import build_job_dataset, build_job_model, example_micro_batch
 
 JOB = JobSpec.from_dict(

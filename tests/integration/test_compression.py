@@ -14,10 +14,11 @@ import torch
 from compress import AdaTopK, get_compressor
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutSetting, RatioController
-from executor.local import LocalCluster, train_distributed
 from fusion.config import JobSpec
 from fusion.graph.export import capture
 from fusion.graph.split import build_stage_module, split_stages
+from fusion.launch.distributed import train_distributed
+from fusion.launch.executors import LocalCluster
 from fusion.losses import get_loss
 from fusion.training import (
     build_job_dataset,

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from executor.client import ChannelPool
-from executor.local import LocalCluster
 from fusion.config import JobSpec
 from fusion.coordinator.planning import Endpoint, calibrate_executor, profile_model
 from fusion.graph.export import capture
+from fusion.launch.executors import LocalCluster
 from fusion.training import build_job_dataset, build_job_model, example_micro_batch
 from tests.support.parity import assert_parity
 

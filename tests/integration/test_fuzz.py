@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executor.client import ChannelPool, ExecutorClient
-from executor.local import LocalCluster
 from fusion.auth import AUTH_METADATA, SCHEME_CONTROL, SCHEME_JOB, process_keyring, sign
 from fusion.errors import RemoteError
 from fusion.launch import Fleet
+from fusion.launch.executors import LocalCluster
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb

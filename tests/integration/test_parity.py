@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from executor.local import LocalCluster
 from fusion.config import JobSpec
 from fusion.graph.export import capture
+from fusion.launch.executors import LocalCluster
 from fusion.training import build_job_dataset, build_job_model, example_micro_batch
 from scheduler.baselines import uniform_assignment
 from tests.support.parity import assert_parity, skip_assignment

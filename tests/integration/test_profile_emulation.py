@@ -12,9 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from executor.local import LocalCluster, train_distributed
 from fusion.config import JobSpec
 from fusion.errors import FusionError
+from fusion.launch.distributed import train_distributed
+from fusion.launch.executors import LocalCluster
 from fusion.training import train_reference
 
 JOB = JobSpec.from_dict(

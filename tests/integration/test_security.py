@@ -29,7 +29,6 @@ import torch
 
 from executor.client import ChannelPool, ExecutorClient
 from executor.driver import PipelineDriver
-from executor.local import LocalCluster, train_distributed
 from executor.transport import tensor_meta
 from fusion.auth import (
     AUTH_METADATA,
@@ -45,6 +44,8 @@ from fusion.errors import PoisonedInputError, RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
 from fusion.launch import Fleet
+from fusion.launch.distributed import train_distributed
+from fusion.launch.executors import LocalCluster
 from fusion.training import build_job_dataset, build_job_model, example_micro_batch
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import executor_pb2 as epb

@@ -17,13 +17,13 @@ import torch
 
 from executor.client import ChannelPool, ExecutorClient
 from executor.driver import PipelineDriver, SnapshotRequest
-from executor.local import LocalCluster
 from executor.snapshots import snapshot_chunks
 from fusion.checkpoint import make_snapshot
 from fusion.config import JobSpec
 from fusion.errors import RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
+from fusion.launch.executors import LocalCluster
 from fusion.training import (
     build_job_dataset,
     build_job_model,

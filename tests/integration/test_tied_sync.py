@@ -15,11 +15,11 @@ import torch
 
 from executor.client import ChannelPool
 from executor.driver import PipelineDriver, tied_holders
-from executor.local import LocalCluster
 from fusion.config import JobSpec
 from fusion.errors import RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
+from fusion.launch.executors import LocalCluster
 from fusion.training import (
     build_job_dataset,
     build_job_model,

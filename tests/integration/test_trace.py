@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from executor import trace
-from executor.local import LocalCluster
 from executor.trace import TRACE_DIR_ENV, Tracer, use_tracer
 from fusion.config import JobSpec
+from fusion.launch.executors import LocalCluster
 from testbeds.bench.timeline import load_events, pick_job, summarize, transfers
 from tests.support.parity import assert_parity
 

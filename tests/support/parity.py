@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from executor.local import DistributedResult, train_distributed
 from fusion.config import JobSpec
 from fusion.graph.ir import OpDag
+from fusion.launch.distributed import DistributedResult, train_distributed
 from fusion.training import train_reference
 
 # Summation order differs between one process and micro-batches over stages; fp32 noise

@@ -22,7 +22,7 @@ from fusion.checkpoint import (
     stage_subset,
 )
 from fusion.checkpoint.snapshot import decode, encode
-from fusion.coordinator.recovery import choose_restore_point
+from fusion.coordinator.restore import choose_restore_point
 from fusion.errors import CheckpointError, NotFoundError
 
 

@@ -1,14 +1,20 @@
-"""The runner's failure helpers that need none of its state: buddies, snapshot requests, liveness."""
+"""Recovery's decisions and helpers: buddies, snapshot requests, liveness, when to give up."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from executor.client import ChannelPool
 from executor.driver import SnapshotRequest
-from executor.local import LocalCluster
+from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
-from fusion.coordinator.recovery import answering, choose_buddies, snapshot_request
+from fusion.coordinator.recovery import MAX_RECOVERIES, Recovery, answering
+from fusion.coordinator.replicas import choose_buddies, snapshot_request
+from fusion.errors import FusionError, StateError
+from fusion.launch.executors import LocalCluster
 
 MBPS = 1e6 / 8
 
@@ -69,5 +75,47 @@ def test_answering_tells_a_live_executor_from_a_closed_port(cluster: LocalCluste
     pool = ChannelPool()
     try:
         assert answering([cluster.addresses[0], f"127.0.0.1:{port}"], pool, (2.0, 4.0)) == [True, False]
+    finally:
+        pool.close()
+
+
+class NoWorkersLeft:
+    """A job holding no workers: what :class:`Recovery` decides before it calls any of them."""
+
+    job_id = "job"
+
+    def __init__(self) -> None:
+        self.workers: list[Any] = []
+        self.stage_workers: list[Any] = []
+        self.events: list[str] = []
+
+    def event(self, event: str, message: str, **extra: Any) -> None:
+        self.events.append(event)
+
+
+def recovery_of(job: NoWorkersLeft, tmp_path: Path, pool: ChannelPool) -> Recovery:
+    return Recovery(job, pool=pool, checkpoints=CheckpointDir(tmp_path, keep=1), initial=dict)  # type: ignore[arg-type]
+
+
+def test_a_failure_without_a_lost_worker_is_not_recovered(tmp_path: Path) -> None:
+    pool = ChannelPool()
+    try:
+        job = NoWorkersLeft()
+        recovery = recovery_of(job, tmp_path, pool)
+        error = FusionError("the loss is NaN")
+        with pytest.raises(FusionError) as raised:
+            recovery.recover(error, 3, {})
+        assert raised.value is error and recovery.count == 0 and job.events == []
+    finally:
+        pool.close()
+
+
+def test_recovery_gives_up_after_the_last_allowed_one(tmp_path: Path) -> None:
+    pool = ChannelPool()
+    try:
+        recovery = recovery_of(NoWorkersLeft(), tmp_path, pool)
+        recovery.count = MAX_RECOVERIES
+        with pytest.raises(StateError, match=f"gave up after {MAX_RECOVERIES} recoveries; last: step failed"):
+            recovery.recover(FusionError("step failed"), 3, {"w1": "worker w1 stopped heart-beating"})
     finally:
         pool.close()

@@ -1,53 +1,40 @@
-"""Start a coordinator and workers as local OS processes, and stop every one of them.
+"""A coordinator and fusion workers on this machine, as separate OS processes.
 
-Used by ``fusion demo``, the integration tests and the testbeds. Each process is started
-with ``python -m fusion.cli.…`` (the same code as the installed console scripts), its
-output goes to a log file, and :meth:`Fleet.close` stops them all by pid — SIGTERM, then
-SIGKILL after a grace period — however the caller exits.
+Used by ``fusion demo``, the integration tests and the testbeds. Each process runs
+``python -m fusion.cli.…`` (the same code as the installed console scripts) in the fleet's
+:class:`~fusion.launch.processes.ProcessGroup`, which logs it to ``LOG_DIR/NAME.log`` and
+stops it by pid however the caller exits.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
 from fusion.errors import FusionError
+from fusion.launch.processes import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def child_env(extra_pythonpath: Sequence[str] = ()) -> dict[str, str]:
-    """The environment for children: this interpreter's import path, unbuffered output."""
-    env = dict(os.environ)
-    paths = [*extra_pythonpath, str(REPO_ROOT), *[p for p in sys.path if p]]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+#: What a worker logs once it has joined its coordinator.
+WORKER_READY = r"fusion-worker ready"
+#: What the coordinator logs once it listens (the group is its HOST:PORT).
+COORDINATOR_READY = r"listening on (\S+:\d+)"
 
 
 class Fleet:
     """A coordinator and workers on this machine, started as separate processes."""
 
     def __init__(self, log_dir: str | Path, *, extra_pythonpath: Sequence[str] = ()) -> None:
-        self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = child_env(extra_pythonpath)
+        self.processes = ProcessGroup(log_dir, extra_pythonpath=extra_pythonpath)
+        self.log_dir = self.processes.log_dir
+        self.env = self.processes.env
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.coordinator_address = ""
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
-        self._all: list[subprocess.Popen[bytes]] = []
-        self._log_start: dict[Path, int] = {}
 
     def __enter__(self) -> Fleet:
         return self
@@ -56,29 +43,6 @@ class Fleet:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
-        log = self.log_dir / f"{name}.log"
-        self._log_start[log] = log.stat().st_size if log.exists() else 0  # a restart appends
-        with open(log, "ab") as f:
-            proc = subprocess.Popen(
-                [sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
-        self._all.append(proc)
-        return proc, log
-
-    def _wait_for(self, proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout_s: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        rx = re.compile(pattern)
-        while time.monotonic() < deadline:
-            text = log.read_bytes()[self._log_start.get(log, 0) :].decode(errors="replace") if log.exists() else ""
-            m = rx.search(text)
-            if m:
-                return m
-            if proc.poll() is not None:
-                raise FusionError(f"{log.stem} exited with code {proc.returncode}; its log ends with:\n{text[-2000:]}")
-            time.sleep(0.05)
-        raise FusionError(f"{log.stem} did not become ready within {timeout_s:.0f}s; see {log}")
 
     def start_coordinator(
         self,
@@ -114,8 +78,8 @@ class Fleet:
             "INFO",
             *extra_args,
         ]
-        proc, log = self._spawn("coordinator", args)
-        m = self._wait_for(proc, log, r"listening on (\S+:\d+)", timeout_s)
+        proc = self.processes.spawn("coordinator", args)
+        m = self.processes.wait_for("coordinator", COORDINATOR_READY, timeout_s)
         self.coordinator = proc
         self.coordinator_address = m.group(1)
         return self.coordinator_address
@@ -153,43 +117,27 @@ class Fleet:
             *(["--allow-code"] if allow_code else []),
             *extra_args,
         ]
-        proc, log = self._spawn(f"worker-{name}", args)
+        proc = self.processes.spawn(f"worker-{name}", args)
         self.workers[name] = proc
         if wait:
-            self._wait_for(proc, log, r"fusion-worker ready", timeout_s)
+            self.processes.wait_for(f"worker-{name}", WORKER_READY, timeout_s)
         return proc
 
     def wait_workers(self, names: Sequence[str], timeout_s: float = 120.0) -> None:
         """Wait until the named workers (started with ``wait=False``) joined."""
         for name in names:
-            self._wait_for(self.workers[name], self.log_dir / f"worker-{name}.log", r"fusion-worker ready", timeout_s)
+            self.processes.wait_for(f"worker-{name}", WORKER_READY, timeout_s)
 
     def log_of(self, name: str) -> str:
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        """The log of process ``name`` (``coordinator``, ``worker-NAME``)."""
+        return self.processes.log_of(name)
 
     def stop(self, proc: subprocess.Popen[bytes], *, grace_s: float = 10.0) -> int:
         """SIGTERM, wait, then SIGKILL; returns the exit code."""
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        return int(proc.returncode)
+        return self.processes.stop(proc, grace_s=grace_s)
 
     def close(self) -> None:
         """Stop every process this fleet started (workers first, then the coordinator)."""
-        for proc in reversed(self._all):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self._all:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        self._all.clear()
+        self.processes.close()
         self.workers.clear()
         self.coordinator = None
