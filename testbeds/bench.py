@@ -63,7 +63,6 @@ import json
 import logging
 import math
 import secrets
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -73,12 +72,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from executor.emulation import EMULATIONS
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
-from fusion.profiling import trimmed_mean
+from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench_report import markdown, write_chart
+from testbeds.emulation import EMULATIONS
 from testbeds.run import slowdown_args
 from testbeds.sim_topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
 from testbeds.speed_trace import ModelProbe
@@ -174,6 +173,8 @@ class FusionFleet:
         self.workdir = workdir
         self.token = secrets.token_hex(16)
         self.host0 = tb.hosts[0]
+        #: The last job this fleet submitted (whose profile :meth:`model_profile` asks for).
+        self.last_job_id: str | None = None
         from testbeds.net import wait_for_line
 
         port = tb.free_port(self.host0)
@@ -186,7 +187,7 @@ class FusionFleet:
             [
                 sys.executable,
                 "-m",
-                "fusion.cli.coordinator",
+                "testbeds.coordinator",
                 "--host",
                 tb.address(self.host0),
                 "--port",
@@ -203,7 +204,9 @@ class FusionFleet:
         )
         wait_for_line(log, r"listening on", proc, 60.0)
         # One worker at a time: each measures its matmul speed at start-up, and workers that
-        # start together on one machine's cores would each measure a random share of it.
+        # start together on one machine's cores would each measure a random share of it; and
+        # each reports the machine's speed measured once here (testbeds.worker --machine-flops).
+        machine_flops = measure_device("cpu").matmul_flops
         for host in tb.hosts:
             wport = tb.free_port(host)
             tb.expose(host, wport)
@@ -213,7 +216,7 @@ class FusionFleet:
                 [
                     sys.executable,
                     "-m",
-                    "fusion.cli.worker",
+                    "testbeds.worker",
                     "--coordinator",
                     self.coordinator,
                     "--token-file",
@@ -226,6 +229,8 @@ class FusionFleet:
                     str(torch_threads),
                     "--log-level",
                     "INFO",
+                    "--machine-flops",
+                    str(machine_flops),
                     *slowdown_args((slowdowns or {}).get(host), emulation=emulation),
                 ],
                 stdout=open(wlog, "ab"),
@@ -241,6 +246,7 @@ class FusionFleet:
         t0 = time.monotonic()
         out = self._cli(["submit", str(job_file)], env)
         job_id = out.split()[-1]
+        self.last_job_id = job_id
         job_dir = Path(spec.output.dir) / job_id
         summary_path = job_dir / "summary.json"
         while not summary_path.exists():
@@ -264,12 +270,14 @@ class FusionFleet:
             run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
         return run
 
-    def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True) -> str:
+    def _cli(
+        self, args: list[str], env: dict[str, str], *, check: bool = True, module: str = "fusion.cli.main"
+    ) -> str:
         import os
 
         proc = self.tb.spawn(
             self.host0,
-            [sys.executable, "-m", "fusion.cli.main", *args],
+            [sys.executable, "-m", module, *args],
             env={**os.environ, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -281,19 +289,17 @@ class FusionFleet:
         return out
 
     def model_profile(self) -> dict[str, Any] | None:
-        """The model profile the coordinator measured and calibrated (from its profile cache)."""
-        from fusion.cli.coordinator import STATE_DB
-
-        db = self.workdir / "state" / STATE_DB
-        if not db.exists():
+        """The calibrated model profile the coordinator planned this fleet's last job with
+        (its ``GetProfile``, asked from the first host: :mod:`testbeds.job_profile`)."""
+        if self.last_job_id is None:
             return None
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-            rows = conn.execute("SELECT profile_json FROM profiles ORDER BY updated_at DESC").fetchall()
-        for (text,) in rows:
-            p = json.loads(text)
-            if p.get("overhead_step_s") is not None:
-                return p
-        return None
+        env = {"FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        out = self._cli([self.last_job_id], env, check=False, module="testbeds.job_profile")
+        lines = out.strip().splitlines()
+        p = json.loads(lines[-1]) if lines else None
+        if p is None or p.get("overhead_step_s") is None:
+            return None
+        return p
 
     def step_costs(self) -> dict[str, float] | None:
         """The executor overheads the coordinator calibrated."""

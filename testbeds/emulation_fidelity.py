@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from executor.emulation import MIN_PIECE_S, Slowdown
+from testbeds.emulation import MIN_PIECE_S, Slowdown
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
 

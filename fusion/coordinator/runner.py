@@ -62,7 +62,6 @@ from fusion.coordinator.planning import (
     ProfileCache,
     measure,
     plan_job,
-    stage_profiled_s,
 )
 from fusion.coordinator.recovery import (
     Holdings,
@@ -447,9 +446,6 @@ class JobRunner(threading.Thread):
             cut_settings=settings,
             ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
-            profiled_s=stage_profiled_s(self._measurements.profile, [s.nodes for s in stages])
-            if self._measurements is not None
-            else None,
         )
 
     def _name_of(self, address: str) -> str:

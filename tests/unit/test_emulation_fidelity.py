@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from executor.emulation import MIN_PIECE_S
+from testbeds.emulation import MIN_PIECE_S
 from fusion.config import JobSpec
 from testbeds.emulation_fidelity import main, measure_job
 
