@@ -113,7 +113,12 @@ def parse_probe_keys(text: str) -> dict[str, tuple[int, bytes]]:
 
 
 class ExecutorService:
-    """Hosts any number of stages, keyed by (job id, stage index)."""
+    """Hosts any number of stages, keyed by (job id, stage index).
+
+    Seams (:mod:`executor.hooks`): ``hooks`` are called for every stage loaded here (when
+    it loads, around each computation, on what it sends); ``channel_factory`` makes the
+    channels to peers (sends, snapshot replicas, probes). Both default to the plain product.
+    """
 
     def __init__(
         self,

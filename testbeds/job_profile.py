@@ -36,9 +36,9 @@ def profile_document(profile: cpb.GetProfileResponse) -> dict[str, Any]:
         "matmul_flops": profile.matmul_flops,
         "optimizer_s_per_byte": profile.optimizer_s_per_byte,
         "device_name": profile.device_name,
-        "compute_factor": profile.compute_factor or None,
-        "overhead_step_s": profile.overhead_step_s or None,
-        "overhead_micro_batch_s": profile.overhead_micro_batch_s or None,
+        "compute_factor": profile.compute_factor if profile.calibrated else None,
+        "overhead_step_s": profile.overhead_step_s if profile.calibrated else None,
+        "overhead_micro_batch_s": profile.overhead_micro_batch_s if profile.calibrated else None,
     }
 
 

@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(prog="python -m testbeds.worker")
     add_emulation_args(parser)
     args = parser.parse_args(argv)
-    factor = check_factor(args.emulate_slowdown)
+    try:
+        factor = check_factor(args.emulate_slowdown)
+    except ConfigError as e:
+        parser.error(f"--emulate-slowdown: {e}")
     if args.machine_flops is not None and not (math.isfinite(args.machine_flops) and args.machine_flops > 0):
         parser.error(f"--machine-flops must be a positive number, got {args.machine_flops}")
     hooks = None

@@ -370,6 +370,7 @@ class CoordinatorService:
             device_name=profile.device_name,
             overhead_step_s=profile.overhead_step_s or 0.0,
             overhead_micro_batch_s=profile.overhead_micro_batch_s or 0.0,
+            calibrated=profile.compute_factor is not None and profile.overhead_step_s is not None,
         )
 
     @rpc_errors

@@ -201,7 +201,7 @@ class NodeProfile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., saved_bytes: _Optional[float] = ...) -> None: ...
 
 class GetProfileResponse(_message.Message):
-    __slots__ = ("nodes", "compute_factor", "matmul_flops", "optimizer_s_per_byte", "device_name", "overhead_step_s", "overhead_micro_batch_s")
+    __slots__ = ("nodes", "compute_factor", "matmul_flops", "optimizer_s_per_byte", "device_name", "overhead_step_s", "overhead_micro_batch_s", "calibrated")
     NODES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class GetProfileResponse(_message.Message):
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_STEP_S_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_MICRO_BATCH_S_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeProfile]
     compute_factor: float
     matmul_flops: float
@@ -216,4 +217,5 @@ class GetProfileResponse(_message.Message):
     device_name: str
     overhead_step_s: float
     overhead_micro_batch_s: float
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeProfile, _Mapping]]] = ..., compute_factor: _Optional[float] = ..., matmul_flops: _Optional[float] = ..., optimizer_s_per_byte: _Optional[float] = ..., device_name: _Optional[str] = ..., overhead_step_s: _Optional[float] = ..., overhead_micro_batch_s: _Optional[float] = ...) -> None: ...
+    calibrated: bool
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeProfile, _Mapping]]] = ..., compute_factor: _Optional[float] = ..., matmul_flops: _Optional[float] = ..., optimizer_s_per_byte: _Optional[float] = ..., device_name: _Optional[str] = ..., overhead_step_s: _Optional[float] = ..., overhead_micro_batch_s: _Optional[float] = ..., calibrated: _Optional[bool] = ...) -> None: ...

@@ -283,3 +283,30 @@ def test_the_emulated_device_hook_stretches_each_computation_by_its_stage_profil
             EmulatedDevice(3.0, emulation="profile", seconds=lambda s, bad=bad: bad).stage_loaded(stage)
     with pytest.raises(ConfigError, match="--emulation profile.*no profiled seconds"):
         EmulatedDevice(3.0, emulation="profile", seconds=lambda s: (0.0, 0.0)).stage_loaded(stage)
+
+
+def test_the_benchmark_reads_the_served_profile_as_the_coordinator_caches_it() -> None:
+    from fusion.wire import coordinator_pb2 as cpb
+    from testbeds.job_profile import profile_document
+
+    served = cpb.GetProfileResponse(
+        nodes=[
+            cpb.NodeProfile(name="a", forward_s=0.001, backward_s=0.002, saved_bytes=64.0),
+            cpb.NodeProfile(name="__graph__", forward_s=0.001, backward_s=0.002),
+        ],
+        compute_factor=1.5,
+        matmul_flops=1e10,
+        optimizer_s_per_byte=1e-10,
+        device_name="CPU",
+        overhead_step_s=0.0,  # a calibration may find no fixed cost: 0 is a value
+        overhead_micro_batch_s=0.001,
+        calibrated=True,
+    )
+    doc = profile_document(served)
+    assert doc["nodes"] == {
+        "a": {"fwd_time_s": 0.001, "bwd_time_s": 0.002, "saved_bytes": 64.0},
+        "__graph__": {"fwd_time_s": 0.001, "bwd_time_s": 0.002},
+    }
+    assert (doc["compute_factor"], doc["overhead_step_s"], doc["overhead_micro_batch_s"]) == (1.5, 0.0, 0.001)
+    served.calibrated = False
+    assert profile_document(served)["overhead_step_s"] is None
