@@ -30,7 +30,7 @@ compression) divided by the measured step time. 1.0 means the run is as fast as 
 of its own plan says it can be; below, the executor loses time the model does not see.
 
 A host with a ``slowdown`` ``k`` (the topology file's testbed emulation factor) stretches
-each computation of every system to ``k`` times its length (:mod:`executor.emulation`;
+each computation of every system to ``k`` times its length (:mod:`testbeds.emulation`;
 fusion's workers report the emulated speed, so its planner sees it). With
 ``--emulate-speeds`` the hosts keep the topology's device speed ratios instead: ``k`` is how
 many times slower than the fastest host each is by ``flops / slowdown``. The table says so.
@@ -270,9 +270,7 @@ class FusionFleet:
             run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
         return run
 
-    def _cli(
-        self, args: list[str], env: dict[str, str], *, check: bool = True, module: str = "fusion.cli.main"
-    ) -> str:
+    def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True, module: str = "fusion.cli.main") -> str:
         import os
 
         proc = self.tb.spawn(
@@ -717,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
         "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
-        "times (default: %(default)s; executor.emulation)",
+        "times (default: %(default)s; testbeds.emulation)",
     )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from testbeds.emulation import MIN_PIECE_S, Slowdown
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
+from testbeds.emulation import MIN_PIECE_S, Slowdown
 
 RESULTS = Path(__file__).resolve().parent / "results"
 JOBS = (RESULTS / "bench-job-gpt2.toml", RESULTS / "bench-job-resnet.toml")

@@ -21,10 +21,10 @@ from typing import Any, Self
 import psutil
 import torch
 
-from testbeds.emulation import EMULATIONS, Slowdown, check_factor
 from fusion.config import JobSpec, load_job
 from fusion.errors import ConfigError
 from testbeds.baselines.profiled import read_reference
+from testbeds.emulation import EMULATIONS, Slowdown, check_factor
 from testbeds.netns import DELAY_TUN
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from testbeds.emulation import MIN_PIECE_S
 from fusion.config import JobSpec
+from testbeds.emulation import MIN_PIECE_S
 from testbeds.emulation_fidelity import main, measure_job
 
 TINY = JobSpec.from_dict(
