@@ -20,7 +20,7 @@ the executor's seams (:mod:`executor.hooks`) so that the product carries none of
 ``matmul_flops = machine_flops / FACTOR`` (the speed it emulates), its machine's label as
 every worker on this CPU does (the estimator still lets their stages take turns on the
 machine, :mod:`scheduler.estimator`), and its device name with the factor appended
-(``"CPU (1 threads), 3.2x slower"``). The coordinator's
+(e.g. ``"CPU (1 threads), 3x slower"``). The coordinator's
 :func:`~fusion.coordinator.planning.machine_speeds` takes the best report per machine *and
 device name*, so unlike devices on one machine keep their own speeds: the planner prices
 each worker at ``machine_flops / FACTOR``, as it did when the factor travelled on the wire.
