@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.mailbox import ExpectedValue
-from executor.runtime import TARGET_NAME
+from executor.micro_batch import TARGET_NAME
 from executor.transport import dtype_from_wire
 from fusion.config import TrainSpec
 from fusion.devices import use_exact_fp32

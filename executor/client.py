@@ -6,9 +6,7 @@ activations and gradients to their peers).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -18,6 +16,7 @@ import grpc
 import torch
 
 from executor.binding import ExecutorStub
+from executor.hooks import ChannelFactory, default_channel
 from executor.snapshots import assemble, snapshot_chunks
 from executor.status import call_with_retry, remote_error
 from executor.transport import (
@@ -30,7 +29,6 @@ from executor.transport import (
 from fusion.auth import KeyRing, process_keyring
 from fusion.checkpoint import Snapshot
 from fusion.errors import RemoteError
-from fusion.tls import open_channel
 from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb
 
@@ -49,74 +47,41 @@ def transfer_timeout_s(size_bytes: int) -> float:
     return TRANSFER_BASE_TIMEOUT_S + size_bytes / SLOWEST_LINK_BYTES_PER_S
 
 
-class PeerMap:
-    """Address rewrites from the JSON file named by ``$FUSION_PEER_MAP`` (emulated WAN testbeds).
-
-    The file is ``{"HOST:PORT": "PROXYHOST:PROXYPORT", ...}``; it is re-read when it changes
-    (a testbed adds routes as servers start). Without the variable every address maps to itself.
-    Read from the environment here rather than in ``fusion.cli.env`` because workers' stages
-    build their pools below the CLI layer.
-    """
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self._version: tuple[int, int, int] | None = None
-        self._map: dict[str, str] = {}
-
-    @staticmethod
-    def from_env() -> PeerMap:
-        return PeerMap(os.environ.get("FUSION_PEER_MAP") or None)
-
-    def resolve(self, address: str) -> str:
-        if self.path is None:
-            return address
-        try:
-            st = os.stat(self.path)
-            # A testbed replaces the file atomically: a new inode each time (mtime alone is too coarse).
-            version = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if version != self._version:
-                with open(self.path, encoding="utf-8") as f:
-                    loaded = json.load(f)  # data only: a dict of strings, checked below
-                if not isinstance(loaded, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()
-                ):
-                    raise ValueError('expected a JSON object of "HOST:PORT": "HOST:PORT" strings')
-                self._map, self._version = loaded, version
-        except (OSError, ValueError) as e:
-            logger.warning("peer map %s unusable (%s); dialing %s directly", self.path, e, address)
-        return self._map.get(address, address)
-
-
 class ChannelPool:
     """One gRPC channel per peer address, shared by every caller in the process.
 
-    When ``$FUSION_PEER_MAP`` names a JSON file ``{"host:port": "proxyhost:proxyport", ...}``
-    (see :class:`PeerMap`), a channel to a mapped address dials the mapped one instead: the
-    emulated-WAN testbeds (``testbeds/net.py``) route each worker's traffic through the link
-    proxy for its (source, destination) pair that way. Callers still name peers by their real
-    address. A mapping added after a channel was made does not redirect that channel.
+    Channels are made by ``channel_factory`` (:data:`executor.hooks.ChannelFactory`;
+    default :func:`executor.hooks.default_channel`, a plain channel with the pool's
+    options and CA): a testbed may route each peer through its link proxy that way
+    (``testbeds.worker --peer-map``). Callers always name peers by their real address, and a
+    channel, once made, is kept until :meth:`close`.
     """
 
     def __init__(
-        self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyring: KeyRing | None = None, tls_ca: bytes | None = None
+        self,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keyring: KeyRing | None = None,
+        tls_ca: bytes | None = None,
+        channel_factory: ChannelFactory | None = None,
     ) -> None:
         self.chunk_bytes = chunk_bytes
         #: Keys the pool's calls are signed with (:mod:`fusion.auth`); the process's by default.
         self.keyring = keyring if keyring is not None else process_keyring()
         #: CA bundle for TLS channels (default: the process's, :func:`fusion.tls.set_client_ca`).
         self.tls_ca = tls_ca
+        #: How a channel to a peer is made (:mod:`executor.hooks`).
+        self.channel_factory: ChannelFactory = channel_factory or default_channel
         self._channels: dict[str, grpc.Channel] = {}
         #: Peers that answered a one-message transfer UNIMPLEMENTED (an older release).
         self.stream_only: set[str] = set()
         self._lock = threading.Lock()
-        self._peer_map = PeerMap.from_env()
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                target = self._peer_map.resolve(address)
-                ch = open_channel(target, options=grpc_message_options(self.chunk_bytes), ca=self.tls_ca)
+                ch = self.channel_factory(address, grpc_message_options(self.chunk_bytes), self.tls_ca)
                 self._channels[address] = ch
             return ch
 

@@ -29,7 +29,7 @@ import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import CutSetting, RatioController
-from executor.runtime import TARGET_NAME
+from executor.micro_batch import TARGET_NAME
 from executor.status import POISONED_SENDER_METADATA
 from executor.trace import tracer
 from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
@@ -133,7 +133,6 @@ class PipelineDriver:
         cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
         ratio_controller: RatioController | None = None,
         link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
-        profiled_s: Mapping[int, tuple[float, float]] | None = None,
     ) -> None:
         if len(addresses) != len(stages):
             raise ValueError(f"need one worker address per stage: {len(stages)} stages, {len(addresses)} addresses")
@@ -162,9 +161,6 @@ class PipelineDriver:
         #: Measured bandwidth between the workers of two stages, ``(src, dst) -> bytes/s``:
         #: each stage paces its sends to ``dst`` at it (:mod:`executor.sender`).
         self.link_bytes_per_s = {k: float(v) for k, v in (link_bytes_per_s or {}).items() if v > 0}
-        #: Each stage's profiled (forward, backward) seconds per micro-batch, for workers that
-        #: emulate a slower device by the profile (:mod:`executor.emulation`).
-        self.profiled_s = dict(profiled_s or {})
         # A fresh key per job: stages prove it to each other on Send; it reaches each worker
         # wrapped under that worker's control key (LoadStage.auth), never in clear.
         self.job_key = new_key()
@@ -181,7 +177,6 @@ class PipelineDriver:
         if spec.is_loss_stage:
             values.append(tensor_value_spec(TARGET_NAME, self.example_target))
         m = job.train.micro_batches
-        profiled_forward_s, profiled_backward_s = self.profiled_s.get(spec.stage_idx, (0.0, 0.0))
         return epb.LoadStageRequest(
             job_id=self.job_id,
             stage_idx=spec.stage_idx,
@@ -207,8 +202,6 @@ class PipelineDriver:
             micro_batch_weights=[1.0 / m] * m,
             cut_codecs=self._cut_codecs(spec.stage_idx),
             link_bytes_per_s={dst: bw for (src, dst), bw in self.link_bytes_per_s.items() if src == spec.stage_idx},
-            profiled_forward_s=profiled_forward_s,
-            profiled_backward_s=profiled_backward_s,
             auth=self._wrapped_job_key(self.addresses[spec.stage_idx]),
             tied=[
                 epb.TiedParameter(name=name, canonical=canonical, holder_stage_idx=[h for h, _ in holders])

@@ -14,9 +14,6 @@ receives from another stage (the driver's inputs and targets are the job owner's
 A rejected tensor raises :class:`~fusion.errors.PoisonedInputError` naming the sender; the
 stage fails its step with it, and the driver reports the sender (see
 :mod:`executor.driver`).
-
-The test-only fault hook (:class:`Fault`, ``--inject-fault``) makes a worker send NaN
-gradients or activations, so tests can prove the detection end to end.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion.errors import ConfigError, PoisonedInputError
+from fusion.errors import PoisonedInputError
 from fusion.wire import tensor_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -111,39 +108,3 @@ class InputGuard:
         with self._lock:
             self.num_rejected += 1
         raise PoisonedInputError(src_stage_idx, reason)
-
-
-FAULTS = ("nan-gradients", "nan-activations")
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A test-only fault: corrupt what this worker sends, from ``from_step`` on."""
-
-    kind: str
-    """``nan-gradients`` or ``nan-activations``."""
-    from_step: int = 0
-    """First training step (0-based) that is corrupted."""
-
-    @classmethod
-    def parse(cls, text: str | None) -> Fault | None:
-        """``KIND`` or ``KIND@STEP``; ``None`` for none."""
-        if not text:
-            return None
-        kind, at, step = text.partition("@")
-        if kind not in FAULTS or (at and not step.isdigit()):
-            raise ConfigError(f"--inject-fault takes one of {', '.join(FAULTS)}, optionally @STEP; got {text!r}")
-        return cls(kind=kind, from_step=int(step or 0))
-
-    def corrupt(self, kind: str, step: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` with every floating-point value NaN, when this fault applies."""
-        if self.kind != f"nan-{kind}" or step < self.from_step:
-            return tensors
-        logger.warning("test fault %s: sending NaN %s at step %d", self.kind, kind, step)
-        return {n: torch.full_like(t, float("nan")) if t.is_floating_point() else t for n, t in tensors.items()}
-
-
-FAULT_HELP = (
-    "TEST ONLY: corrupt what this worker sends, to prove poisoned-update detection: "
-    "nan-gradients or nan-activations, optionally @STEP (first corrupted step). Never use in production."
-)

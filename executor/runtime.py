@@ -1,18 +1,15 @@
-"""The stage runtime: one stage's sub-graph, its mailbox, its schedule and its optimizer.
+"""A stage's lifecycle on a worker: its steps, optimizer, snapshots, tied parameters, state.
 
-Remote autodiff, the runtime way (rather than a ``torch.autograd.Function`` per cut): a
-forward of micro-batch ``m`` turns every received floating-point activation into a leaf
-that requires grad, runs the stage module, *keeps* inputs and outputs for ``m``, and sends
-each output to the stages that consume it. The backward of ``m`` waits for one gradient
-message from every consumer stage (several consumers of one value have their gradients
-summed), calls ``torch.autograd.backward`` on the kept outputs, and sends the input leaves'
-``.grad`` upstream, one message per producer stage. Parameter gradients accumulate over
-the micro-batches of a step; each micro-batch's loss is scaled by its share of the batch,
-so the accumulated gradient is that of the mean loss over the whole batch.
+:class:`StageRuntime` owns one stage of a job from LoadStage to unload: it validates what
+peers send against the stage's boundary and deposits it in the stage's :class:`Mailbox`;
+runs each step's schedule on the stage's one long-lived compute thread, a micro-batch at a
+time (:class:`executor.micro_batch.MicroBatchExecutor` does each forward and backward);
+exchanges tied gradients, runs the optimizer, snapshots and restores the stage, and reads
+and writes its state between steps.
 
-Threads: gRPC handler threads only validate and deposit transfers into the
-:class:`Mailbox`; every step runs on the stage's one long-lived compute thread; sends go
-through one ordered background sender per destination, so transfers overlap compute.
+Threads: gRPC handler threads only validate and deposit transfers into the mailbox;
+every step runs on the stage's compute thread; sends go through one ordered background
+sender per destination, so transfers overlap compute.
 """
 
 from __future__ import annotations
@@ -23,16 +20,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from executor.compression import CutCompression
-from executor.emulation import Slowdown
-from executor.guard import Fault, InputGuard
+from executor.guard import InputGuard
+from executor.hooks import StageHooks, StageInfo
 from executor.mailbox import Aborted, ExpectedValue, Mailbox, Payload
 from executor.memory_meter import MemoryMeter
+from executor.micro_batch import TARGET_NAME, MicroBatchExecutor, SendFn, StepResult
 from executor.schedule import Action, stage_actions
 from executor.stage_state import check_state_header, read_state, write_state
 from executor.tied import TiedParam, TiedSet
@@ -57,39 +54,9 @@ from fusion.wire import tensor_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-#: Name under which the driver sends loss targets to the loss stage.
-TARGET_NAME = "@target"
-
-
-@dataclass
-class StepResult:
-    """Outcome of one step on one stage."""
-
-    step: int
-    done: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None
-    loss: float = 0.0
-    compute_s: float = 0.0
-    sent_bytes: dict[int, int] = field(default_factory=dict)
-    sent_s: dict[int, float] = field(default_factory=dict)
-    dense_bytes: dict[int, int] = field(default_factory=dict)
-    peak_memory_bytes: int = 0
-    poisoned: PoisonedInputError | None = None
-    """Set when the step failed because a peer sent a poisoned tensor."""
-    tied_synced: bool = False
-    """The tied gradients of this run of the step were exchanged (at most once)."""
-
-
-#: Sends ``(dst_stage, header, tensors, scalars, encoded)`` asynchronously; the future gives
-#: (bytes, seconds).
-SendFn = Callable[
-    [int, pb.TransferHeader, Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, tuple[pb.TensorMeta, bytes]]],
-    "Future[tuple[int, float]]",
-]
-
 
 class StageRuntime:
-    """Runs one stage of a job: forward/backward per micro-batch, optimizer, state.
+    """One stage of a job from load to unload: steps, optimizer, snapshots, state.
 
     It owns a compute thread that lives until :meth:`close` (which its owner must call when
     it drops the stage: the thread holds the runtime, module and optimizer alive).
@@ -111,23 +78,14 @@ class StageRuntime:
         compression: CutCompression | None = None,
         stage_key: str = "",
         input_guard: InputGuard | None = None,
-        fault: Fault | None = None,
         tied: Sequence[TiedParam] = (),
-        slowdown: Slowdown | None = None,
-        profiled_s: tuple[float, float] | None = None,
+        hooks: StageHooks | None = None,
+        info: StageInfo | None = None,
     ) -> None:
         self.job_id = job_id
         self.stage_key = stage_key
         #: Checks incoming activations/gradients for NaN/Inf and absurd norms (:mod:`executor.guard`).
         self.input_guard = input_guard if input_guard is not None else InputGuard()
-        #: Test-only: corrupt what this stage sends (``--inject-fault``).
-        self.fault = fault
-        #: Testbed emulation of a slower device (``--emulate-slowdown``): each computation
-        #: is stretched, and its stretched time is what ``compute_s`` reports.
-        self.slowdown = slowdown if slowdown is not None else Slowdown()
-        #: The coordinator's profiled (forward, backward) seconds per micro-batch, which a
-        #: ``profile`` emulation stretches by instead of the wall time.
-        self.profiled_s = profiled_s or (None, None)
         self.spec = spec
         self.module = module
         self.expected = dict(expected)
@@ -143,21 +101,29 @@ class StageRuntime:
         self._step: StepResult | None = None
         self._num_micro_batches = 0
         self._last_applied: int | None = None
-        self._inputs_from: dict[int, list[str]] = {}
-        for name, src in spec.inputs:
-            self._inputs_from.setdefault(src, []).append(name)
-        self._outputs_to: dict[int, list[int]] = {}  # dst stage -> output indices
-        for i, (_, dsts) in enumerate(spec.outputs):
-            for d in dsts:
-                self._outputs_to.setdefault(d, []).append(i)
-        # Per micro-batch: (input leaves by name, outputs tuple, weighted loss or None).
-        self._kept: dict[int, tuple[dict[str, torch.Tensor], tuple[Any, ...], torch.Tensor | None]] = {}
         self.meter = MemoryMeter({p.untyped_storage().data_ptr() for p in module.parameters()})
         # Set while no snapshot is copying the weights; the optimizer waits for it.
         self._weights_free = threading.Event()
         self._weights_free.set()
         self.tied = TiedSet(spec.stage_idx, dict(module.named_parameters(remove_duplicate=False)), tied)
         self._trace = tracer()
+        #: Each micro-batch's forward and backward, around which ``hooks`` are called
+        #: (:mod:`executor.hooks`; ``info`` is the stage as they see it).
+        self.micro_batches = MicroBatchExecutor(
+            info=info if info is not None else StageInfo(job_id, spec.stage_idx, tuple(spec.nodes)),
+            spec=spec,
+            module=module,
+            loss_fn=loss_fn,
+            device=device,
+            mailbox=self.mailbox,
+            compression=self.compression,
+            meter=self.meter,
+            send=send,
+            micro_batch_weights=self.micro_batch_weights,
+            step_timeout_s=step_timeout_s,
+            hooks=hooks if hooks is not None else StageHooks(),
+            event=self._event,
+        )
         # One compute thread for every step of the stage: torch's first forward and backward
         # on a new thread cost ~13 ms more (ResNet-18/16, batch 4: 26.5 against 13.8 ms),
         # which a thread per step paid at the start of each step's pipeline.
@@ -181,15 +147,15 @@ class StageRuntime:
                 f"micro-batch {header.micro_batch_idx} does not exist: step {header.step} has {self._num_micro_batches}"
             )
         if kind == pb.TRANSFER_KIND_ACTIVATION:
-            if src not in self._inputs_from:
+            if src not in self.micro_batches.inputs_from:
                 raise WireError(f"stage {self.spec.stage_idx} takes no activations from stage {src}")
-            names = self._inputs_from[src]
+            names = self.micro_batches.inputs_from[src]
         elif kind == pb.TRANSFER_KIND_GRADIENT:
-            if src not in self._outputs_to:
+            if src not in self.micro_batches.outputs_to:
                 raise WireError(
                     f"stage {self.spec.stage_idx} sends nothing to stage {src}, so takes no gradients from it"
                 )
-            names = [self.spec.outputs[i][0] for i in self._outputs_to[src]]
+            names = [self.spec.outputs[i][0] for i in self.micro_batches.outputs_to[src]]
         elif kind == pb.TRANSFER_KIND_TARGET:
             if not self.spec.is_loss_stage or src != DRIVER:
                 raise WireError(f"stage {self.spec.stage_idx} does not compute the loss; targets go to the loss stage")
@@ -205,7 +171,8 @@ class StageRuntime:
         allowed = set(names)
         if not received <= allowed:
             raise WireError(
-                f"unexpected value(s) {sorted(received - allowed)}; stage {self.spec.stage_idx} expects {sorted(allowed)}"
+                f"unexpected value(s) {sorted(received - allowed)}; "
+                f"stage {self.spec.stage_idx} expects {sorted(allowed)}"
             )
         if kind != pb.TRANSFER_KIND_GRADIENT and received != allowed:
             raise WireError(f"missing value(s) {sorted(allowed - received)} for stage {self.spec.stage_idx}")
@@ -248,7 +215,8 @@ class StageRuntime:
         """Begin ``step``: reset the mailbox and hand the schedule to the stage's compute thread."""
         if num_micro_batches != len(self.micro_batch_weights):
             raise WireError(
-                f"step has {num_micro_batches} micro-batches but the stage was loaded for {len(self.micro_batch_weights)}"
+                f"step has {num_micro_batches} micro-batches "
+                f"but the stage was loaded for {len(self.micro_batch_weights)}"
             )
         actions = stage_actions(schedule, num_micro_batches=num_micro_batches, depth=self.spec.depth)
         with self._lock:
@@ -259,7 +227,7 @@ class StageRuntime:
             if self._step is not None and not self._step.done.is_set():
                 raise StateError(f"stage {self.spec.stage_idx} is still running step {self._step.step}")
             self.mailbox.reset()
-            self._kept.clear()
+            self.micro_batches.clear()
             self.meter.reset()
             self.meter.enabled = measure_memory
             self.compression.reset_step()
@@ -310,9 +278,9 @@ class StageRuntime:
         try:
             for current in actions:
                 if current.kind == "F":
-                    pending += self._forward(result, current.micro_batch_idx)
+                    pending += self.micro_batches.forward(result, current.micro_batch_idx)
                 else:
-                    pending += self._backward(result, current.micro_batch_idx)
+                    pending += self.micro_batches.backward(result, current.micro_batch_idx)
             current = None
             for f in pending:
                 f.result(timeout=self.step_timeout_s)
@@ -326,23 +294,13 @@ class StageRuntime:
             result.error = f"stage {self.spec.stage_idx} step {result.step}{where}: {type(e).__name__}: {e}"
             self.mailbox.abort(result.error)
         finally:
-            self._kept.clear()
+            self.micro_batches.clear()
             result.done.set()
 
     def _event(self, ev: str, step: int, **fields: Any) -> None:
         """One timeline event of this stage (:mod:`executor.trace`; nothing when off)."""
         if self._trace.enabled:
             self._trace.event(ev, job=self.job_id, stage=self.spec.stage_idx, step=step, **fields)
-
-    def _header(self, result: StepResult, kind: int, micro_batch_idx: int, dst: int) -> pb.TransferHeader:
-        return pb.TransferHeader(
-            job_id=self.job_id,
-            stage_idx=dst,
-            src_stage_idx=self.spec.stage_idx,
-            step=result.step,
-            micro_batch_idx=micro_batch_idx,
-            kind=kind,
-        )
 
     def _peak_memory(self) -> int:
         """The step's peak: the CUDA allocator's, or parameters + gradients + optimizer
@@ -360,135 +318,6 @@ class StageRuntime:
             if isinstance(v, torch.Tensor) and v.dim() > 0
         )
         return sum(params.values()) + grads + state + self.meter.peak
-
-    def _send_tracked(
-        self,
-        result: StepResult,
-        dst: int,
-        header: pb.TransferHeader,
-        tensors: Mapping[str, torch.Tensor],
-        scalars: Mapping[str, Any],
-        encoded: Mapping[str, tuple[pb.TensorMeta, bytes]],
-        dense_bytes: int,
-    ) -> Future[tuple[int, float]]:
-        where = {"kind": int(header.kind), "mb": header.micro_batch_idx, "dst": dst}
-        self._event("send", result.step, **where)
-        fut = self._send(dst, header, tensors, scalars, encoded)
-        result.dense_bytes[dst] = result.dense_bytes.get(dst, 0) + dense_bytes
-
-        def account(f: Future[tuple[int, float]]) -> None:
-            self._event("answered", result.step, **where)
-            if f.exception() is None:
-                size, seconds = f.result()
-                result.sent_bytes[dst] = result.sent_bytes.get(dst, 0) + size
-                result.sent_s[dst] = result.sent_s.get(dst, 0.0) + seconds
-
-        fut.add_done_callback(account)
-        return fut
-
-    def _forward(self, result: StepResult, m: int) -> list[Future[tuple[int, float]]]:
-        received: dict[int, Payload] = {}
-        for src in self._inputs_from:
-            received[src] = self.mailbox.take(
-                (pb.TRANSFER_KIND_ACTIVATION, m, src),
-                timeout_s=self.step_timeout_s,
-                what=f"micro-batch {m} from stage {src}",
-            )
-        leaves: dict[str, torch.Tensor] = {}
-        args = []
-        for name, src in self.spec.inputs:
-            value = received[src][name]
-            if isinstance(value, torch.Tensor):
-                value = value.to(self.device, non_blocking=True)
-                if src != DRIVER and value.is_floating_point():
-                    value = value.detach().requires_grad_(True)
-                    leaves[name] = value
-            args.append(value)
-        target = None
-        if self.spec.is_loss_stage:
-            target = self.mailbox.take(
-                (pb.TRANSFER_KIND_TARGET, m, DRIVER), timeout_s=self.step_timeout_s, what=f"targets of micro-batch {m}"
-            )[TARGET_NAME].to(self.device, non_blocking=True)
-        for leaf in leaves.values():
-            self.meter.charge(m, leaf)
-        self._event("F0", result.step, mb=m)
-        t0 = time.perf_counter()
-        with self.meter.hooks(m):
-            outs = self.module(*args)
-            loss = None
-            if target is not None:
-                assert self.loss_fn is not None
-                loss = self.loss_fn(outs[-1], target) * self.micro_batch_weights[m]
-                result.loss += float(loss.detach())
-        self.slowdown.stretch(time.perf_counter() - t0, self.profiled_s[0])
-        result.compute_s += time.perf_counter() - t0
-        self._event("F1", result.step, mb=m)
-        for out in outs:
-            if isinstance(out, torch.Tensor):
-                self.meter.charge(m, out)
-        self._kept[m] = (leaves, outs, loss)
-        sends = []
-        for dst, idxs in self._outputs_to.items():
-            tensors: dict[str, torch.Tensor] = {}
-            scalars: dict[str, Any] = {}
-            for i in idxs:
-                name = self.spec.outputs[i][0]
-                value = outs[i]
-                if isinstance(value, torch.Tensor):
-                    tensors[name] = value.detach()
-                else:
-                    scalars[name] = value
-            header = self._header(result, pb.TRANSFER_KIND_ACTIVATION, m, dst)
-            if self.fault is not None:
-                tensors = self.fault.corrupt("activations", result.step, tensors)
-            raw, encoded, dense = self.compression.encode_activations(dst, m, tensors)
-            sends.append(self._send_tracked(result, dst, header, raw, scalars, encoded, dense))
-        return sends
-
-    def _backward(self, result: StepResult, m: int) -> list[Future[tuple[int, float]]]:
-        grads: dict[int, torch.Tensor] = {}
-        for dst in self._outputs_to:
-            payload = self.mailbox.take(
-                (pb.TRANSFER_KIND_GRADIENT, m, dst),
-                timeout_s=self.step_timeout_s,
-                what=f"gradients of micro-batch {m} from stage {dst}",
-            )
-            for i in self._outputs_to[dst]:
-                name = self.spec.outputs[i][0]
-                g = payload.get(name)
-                if g is not None:
-                    g = self.compression.mask_gradient(dst, m, name, g.to(self.device, non_blocking=True))
-                    grads[i] = grads[i] + g if i in grads else g
-        leaves, outs, loss = self._kept.pop(m)
-        self.meter.release(m)
-        tensors: list[torch.Tensor] = []
-        grad_tensors: list[torch.Tensor | None] = []
-        for i, g in grads.items():
-            out = outs[i]
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                tensors.append(out)
-                grad_tensors.append(g)
-        if loss is not None and loss.requires_grad:
-            tensors.append(loss)
-            grad_tensors.append(None)
-        self._event("B0", result.step, mb=m)
-        if tensors:
-            t0 = time.perf_counter()
-            torch.autograd.backward(tensors, grad_tensors)
-            self.slowdown.stretch(time.perf_counter() - t0, self.profiled_s[1])
-            result.compute_s += time.perf_counter() - t0
-        self._event("B1", result.step, mb=m)
-        sends = []
-        for src, names in self._inputs_from.items():
-            if src == DRIVER:
-                continue
-            tensors_out = {n: leaves[n].grad for n in names if n in leaves and leaves[n].grad is not None}
-            header = self._header(result, pb.TRANSFER_KIND_GRADIENT, m, src)
-            if self.fault is not None:
-                tensors_out = self.fault.corrupt("gradients", result.step, tensors_out)
-            raw, encoded, dense = self.compression.encode_gradients(src, m, tensors_out)
-            sends.append(self._send_tracked(result, src, header, raw, {}, encoded, dense))
-        return sends
 
     def sync_tied(self, step: int) -> tuple[int, float]:
         """Send this stage's gradient of each tied parameter to the other holders, take

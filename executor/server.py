@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -33,8 +32,7 @@ from executor.binding import executor_handler
 from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, CutSetting, decode_tensor
-from executor.emulation import EMULATIONS, Slowdown, check_emulation, check_factor
-from executor.guard import FAULT_HELP, Fault
+from executor.hooks import ChannelFactory, StageHooks, StageInfo
 from executor.runtime import StageRuntime
 from executor.sender import PeerSender
 from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
@@ -49,7 +47,7 @@ from executor.transport import (
 )
 from fusion.checkpoint import Snapshot, SnapshotStore, stage_key
 from fusion.config import TrainSpec
-from fusion.errors import ConfigError, FusionError, NotFoundError, StateError, WireError
+from fusion.errors import FusionError, NotFoundError, StateError, WireError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.tls import ServerTls, add_port, set_client_ca, warn_if_exposed
@@ -115,7 +113,12 @@ def parse_probe_keys(text: str) -> dict[str, tuple[int, bytes]]:
 
 
 class ExecutorService:
-    """Hosts any number of stages, keyed by (job id, stage index)."""
+    """Hosts any number of stages, keyed by (job id, stage index).
+
+    Seams (:mod:`executor.hooks`): ``hooks`` are called for every stage loaded here (when
+    it loads, around each computation, on what it sends); ``channel_factory`` makes the
+    channels to peers (sends, snapshot replicas, probes). Both default to the plain product.
+    """
 
     def __init__(
         self,
@@ -124,21 +127,17 @@ class ExecutorService:
         allow_code: bool = False,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         access: ExecutorAccess | None = None,
-        fault: Fault | None = None,
-        slowdown: float = 1.0,
-        emulation: str = "wall",
+        hooks: StageHooks | None = None,
+        channel_factory: ChannelFactory | None = None,
     ) -> None:
         self.worker_name = worker_name
         self.allow_code = allow_code
-        self.pool = ChannelPool(chunk_bytes=chunk_bytes)
+        #: Channels to peers, made by ``channel_factory`` (:mod:`executor.hooks`; default: plain).
+        self.pool = ChannelPool(chunk_bytes=chunk_bytes, channel_factory=channel_factory)
         #: Credentials and limits every RPC is checked against (:mod:`executor.access`).
         self.access = access if access is not None else ExecutorAccess(keyring=self.pool.keyring)
-        #: Test-only fault injected into every stage loaded here (``--inject-fault``).
-        self.fault = fault
-        #: Testbed emulation of a slower device, applied to every stage loaded here.
-        self.slowdown = check_factor(slowdown)
-        #: How that slowdown is measured (:data:`executor.emulation.EMULATIONS`).
-        self.emulation = check_emulation(emulation)
+        #: Called around the work of every stage loaded here (:class:`executor.hooks.StageHooks`).
+        self.hooks = hooks if hooks is not None else StageHooks()
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._senders: dict[tuple[str, int], PeerSender] = {}
         self._lock = threading.Lock()
@@ -167,15 +166,13 @@ class ExecutorService:
     def LoadStage(self, request: epb.LoadStageRequest, context: grpc.ServicerContext) -> epb.LoadStageResponse:
         if not request.job_id:
             raise WireError("LoadStage needs a job_id")
-        slowdown = Slowdown(self.slowdown, emulation=self.emulation)
-        profiled = (request.profiled_forward_s, request.profiled_backward_s)
-        if not all(math.isfinite(v) and 0 <= v < 3600 for v in profiled):
-            raise WireError(f"LoadStage: profiled seconds must be finite, 0 to 3600, got {profiled}")
-        if slowdown.by_profile and not any(profiled):
-            raise ConfigError(
-                f"worker {self.worker_name or '?'} emulates a slower device by the profile (--emulation profile), but LoadStage for "
-                f"stage {request.stage_idx} of job {request.job_id} carries no profiled seconds (a coordinator older than this worker?)"
-            )
+        info = StageInfo(
+            job_id=request.job_id,
+            stage_idx=request.stage_idx,
+            nodes=tuple(request.nodes),
+            worker_name=self.worker_name,
+        )
+        self.hooks.stage_loaded(info)
         built = build_stage(request, allow_code=self.allow_code, graphs=self.graphs)
         self.access.add_job(request.job_id, request.auth)  # peers prove this job key to Send
         loss_fn = get_loss(request.loss or "cross_entropy") if built.spec.is_loss_stage else None
@@ -207,9 +204,8 @@ class ExecutorService:
             micro_batch_weights=weights,
             compression=compression,
             stage_key=stage_key(list(request.nodes), request.graph_fingerprint),
-            fault=self.fault,
-            slowdown=slowdown,
-            profiled_s=profiled,
+            hooks=self.hooks,
+            info=info,
             tied=[TiedParam(t.name, t.canonical, tuple(t.holder_stage_idx)) for t in request.tied],
         )
         key = (request.job_id, request.stage_idx)
@@ -548,9 +544,9 @@ def start_server(
 READY_PREFIX = "FUSION_EXECUTOR_READY"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run a bare executor until SIGTERM/SIGINT; prints ``FUSION_EXECUTOR_READY <port>``."""
-    parser = argparse.ArgumentParser(prog="python -m executor.server", description="Run a fusion Executor service.")
+def build_parser(prog: str = "python -m executor.server") -> argparse.ArgumentParser:
+    """The bare executor's flags (a wrapper may add its own before parsing)."""
+    parser = argparse.ArgumentParser(prog=prog, description="Run a fusion Executor service.")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0 picks a free one)")
     parser.add_argument("--name", default=f"executor-{os.getpid()}", help="worker name reported by Ping")
     parser.add_argument("--allow-code", action="store_true", help="allow job owners' module:factory models")
@@ -571,22 +567,15 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="failed authentications per peer IP before it is refused for a while (default: %(default)s)",
     )
-    parser.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
-    parser.add_argument(
-        "--emulate-slowdown",
-        type=float,
-        default=1.0,
-        metavar="FACTOR",
-        help="testbed emulation: compute as a device FACTOR times slower (default: %(default)s, none)",
-    )
-    parser.add_argument(
-        "--emulation",
-        choices=EMULATIONS,
-        default="wall",
-        help="how --emulate-slowdown measures a computation: its wall time here, or the coordinator's profile of it "
-        "(default: %(default)s; executor.emulation)",
-    )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def serve(
+    args: argparse.Namespace, *, hooks: StageHooks | None = None, channel_factory: ChannelFactory | None = None
+) -> int:
+    """Run a bare executor configured by ``args`` (:func:`build_parser`) until SIGTERM/SIGINT;
+    prints ``FUSION_EXECUTOR_READY <port>`` once it listens. ``hooks`` and
+    ``channel_factory`` are the executor's seams (:mod:`executor.hooks`)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
@@ -599,9 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         worker_name=args.name,
         allow_code=args.allow_code,
         chunk_bytes=args.chunk_bytes,
-        fault=Fault.parse(args.inject_fault),
-        slowdown=args.emulate_slowdown,
-        emulation=args.emulation,
+        hooks=hooks,
+        channel_factory=channel_factory,
     )
     service.access = ExecutorAccess(
         keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst
@@ -615,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     server.stop(grace=2.0).wait()
     service.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a bare executor until SIGTERM/SIGINT; prints ``FUSION_EXECUTOR_READY <port>``."""
+    return serve(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

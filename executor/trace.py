@@ -10,9 +10,9 @@ driver) appends one JSON object per event to ``$FUSION_TRACE_DIR/trace-<pid>.jso
   ``RunStep``), ``forward_backward`` (every stage is done), ``applied`` (every stage ran
   the optimizer);
 - a stage: ``start`` (with the ``thread`` that computes it) and ``done`` of its step,
-  ``F0``/``F1`` and ``B0``/``B1`` around each micro-batch's forward and backward (the
-  emulated sleep included), ``send`` when a transfer is handed to the sender, ``leave`` when
-  the sender starts it (after pacing, :mod:`executor.sender`), ``answered`` when the
+  ``F0``/``F1`` and ``B0``/``B1`` around each micro-batch's forward and backward (what a
+  compute hook adds included, :mod:`executor.hooks`), ``send`` when a transfer is handed
+  to the sender, ``leave`` when the sender starts it (after pacing, :mod:`executor.sender`), ``answered`` when the
   receiver's answer is in, ``arrive`` when a transfer from another stage (or the
   driver: ``src`` -1) has been received and checked.
 

@@ -12,11 +12,12 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
 
-from executor.guard import Fault
+from executor.hooks import ChannelFactory, StageHooks
 from executor.server import ExecutorService, start_server
 from fusion.auth import control_key
 from fusion.coordinator.client import CoordinatorClient
@@ -40,20 +41,17 @@ def advertised_address(listen: str, bound_port: int, coordinator: str) -> str:
     return f"{host}:{bound_port}"
 
 
-def resources_message(profile: DeviceProfile, *, slowdown: float = 1.0) -> cpb.WorkerResources:
-    """What the worker reports at join; with an emulated ``slowdown`` (testbeds) the matmul
-    speed is the one it emulates, and the factor goes along so that the coordinator can
-    still tell the machine's speed from the device's (:func:`fusion.coordinator.planning.machine_speeds`)."""
+def resources_message(profile: DeviceProfile) -> cpb.WorkerResources:
+    """What the worker reports at join: the resources in ``profile``, and its versions."""
     from fusion import __version__
 
     return cpb.WorkerResources(
-        emulated_slowdown=slowdown if slowdown > 1.0 else 0.0,
         num_cores=profile.num_cores,
         memory_bytes=profile.memory_bytes,
         device=profile.device,
         device_name=profile.device_name,
         device_memory_bytes=profile.device_memory_bytes,
-        matmul_flops=profile.matmul_flops / slowdown,
+        matmul_flops=profile.matmul_flops,
         machine=profile.machine,
         torch_version=torch.__version__,
         fusion_version=__version__,
@@ -61,7 +59,14 @@ def resources_message(profile: DeviceProfile, *, slowdown: float = 1.0) -> cpb.W
 
 
 class Worker:
-    """One worker process's agent."""
+    """One worker process's agent.
+
+    Seams (:mod:`executor.hooks`): ``hooks`` and ``channel_factory`` go to its
+    :class:`~executor.server.ExecutorService`; ``report`` maps the :class:`DeviceProfile`
+    measured at start-up to the one reported to the coordinator (default: as measured),
+    for a host that knows better than one short benchmark (e.g. a testbed standing in for
+    a slower device).
+    """
 
     def __init__(
         self,
@@ -75,10 +80,10 @@ class Worker:
         allow_code: bool = False,
         register_timeout_s: float = 60.0,
         tls: ServerTls | None = None,
-        fault: Fault | None = None,
         machine: str | None = None,
-        slowdown: float = 1.0,
-        emulation: str = "wall",
+        hooks: StageHooks | None = None,
+        channel_factory: ChannelFactory | None = None,
+        report: Callable[[DeviceProfile], DeviceProfile] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.name = name
@@ -90,11 +95,10 @@ class Worker:
         self._token = token
         self.client = CoordinatorClient(coordinator, token)
         self.tls = tls
-        #: Testbed emulation: compute as a device this many times slower (1: this one's speed).
-        self.slowdown = slowdown
         self.service = ExecutorService(
-            worker_name=name, allow_code=allow_code, fault=fault, slowdown=slowdown, emulation=emulation
+            worker_name=name, allow_code=allow_code, hooks=hooks, channel_factory=channel_factory
         )
+        self._report = report
         self.server: grpc.Server | None = None
         self.address = ""
         self.worker_id = ""
@@ -106,7 +110,8 @@ class Worker:
 
     def start(self) -> None:
         """Measure, serve, register (waiting for the coordinator), start heart-beating."""
-        self.profile = measure_device(self.device, machine=self.machine)
+        measured = measure_device(self.device, machine=self.machine)
+        self.profile = self._report(measured) if self._report is not None else measured
         self.server, port = start_server(self.service, self.listen, tls=self.tls)
         self.address = self.advertise or advertised_address(self.listen, port, self.coordinator)
         self._register(wait_s=self.register_timeout_s)
@@ -118,9 +123,7 @@ class Worker:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                response = self.client.register(
-                    self.name, self.address, resources_message(self.profile, slowdown=self.service.slowdown)
-                )
+                response = self.client.register(self.name, self.address, resources_message(self.profile))
                 break
             except RemoteError as e:
                 if e.code == "UNAUTHENTICATED":

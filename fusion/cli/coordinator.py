@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+from executor.hooks import ChannelFactory
 from fusion.cli.env import (
     add_log_arg,
     env_calibrate_s,
@@ -111,7 +112,8 @@ def _token(args: argparse.Namespace, state_dir: Path) -> str:
     return token
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, channel_factory: ChannelFactory | None = None) -> int:
+    """``fusion-coordinator``; ``channel_factory`` is how it dials workers (:mod:`executor.hooks`)."""
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
 
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             registers_per_s=args.registers_per_s,
             auth_failure_burst=args.auth_failure_burst,
             auth_failures_per_s=args.auth_failures_per_s,
+            channel_factory=channel_factory,
         )
         try:
             server, port = start_coordinator_server(service, args.host, args.port, tls=tls)

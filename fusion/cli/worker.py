@@ -9,13 +9,14 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
-from executor.emulation import EMULATIONS
-from executor.guard import FAULT_HELP, Fault
+from executor.hooks import ChannelFactory, StageHooks
 from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
 from fusion.errors import AuthError
+from fusion.profiling import DeviceProfile
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 from fusion.worker import Worker
 
@@ -24,10 +25,9 @@ logger = logging.getLogger(__name__)
 READY = "fusion-worker ready"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fusion-worker", description="Join a fusion coordinator and train pieces of its jobs."
-    )
+def build_parser(prog: str = "fusion-worker") -> argparse.ArgumentParser:
+    """``fusion-worker``'s flags (a wrapper may add its own before parsing)."""
+    p = argparse.ArgumentParser(prog=prog, description="Join a fusion coordinator and train pieces of its jobs.")
     add_connection_args(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument(
@@ -65,30 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tls-ca",
         default=None,
-        help="CA bundle that signed the coordinator's and the peers' certificates (turns TLS on for every call this worker makes)",
-    )
-    p.add_argument("--inject-fault", default=None, metavar="FAULT", help=FAULT_HELP)
-    p.add_argument(
-        "--emulate-slowdown",
-        type=float,
-        default=1.0,
-        metavar="FACTOR",
-        help="testbed emulation: behave as a device FACTOR times slower (each computation is followed by a sleep "
-        "of FACTOR - 1 times its length; the reported speed is divided by FACTOR). Default: %(default)s, none",
-    )
-    p.add_argument(
-        "--emulation",
-        choices=EMULATIONS,
-        default="wall",
-        help="what --emulate-slowdown multiplies: each computation's wall time here, or the coordinator's profile of it, "
-        "so that what this machine adds to a computation is paid once (default: %(default)s)",
+        help="CA bundle that signed the coordinator's and the peers' certificates "
+        "(turns TLS on for every call this worker makes)",
     )
     add_log_arg(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_worker(build_parser().parse_args(argv))
+
+
+def run_worker(
+    args: argparse.Namespace,
+    *,
+    hooks: StageHooks | None = None,
+    channel_factory: ChannelFactory | None = None,
+    report: Callable[[DeviceProfile], DeviceProfile] | None = None,
+) -> int:
+    """Run a worker configured by ``args`` (:func:`build_parser`) until SIGINT/SIGTERM; the
+    keyword arguments are :class:`fusion.worker.Worker`'s seams."""
     setup_logging(args.log_level)
 
     def body() -> int:
@@ -109,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             allow_code=args.allow_code,
             tls=tls,
-            fault=Fault.parse(args.inject_fault),
             machine=args.machine,
-            slowdown=args.emulate_slowdown,
-            emulation=args.emulation,
+            hooks=hooks,
+            channel_factory=channel_factory,
+            report=report,
         )
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

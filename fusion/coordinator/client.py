@@ -106,6 +106,10 @@ class CoordinatorClient:
             self._call(self.stub.ProfileWorkers, request, "ProfileWorkers", attempts=1, timeout_s=timeout_s).result_json
         )
 
+    def get_profile(self, job_id: str) -> cpb.GetProfileResponse:
+        """The model profile ``job_id`` was planned with (the Coordinator's ``GetProfile``)."""
+        return self._call(self.stub.GetProfile, cpb.GetProfileRequest(job_id=job_id), "GetProfile")
+
     def logs(self, job_id: str, after_seq: int = 0) -> tuple[list[str], int]:
         r = self._call(self.stub.GetLogs, cpb.GetLogsRequest(job_id=job_id, after_seq=after_seq), "GetLogs")
         return list(r.lines), int(r.last_seq)

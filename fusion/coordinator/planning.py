@@ -59,9 +59,6 @@ class Endpoint:
     device_name: str = ""
     machine: str | None = None
     """What the worker computes on, as it reported it; workers reporting the same share it."""
-    slowdown: float = 1.0
-    """Testbed emulation: the worker computes this many times slower than its machine
-    (``matmul_flops`` already includes it)."""
 
     @staticmethod
     def from_registration(name: str, address: str, resources: Mapping[str, Any]) -> Endpoint:
@@ -74,7 +71,6 @@ class Endpoint:
             memory_bytes=int(resources["device_memory_bytes"]) if resources.get("device_memory_bytes") else None,
             device_name=str(resources.get("device_name", "")),
             machine=str(resources["machine"]) if resources.get("machine") else None,
-            slowdown=max(1.0, float(resources.get("emulated_slowdown") or 1.0)),
         )
 
 
@@ -134,6 +130,28 @@ class ProfileCache:
             self._store(key, profile.to_json())
 
 
+class JobProfileCache(ProfileCache):
+    """One job's view of a :class:`ProfileCache` (the same entries): it remembers the
+    profile the job's planning got or stored last, which :attr:`profile` gives."""
+
+    def __init__(self, shared: ProfileCache) -> None:
+        super().__init__(shared._load, shared._store)
+        self._mem = shared._mem
+        self._lock = shared._lock
+        #: The profile the job was planned with (``None`` until it was measured).
+        self.profile: ModelProfile | None = None
+
+    def get(self, key: str) -> ModelProfile | None:
+        profile = super().get(key)
+        if profile is not None:
+            self.profile = profile
+        return profile
+
+    def put(self, key: str, profile: ModelProfile) -> None:
+        super().put(key, profile)
+        self.profile = profile
+
+
 def profile_model(
     spec: JobSpec,
     dag: OpDag,
@@ -187,20 +205,6 @@ def costed_dag(dag: OpDag, profile: ModelProfile) -> OpDag:
     return dag.with_profile(
         scale_node_times(profile.nodes, profile.compute_factor or 1.0), reference_flops=profile.matmul_flops
     )
-
-
-def stage_profiled_s(profile: ModelProfile, stages: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:
-    """Each stage's (forward, backward) seconds for one micro-batch in the calibrated node
-    profile (as :func:`costed_dag` prices them), by stage index: what a worker emulating a
-    slower device by the profile stretches by (:mod:`executor.emulation`)."""
-    from fusion.profiling import scale_node_times
-
-    nodes = scale_node_times(profile.nodes, profile.compute_factor or 1.0)
-    out = {}
-    for i, names in enumerate(stages):
-        costs = [nodes.get(n, {}) for n in names]
-        out[i] = (sum(c.get("fwd_time_s", 0.0) for c in costs), sum(c.get("bwd_time_s", 0.0) for c in costs))
-    return out
 
 
 def probe_keys_for(addresses: Sequence[str], pool: ChannelPool) -> str:
@@ -484,9 +488,9 @@ def measure(
     lat, bw = probe_links(workers, pool)
     # Node times were measured on workers[home] at profile.matmul_flops; other workers run at
     # their speed *relative to it* (the speeds workers report at join were measured under
-    # different load, so only their ratios are trusted). Workers on one machine compute at
-    # one speed, its best report: otherwise that noise would rank two processes on one CPU,
-    # and the planner could pick the one farther from the driver.
+    # different load, so only their ratios are trusted). Workers of one device on one machine
+    # compute at one speed, its best report: otherwise that noise would rank two processes on
+    # one CPU, and the planner could pick the one farther from the driver.
     reported = machine_speeds(workers)
     base = reported[home] or profile.matmul_flops
     scaled = [
@@ -524,14 +528,20 @@ def measure(
 
 
 def machine_speeds(workers: Sequence[Endpoint]) -> list[float]:
-    """Per worker, the fastest matmul speed reported on its machine (its own where it
-    reported no machine), divided by the worker's emulated slowdown: on a testbed, workers
-    on one CPU that emulate slower devices keep their ratios to the machine's speed."""
-    best: dict[str, float] = {}
+    """Per worker, the fastest matmul speed reported by the workers of its device on its
+    machine (same ``machine`` and ``device_name``; its own report where it named no machine).
+
+    Processes that share one device measured it under different loads at join: their
+    reports are noise around one speed, and the best is the device's. A different device
+    name under one machine label is a different device (an operator's ``--machine`` label
+    over unlike devices, or a testbed's stand-in for a slower one) and keeps its own speed,
+    while the estimator still lets the machine's stages take turns (same ``machine``)."""
+    best: dict[tuple[str, str], float] = {}
     for w in workers:
         if w.machine is not None:
-            best[w.machine] = max(best.get(w.machine, 0.0), w.matmul_flops * w.slowdown)
-    return [best[w.machine] / w.slowdown if w.machine is not None else w.matmul_flops for w in workers]
+            key = (w.machine, w.device_name)
+            best[key] = max(best.get(key, 0.0), w.matmul_flops)
+    return [best[(w.machine, w.device_name)] if w.machine is not None else w.matmul_flops for w in workers]
 
 
 def wire_bytes(t: Any) -> int:

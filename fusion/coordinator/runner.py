@@ -58,7 +58,6 @@ from fusion.coordinator.planning import (
     ProfileCache,
     measure,
     plan_job,
-    stage_profiled_s,
 )
 from fusion.coordinator.recovery import Recovery, diagnose
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
@@ -445,9 +444,6 @@ class JobRunner(threading.Thread):
             cut_settings=settings,
             ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
-            profiled_s=stage_profiled_s(self._measurements.profile, [s.nodes for s in stages])
-            if self._measurements is not None
-            else None,
         )
 
     @staticmethod

@@ -22,7 +22,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -33,10 +32,11 @@ from typing import Any
 import grpc
 
 from executor.client import ChannelPool
+from executor.hooks import ChannelFactory
 from executor.status import rpc_errors
 from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
 from fusion.config import JobSpec
-from fusion.coordinator.planning import CALIBRATE_MIN_S, LinkTable, ProfileCache
+from fusion.coordinator.planning import CALIBRATE_MIN_S, JobProfileCache, LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
 from fusion.errors import AuthError, ConfigError, RateLimitError, WireError
@@ -98,7 +98,10 @@ class CoordinatorService:
         registers_per_s: float = 2.0,
         auth_failure_burst: float = 30.0,
         auth_failures_per_s: float = 0.5,
+        channel_factory: ChannelFactory | None = None,
     ) -> None:
+        """``channel_factory``: how the coordinator dials workers' executors (planning probes
+        and the jobs' drivers; :mod:`executor.hooks`; default: a plain channel)."""
         if not token:
             raise ConfigError("the coordinator needs a non-empty token")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -112,13 +115,16 @@ class CoordinatorService:
         self.calibrate_s = calibrate_s
         # Calls to workers' executors are signed with each worker's control key, derived
         # from its stored session hash (so it survives a coordinator restart).
-        self.pool = ChannelPool(keyring=KeyRing(resolve_control=self._control_key_of))
+        self.pool = ChannelPool(keyring=KeyRing(resolve_control=self._control_key_of), channel_factory=channel_factory)
         #: Registrations per peer IP, and failed authentications per peer IP (a peer that
         #: exhausts the latter is refused everything for a while: no online token guessing).
         self.register_limit = RateLimiter(burst=register_burst, per_s=registers_per_s)
         self.auth_failures = RateLimiter(burst=auth_failure_burst, per_s=auth_failures_per_s)
         self.profiles = ProfileCache(load=store.get_profile, store=store.put_profile)
         self.links = LinkTable()
+        #: Each job's view of the profile cache, which remembers the profile it was planned
+        #: with (``GetProfile``); kept after the job ends, for as long as this process runs.
+        self._job_profiles: dict[str, JobProfileCache] = {}
         self._runners: dict[str, JobRunner] = {}
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -211,10 +217,6 @@ class CoordinatorService:
         if long:
             raise WireError(
                 f"register: resources.{long[0]} is {len(getattr(r, long[0]))} characters; at most {MAX_LABEL_CHARS}"
-            )
-        if not (r.emulated_slowdown == 0.0 or 1.0 <= r.emulated_slowdown < math.inf):
-            raise WireError(
-                f"register: resources.emulated_slowdown must be 0 (none) or a finite number >= 1, got {r.emulated_slowdown!r}"
             )
         name = request.name or request.address
         worker_id = f"w-{uuid.uuid4().hex[:10]}"
@@ -334,6 +336,42 @@ class CoordinatorService:
         lines = [_log_line(ts, kind, rec) for _, ts, kind, rec in records]
         last = records[-1][0] if records else request.after_seq
         return cpb.GetLogsResponse(lines=lines, last_seq=last)
+
+    @rpc_errors
+    def GetProfile(self, request: cpb.GetProfileRequest, context: grpc.ServicerContext) -> cpb.GetProfileResponse:
+        """The model profile a job was planned with (job owners: the token). ``NOT_FOUND``
+        until the job has been measured, and for jobs planned before this coordinator
+        process started."""
+        from fusion.errors import NotFoundError
+
+        self._check_owner(context)
+        self.store.job(request.job_id)  # NOT_FOUND for unknown ids
+        with self._lock:
+            view = self._job_profiles.get(request.job_id)
+        profile = view.profile if view is not None else None
+        if profile is None:
+            raise NotFoundError(
+                f"job {request.job_id} has no profile here yet: a job is profiled when it starts, "
+                "and profiles are kept only while the coordinator runs"
+            )
+        return cpb.GetProfileResponse(
+            nodes=[
+                cpb.NodeProfile(
+                    name=name,
+                    forward_s=float(costs.get("fwd_time_s", 0.0)),
+                    backward_s=float(costs.get("bwd_time_s", 0.0)),
+                    saved_bytes=float(costs.get("saved_bytes", 0.0)),
+                )
+                for name, costs in profile.nodes.items()
+            ],
+            compute_factor=profile.compute_factor or 0.0,
+            matmul_flops=profile.matmul_flops,
+            optimizer_s_per_byte=profile.optimizer_s_per_byte,
+            device_name=profile.device_name,
+            overhead_step_s=profile.overhead_step_s or 0.0,
+            overhead_micro_batch_s=profile.overhead_micro_batch_s or 0.0,
+            calibrated=profile.compute_factor is not None and profile.overhead_step_s is not None,
+        )
 
     @rpc_errors
     def ProfileWorkers(
@@ -485,7 +523,7 @@ class CoordinatorService:
                     pool=self.pool,
                     on_done=self._job_done,
                     device=self.device,
-                    profiles=self.profiles,
+                    profiles=self._job_profiles.setdefault(job.job_id, JobProfileCache(self.profiles)),
                     links=self.links,
                     claim_idle=self._claim_idle,
                     release=self._release,

@@ -59,7 +59,6 @@ def train_distributed(
     cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
     ratio_controller: RatioController | None = None,
     link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
-    profiled_s: Mapping[int, tuple[float, float]] | None = None,
 ) -> DistributedResult:
     """Train ``job`` with its model split over the executors at ``addresses``.
 
@@ -80,8 +79,6 @@ def train_distributed(
         link_bytes_per_s: bandwidth between the workers of two stages, by (src, dst) stage:
             the stages pace their sends at it (:mod:`executor.sender`); unlisted pairs send
             one transfer at a time.
-        profiled_s: each stage's (forward, backward) seconds per micro-batch, which workers
-            emulating a slower device by the profile stretch by (:mod:`executor.emulation`).
     """
     model = build_job_model(job)
     dataset = build_job_dataset(job)
@@ -109,7 +106,6 @@ def train_distributed(
         cut_settings=cut_settings,
         ratio_controller=ratio_controller,
         link_bytes_per_s=link_bytes_per_s,
-        profiled_s=profiled_s,
     )
     result = DistributedResult(dag=captured.dag, stages=stages)
     try:

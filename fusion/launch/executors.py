@@ -37,7 +37,10 @@ class LocalCluster:
         torch_threads: int | None = None,
         start_timeout_s: float = 120.0,
         extra_args: Sequence[str] = (),
+        module: str = "executor.server",
     ) -> None:
+        """``module``: what each process runs, ``python -m executor.server`` or a wrapper
+        of it that takes its flags (e.g. a test's executor with hooks)."""
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.num_workers = num_workers
@@ -45,6 +48,7 @@ class LocalCluster:
         self.torch_threads = torch_threads or max(1, (os.cpu_count() or 1) // num_workers)
         self.start_timeout_s = start_timeout_s
         self.extra_args = list(extra_args)
+        self.module = module
         self.processes: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
         #: Control key of each executor (its calls are signed with it via the process keyring).
@@ -75,7 +79,7 @@ class LocalCluster:
                 key_file.write_text(key.hex())
                 args = [
                     "-m",
-                    "executor.server",
+                    self.module,
                     "--listen",
                     "127.0.0.1:0",
                     "--name",

@@ -94,8 +94,10 @@ class Fleet:
         extra_args: Sequence[str] = (),
         wait: bool = True,
         timeout_s: float = 120.0,
+        module: str = "fusion.cli.worker",
     ) -> subprocess.Popen[bytes]:
-        """Start ``fusion-worker`` joining this fleet's coordinator (waits until it joined)."""
+        """Start ``fusion-worker`` joining this fleet's coordinator (waits until it joined);
+        ``module``: a wrapper of it to run instead, which takes its flags."""
         if not self.coordinator_address:
             raise FusionError("start the coordinator first")
         token_file = self.log_dir / f"token-{name}"
@@ -103,7 +105,7 @@ class Fleet:
         token_file.chmod(0o600)
         args = [
             "-m",
-            "fusion.cli.worker",
+            module,
             "--coordinator",
             self.coordinator_address,
             "--token-file",

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerResources(_message.Message):
-    __slots__ = ("num_cores", "memory_bytes", "device", "device_name", "device_memory_bytes", "matmul_flops", "torch_version", "fusion_version", "machine", "emulated_slowdown")
+    __slots__ = ("num_cores", "memory_bytes", "device", "device_name", "device_memory_bytes", "matmul_flops", "torch_version", "fusion_version", "machine")
     NUM_CORES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -17,7 +17,6 @@ class WorkerResources(_message.Message):
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     FUSION_VERSION_FIELD_NUMBER: _ClassVar[int]
     MACHINE_FIELD_NUMBER: _ClassVar[int]
-    EMULATED_SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     num_cores: int
     memory_bytes: int
     device: str
@@ -27,8 +26,7 @@ class WorkerResources(_message.Message):
     torch_version: str
     fusion_version: str
     machine: str
-    emulated_slowdown: float
-    def __init__(self, num_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., matmul_flops: _Optional[float] = ..., torch_version: _Optional[str] = ..., fusion_version: _Optional[str] = ..., machine: _Optional[str] = ..., emulated_slowdown: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., matmul_flops: _Optional[float] = ..., torch_version: _Optional[str] = ..., fusion_version: _Optional[str] = ..., machine: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "address", "resources")
@@ -183,3 +181,41 @@ class ProfileWorkersResponse(_message.Message):
     RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
     result_json: str
     def __init__(self, result_json: _Optional[str] = ...) -> None: ...
+
+class GetProfileRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class NodeProfile(_message.Message):
+    __slots__ = ("name", "forward_s", "backward_s", "saved_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    forward_s: float
+    backward_s: float
+    saved_bytes: float
+    def __init__(self, name: _Optional[str] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., saved_bytes: _Optional[float] = ...) -> None: ...
+
+class GetProfileResponse(_message.Message):
+    __slots__ = ("nodes", "compute_factor", "matmul_flops", "optimizer_s_per_byte", "device_name", "overhead_step_s", "overhead_micro_batch_s", "calibrated")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_S_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_MICRO_BATCH_S_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeProfile]
+    compute_factor: float
+    matmul_flops: float
+    optimizer_s_per_byte: float
+    device_name: str
+    overhead_step_s: float
+    overhead_micro_batch_s: float
+    calibrated: bool
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeProfile, _Mapping]]] = ..., compute_factor: _Optional[float] = ..., matmul_flops: _Optional[float] = ..., optimizer_s_per_byte: _Optional[float] = ..., device_name: _Optional[str] = ..., overhead_step_s: _Optional[float] = ..., overhead_micro_batch_s: _Optional[float] = ..., calibrated: _Optional[bool] = ...) -> None: ...

@@ -84,6 +84,11 @@ class CoordinatorStub:
                 request_serializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersRequest.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersResponse.FromString,
                 _registered_method=True)
+        self.GetProfile = channel.unary_unary(
+                '/fusion.wire.Coordinator/GetProfile',
+                request_serializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -152,6 +157,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetProfile(self, request, context):
+        """The model profile a job was planned with: per node, the forward and backward seconds
+        of one micro-batch as the planner costed them. Job-owner call (the token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +217,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ProfileWorkers,
                     request_deserializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersRequest.FromString,
                     response_serializer=fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersResponse.SerializeToString,
+            ),
+            'GetProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetProfile,
+                    request_deserializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +494,33 @@ class Coordinator:
             '/fusion.wire.Coordinator/ProfileWorkers',
             fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersRequest.SerializeToString,
             fusion_dot_wire_dot_coordinator__pb2.ProfileWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fusion.wire.Coordinator/GetProfile',
+            fusion_dot_wire_dot_coordinator__pb2.GetProfileRequest.SerializeToString,
+            fusion_dot_wire_dot_coordinator__pb2.GetProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,7 +30,7 @@ compression) divided by the measured step time. 1.0 means the run is as fast as 
 of its own plan says it can be; below, the executor loses time the model does not see.
 
 A host with a ``slowdown`` ``k`` (the topology file's testbed emulation factor) stretches
-each computation of every system to ``k`` times its length (:mod:`executor.emulation`;
+each computation of every system to ``k`` times its length (:mod:`testbeds.emulation`;
 fusion's workers report the emulated speed, so its planner sees it). With
 ``--emulate-speeds`` the hosts keep the topology's device speed ratios instead: ``k`` is how
 many times slower than the fastest host each is by ``flops / slowdown``. The table says so.
@@ -60,7 +60,6 @@ import json
 import logging
 import math
 import secrets
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -70,13 +69,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from executor.emulation import EMULATIONS
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
-from fusion.profiling import trimmed_mean
+from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench.report import markdown, write_chart
 from testbeds.bench.speed_probe import ModelProbe
+from testbeds.emulation import EMULATIONS
 from testbeds.net.launch import slowdown_args
 from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
 
@@ -171,6 +170,8 @@ class FusionFleet:
         self.workdir = workdir
         self.token = secrets.token_hex(16)
         self.host0 = tb.hosts[0]
+        #: The last job this fleet submitted (whose profile :meth:`model_profile` asks for).
+        self.last_job_id: str | None = None
         from testbeds.net.testbed import wait_for_line
 
         port = tb.free_port(self.host0)
@@ -183,7 +184,7 @@ class FusionFleet:
             [
                 sys.executable,
                 "-m",
-                "fusion.cli.coordinator",
+                "testbeds.coordinator",
                 "--host",
                 tb.address(self.host0),
                 "--port",
@@ -200,7 +201,9 @@ class FusionFleet:
         )
         wait_for_line(log, r"listening on", proc, 60.0)
         # One worker at a time: each measures its matmul speed at start-up, and workers that
-        # start together on one machine's cores would each measure a random share of it.
+        # start together on one machine's cores would each measure a random share of it; and
+        # each reports the machine's speed measured once here (testbeds.worker --machine-flops).
+        machine_flops = measure_device("cpu").matmul_flops
         for host in tb.hosts:
             wport = tb.free_port(host)
             tb.expose(host, wport)
@@ -210,7 +213,7 @@ class FusionFleet:
                 [
                     sys.executable,
                     "-m",
-                    "fusion.cli.worker",
+                    "testbeds.worker",
                     "--coordinator",
                     self.coordinator,
                     "--token-file",
@@ -223,6 +226,8 @@ class FusionFleet:
                     str(torch_threads),
                     "--log-level",
                     "INFO",
+                    "--machine-flops",
+                    str(machine_flops),
                     *slowdown_args((slowdowns or {}).get(host), emulation=emulation),
                 ],
                 stdout=open(wlog, "ab"),
@@ -238,6 +243,7 @@ class FusionFleet:
         t0 = time.monotonic()
         out = self._cli(["submit", str(job_file)], env)
         job_id = out.split()[-1]
+        self.last_job_id = job_id
         job_dir = Path(spec.output.dir) / job_id
         summary_path = job_dir / "summary.json"
         while not summary_path.exists():
@@ -261,12 +267,12 @@ class FusionFleet:
             run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
         return run
 
-    def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True) -> str:
+    def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True, module: str = "fusion.cli.main") -> str:
         import os
 
         proc = self.tb.spawn(
             self.host0,
-            [sys.executable, "-m", "fusion.cli.main", *args],
+            [sys.executable, "-m", module, *args],
             env={**os.environ, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -278,19 +284,17 @@ class FusionFleet:
         return out
 
     def model_profile(self) -> dict[str, Any] | None:
-        """The model profile the coordinator measured and calibrated (from its profile cache)."""
-        from fusion.cli.coordinator import STATE_DB
-
-        db = self.workdir / "state" / STATE_DB
-        if not db.exists():
+        """The calibrated model profile the coordinator planned this fleet's last job with
+        (its ``GetProfile``, asked from the first host: :mod:`testbeds.job_profile`)."""
+        if self.last_job_id is None:
             return None
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-            rows = conn.execute("SELECT profile_json FROM profiles ORDER BY updated_at DESC").fetchall()
-        for (text,) in rows:
-            p = json.loads(text)
-            if p.get("overhead_step_s") is not None:
-                return p
-        return None
+        env = {"FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        out = self._cli([self.last_job_id], env, check=False, module="testbeds.job_profile")
+        lines = out.strip().splitlines()
+        p = json.loads(lines[-1]) if lines else None
+        if p is None or p.get("overhead_step_s") is None:
+            return None
+        return p
 
     def step_costs(self) -> dict[str, float] | None:
         """The executor overheads the coordinator calibrated."""
@@ -711,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
         "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
-        "times (default: %(default)s; executor.emulation)",
+        "times (default: %(default)s; testbeds.emulation)",
     )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")

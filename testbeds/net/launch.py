@@ -1,6 +1,6 @@
 """Run one fusion job on a testbed, the way users would run it on real machines.
 
-``fusion-coordinator`` starts on the first host, one ``fusion-worker`` per host (or
+``python -m testbeds.coordinator`` starts on the first host, one ``python -m testbeds.worker`` per host (or
 ``workers_per_host``) on every host, each listening on its host's address; every worker's
 executor port is :meth:`~testbeds.net.testbed.Testbed.expose`-d before the worker starts, so that
 every process's peer map already routes it over the emulated links when the first
@@ -12,7 +12,8 @@ coordinator's driver calls and every stage-to-stage transfer — crosses the emu
 Every worker computes at this machine's speed unless ``slowdowns`` names its host (a
 host's ``slowdown``, or with ``python -m testbeds run --emulate-speeds`` the topology's speed
 ratios: :func:`testbeds.sim.topologies.emulated_slowdowns`), whose workers then run
-``fusion-worker --emulate-slowdown`` — emulation of a slower device.
+``testbeds.worker --emulate-slowdown`` — emulation of a slower device. Every worker
+reports the machine's speed the launcher measured once (``--machine-flops``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from fusion.config import load_job
 from fusion.launch import child_env
+from fusion.profiling import measure_device
 from testbeds.net.testbed import Testbed, TestbedError, wait_for_line
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class TestbedRun:
             "coordinator",
             [
                 "-m",
-                "fusion.cli.coordinator",
+                "testbeds.coordinator",
                 "--host",
                 tb.address(self.head),
                 "--port",
@@ -111,6 +113,7 @@ class TestbedRun:
         self.coordinator = m.group(1)
         self.echo(f"coordinator on {self.head} at {self.coordinator} (log {log})")
         started = []
+        machine_flops = measure_device("cpu").matmul_flops  # once: workers report it (testbeds.worker)
         for host, name in worker_names(tb, self.workers_per_host):
             port = tb.free_port(host)
             tb.expose(host, port)  # before it starts: every peer map routes it from the first channel
@@ -119,7 +122,7 @@ class TestbedRun:
                 f"worker-{name}",
                 [
                     "-m",
-                    "fusion.cli.worker",
+                    "testbeds.worker",
                     "--coordinator",
                     self.coordinator,
                     "--token-file",
@@ -132,6 +135,8 @@ class TestbedRun:
                     str(self.torch_threads),
                     "--log-level",
                     "INFO",
+                    "--machine-flops",
+                    str(machine_flops),
                     *slowdown_args(self.slowdowns.get(host)),
                 ],
             )
@@ -211,8 +216,8 @@ class TestbedRun:
 
 def slowdown_args(factor: float | None, flag: str = "--emulate-slowdown", emulation: str = "wall") -> list[str]:
     """Arguments for a process on a host emulated ``factor`` times slower (none at 1):
-    ``fusion-worker``'s flag by default, the baselines' ``--slowdown``; ``emulation``: what
-    the factor multiplies (:data:`executor.emulation.EMULATIONS`)."""
+    ``testbeds.worker``'s flag by default, the baselines' ``--slowdown``; ``emulation``: what
+    the factor multiplies (:data:`testbeds.emulation.EMULATIONS`)."""
     if not factor or factor <= 1.0:
         return []
     return [flag, str(factor), *(["--emulation", emulation] if emulation != "wall" else [])]

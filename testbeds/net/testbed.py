@@ -13,8 +13,9 @@ DESIGN.md, parsed by :mod:`scheduler.topology`) into a running testbed on this m
 
 Fusion's own traffic reaches the emulated links through a *peer map*: a JSON file
 ``{"HOST:PORT": "PROXYHOST:PROXYPORT"}`` per source host, named by ``FUSION_PEER_MAP`` in the
-environment of the processes started on that host; :class:`executor.client.ChannelPool`
-dials the mapped address instead of the real one. Call :meth:`Testbed.expose` with a
+environment of the processes started on that host; ``python -m testbeds.worker`` and
+``python -m testbeds.coordinator`` dial the mapped address instead of the real one
+(:mod:`testbeds.peer_map`). Call :meth:`Testbed.expose` with a
 listening port *before* any process dials it, so that every host's map has the route.
 
 Usage::
@@ -52,13 +53,12 @@ from typing import Self
 
 from fusion.errors import ConfigError, FusionError
 from scheduler.topology import Topology
+from testbeds.peer_map import PEER_MAP_ENV as PEER_MAP_ENV  # where proxy and netns import it from
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable that marks every process a testbed spawned (value: the prefix).
 TESTBED_ENV = "FUSION_TESTBED"
-#: Environment variable naming a host's peer-map file (read by ``executor.client.ChannelPool``).
-PEER_MAP_ENV = "FUSION_PEER_MAP"
 #: Every name a testbed creates (namespaces, temp dirs, env marks) starts with ``fz<owner pid>``.
 PREFIX_RE = re.compile(r"^fz(\d+)[a-z0-9]*-")
 #: Shipped topology files, addressable by their stem (``two-sites``).
@@ -259,9 +259,10 @@ class Testbed:
 
         Makes the route from every other host to it (a link proxy where this backend or
         latency mode uses one) and adds it to every host's peer map. Returns, per source
-        host, the ``HOST:PORT`` that source's processes must dial; fusion processes need not
-        use it (their ``ChannelPool`` reads the peer map), anything else must. Call it
-        before a process dials the server: a gRPC channel made earlier stays direct.
+        host, the ``HOST:PORT`` that source's processes must dial; fusion's processes started
+        as ``testbeds.worker`` and ``testbeds.coordinator`` need not use it (they read the
+        peer map), anything else must. Call it before a process dials the server: a gRPC
+        channel made earlier stays direct.
         Idempotent.
         """
         self.index(host)

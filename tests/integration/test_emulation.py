@@ -1,5 +1,6 @@
-"""Executors that emulate a slower device (``--emulate-slowdown``, testbeds only): the same
-numbers as single-process PyTorch, and compute the executor reports stretched by the factor.
+"""Executors that emulate a slower device (the testbeds' compute hook,
+:class:`testbeds.worker.EmulatedDevice`): the same numbers as single-process PyTorch, and
+compute the executor reports stretched by the factor.
 
 The stretch is a sleep of ``factor - 1`` times each computation, so a 4x emulation must
 report far more compute than the same model on an unslowed executor of the shared cluster;
@@ -28,11 +29,13 @@ JOB = JobSpec.from_dict(
     }
 )
 FACTOR = 4.0
+#: A bare executor with the test hooks (:mod:`tests.support.hooked_executor`).
+HOOKED = "tests.support.hooked_executor"
 
 
 @pytest.fixture(scope="module")
 def slowed() -> Iterator[LocalCluster]:
-    with LocalCluster(2, torch_threads=1, extra_args=["--emulate-slowdown", str(FACTOR)]) as c:
+    with LocalCluster(2, torch_threads=1, module=HOOKED, extra_args=["--emulate-slowdown", str(FACTOR)]) as c:
         yield c
 
 
@@ -62,5 +65,7 @@ def test_a_slowed_executor_reports_stretched_compute(slowed: LocalCluster, clust
 
 def test_a_bad_factor_stops_the_executor_with_a_clear_error() -> None:
     with pytest.raises(Exception, match="slowdown must be a finite number >= 1"):
-        with LocalCluster(1, torch_threads=1, start_timeout_s=60, extra_args=["--emulate-slowdown", "0.5"]):
+        with LocalCluster(
+            1, torch_threads=1, start_timeout_s=60, module=HOOKED, extra_args=["--emulate-slowdown", "0.5"]
+        ):
             pass

@@ -2,8 +2,8 @@
 
 Real executor processes on loopback: calls without a credential, with a forged one, with
 a replayed one, or with a job key of another job are refused before any handler runs; a
-worker started with the test-only ``--inject-fault nan-gradients`` is caught by the stage
-that receives its gradients, and the driver names it; end to end, the coordinator excludes
+worker whose stages send NaN or hugely scaled gradients (a test hook, :mod:`tests.support.fault`)
+is caught by the stage that receives them, and the driver names it; end to end, the coordinator excludes
 that worker and the job re-plans and finishes with finite losses. Every coordinator RPC
 refuses a missing or wrong token (or session), and a transfer that declares an oversized
 tensor is refused after its header, before its payload is read.
@@ -125,14 +125,19 @@ def test_replayed_and_wrong_scope_credentials_are_refused(executor: LocalCluster
     assert ExecutorClient(address, ChannelPool()).ping().worker_name == "local-0"
 
 
-def test_nan_gradients_are_detected_and_the_sender_named() -> None:
-    with LocalCluster(2, torch_threads=1, extra_args=["--inject-fault", "nan-gradients@1"]) as c:
+@pytest.mark.parametrize(
+    ("fault", "steps", "reason"),
+    # 2 micro-batches a step: the norm bound holds once a link has had 3 accepted gradients
+    [("nan-gradients@1", 2, "NaN"), ("scaled-gradients@2", 3, "norm")],
+)
+def test_poisoned_gradients_are_detected_and_the_sender_named(fault: str, steps: int, reason: str) -> None:
+    with LocalCluster(2, torch_threads=1, module="tests.support.hooked_executor", extra_args=["--fault", fault]) as c:
         with pytest.raises(PoisonedInputError) as info:
-            train_distributed(JOB, c.addresses, steps=2)
-        # Only stage 1 sends gradients (to stage 0): it is the one reported, from step 1 on.
+            train_distributed(JOB, c.addresses, steps=steps)
+        # Only stage 1 sends gradients (to stage 0): it is the one reported.
         assert info.value.sender_stage == 1
         assert info.value.address == c.addresses[1]
-        assert "NaN" in info.value.reason
+        assert reason in info.value.reason
 
 
 def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path: Path) -> None:
@@ -172,7 +177,9 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
         # Workers join one after another: the uniform plan puts them on stages in join order,
         # so the faulty worker hosts stage 1 and sends (NaN) gradients to stage 0.
         fleet.start_worker("w0", token=token)
-        fleet.start_worker("bad", token=token, extra_args=["--inject-fault", "nan-gradients@5"])
+        fleet.start_worker(
+            "bad", token=token, module="tests.support.fault_worker", extra_args=["--fault", "nan-gradients@5"]
+        )
         fleet.start_worker("w2", token=token)
         with CoordinatorClient(fleet.coordinator_address, token) as client:
             job_id = client.submit(load_job(job_path))

@@ -1,4 +1,4 @@
-"""FUSION_PEER_MAP: how a fusion process finds the link proxy for a peer."""
+"""The peer map (:mod:`testbeds.peer_map`): how a testbed's fusion process finds the link proxy for a peer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from executor.client import ChannelPool, PeerMap
+from executor.client import ChannelPool
+from testbeds.peer_map import PeerMap, peer_map_channels
 
 
 def _write(path: Path, mapping: object) -> None:
@@ -39,7 +40,7 @@ def test_a_bad_file_means_direct_dialing(tmp_path: Path, content: str) -> None:
     assert PeerMap(str(path)).resolve("10.0.0.1:5000") == "10.0.0.1:5000"
 
 
-def test_channel_pool_dials_the_mapped_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_channel_pool_dials_the_mapped_address(tmp_path: Path) -> None:
     """A channel to an unroutable address connects to the listener the map names."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -49,8 +50,7 @@ def test_channel_pool_dials_the_mapped_address(tmp_path: Path, monkeypatch: pyte
         _write(
             path, {"192.0.2.1:5000": f"127.0.0.1:{listener.getsockname()[1]}"}
         )  # 192.0.2.0/24: TEST-NET, never routed
-        monkeypatch.setenv("FUSION_PEER_MAP", str(path))
-        pool = ChannelPool()
+        pool = ChannelPool(channel_factory=peer_map_channels(PeerMap(str(path))))
         try:
             channel = pool.get("192.0.2.1:5000")
             assert pool.get("192.0.2.1:5000") is channel  # still keyed by the real address

@@ -1,5 +1,5 @@
-"""Emulated slower devices (:mod:`executor.emulation`): what is stretched, by how much, and
-how a slowed worker's report reaches the planner.
+"""Emulated slower devices (:mod:`testbeds.emulation`, :mod:`testbeds.worker`): what is
+stretched, by how much, and how a slowed worker's report reaches the planner.
 
 Stretch lengths are checked through a recording ``stretch`` (what it was asked to add), not
 by timing the whole run; one test checks that the sleep itself happens.
@@ -13,11 +13,12 @@ import pytest
 import torch
 from google.protobuf.json_format import MessageToDict
 
-from executor.emulation import Slowdown, check_factor
 from fusion.coordinator.planning import Endpoint, machine_speeds
 from fusion.errors import ConfigError
 from fusion.profiling import DeviceProfile
 from fusion.worker import resources_message
+from testbeds.emulation import Slowdown, check_factor
+from testbeds.worker import EmulatedDevice, emulated_profile, stage_seconds
 
 
 class RecordingSlowdown(Slowdown):
@@ -111,7 +112,7 @@ def test_short_backward_pieces_wait_for_a_longer_one_or_the_end_of_the_pass() ->
     assert backward[0] >= 0.005 and backward[1] < 0.002
     assert forward >= 0
     # the default is the same rule at MIN_PIECE_S
-    from executor.emulation import MIN_PIECE_S
+    from testbeds.emulation import MIN_PIECE_S
 
     assert Slowdown(2.0).min_piece_s == MIN_PIECE_S > 0
 
@@ -163,35 +164,32 @@ def _profile(flops: float, machine: str) -> DeviceProfile:
     )
 
 
-def test_a_slowed_worker_reports_its_emulated_speed_and_the_factor() -> None:
-    message = resources_message(_profile(60e9, "box/cpu"), slowdown=3.0)
-    assert message.matmul_flops == pytest.approx(20e9) and message.emulated_slowdown == 3.0
-    plain = resources_message(_profile(60e9, "box/cpu"))
-    assert plain.matmul_flops == pytest.approx(60e9) and plain.emulated_slowdown == 0.0
+def test_a_slowed_worker_reports_the_machine_speed_over_its_factor_as_its_own_device() -> None:
+    measured = _profile(55e9, "box/cpu")
+    message = resources_message(emulated_profile(measured, 3.0, 60e9))
+    assert message.matmul_flops == pytest.approx(20e9)  # the launcher's machine speed, over the factor
+    assert message.machine == "box/cpu" and message.device_name == "CPU, 3x slower"
+    plain = resources_message(emulated_profile(measured, 1.0, 60e9))
+    assert plain.matmul_flops == pytest.approx(60e9) and plain.device_name == "CPU"
+    own = resources_message(emulated_profile(measured, 2.0, None))  # no launcher figure: its own measurement
+    assert own.matmul_flops == pytest.approx(27.5e9)
     endpoint = Endpoint.from_registration(
         "b-1", "10.0.0.3:5000", MessageToDict(message, preserving_proto_field_name=True)
     )
-    assert endpoint.slowdown == 3.0
-    assert (
-        Endpoint.from_registration(
-            "a-1", "10.0.0.1:5000", MessageToDict(plain, preserving_proto_field_name=True)
-        ).slowdown
-        == 1.0
-    )
+    assert endpoint.machine == "box/cpu" and endpoint.device_name == "CPU, 3x slower"
 
 
 def test_workers_on_one_machine_keep_their_emulated_ratios() -> None:
-    # Four processes on one CPU: each measured a share of it (noise), two emulate a device
-    # 3x slower. The machine's speed is its best unslowed report; each worker runs at that
-    # over its own slowdown.
+    # Processes on one CPU: the unslowed ones measured a share of it (noise) and take its best;
+    # two emulate a device 3x slower (their own device name) and keep their speed.
     workers = [
-        Endpoint("a-1", "x:1", matmul_flops=50e9, machine="box/cpu"),
-        Endpoint("a-2", "x:2", matmul_flops=60e9, machine="box/cpu"),
-        Endpoint("b-1", "x:3", matmul_flops=15e9, machine="box/cpu", slowdown=3.0),
-        Endpoint("b-2", "x:4", matmul_flops=22e9, machine="box/cpu", slowdown=3.0),  # 66e9 unslowed: the best
-        Endpoint("far", "y:1", matmul_flops=9e9, machine=None, slowdown=2.0),  # alone: its own report
+        Endpoint("a-1", "x:1", matmul_flops=50e9, device_name="CPU", machine="box/cpu"),
+        Endpoint("a-2", "x:2", matmul_flops=60e9, device_name="CPU", machine="box/cpu"),
+        Endpoint("b-1", "x:3", matmul_flops=20e9, device_name="CPU, 3x slower", machine="box/cpu"),
+        Endpoint("b-2", "x:4", matmul_flops=20e9, device_name="CPU, 3x slower", machine="box/cpu"),
+        Endpoint("far", "y:1", matmul_flops=9e9, device_name="CPU", machine=None),  # alone: its own report
     ]
-    assert machine_speeds(workers) == pytest.approx([66e9, 66e9, 22e9, 22e9, 9e9])
+    assert machine_speeds(workers) == pytest.approx([60e9, 60e9, 20e9, 20e9, 9e9])
 
 
 def test_a_testbed_emulates_the_slowdowns_or_with_speeds_the_flops_ratios() -> None:
@@ -251,16 +249,64 @@ def test_profile_attach_needs_the_profile_and_known_parameters() -> None:
         Slowdown(2.0, emulation="profile").attach(_mlp(), forward_s=0.1, backward_s=0.1, ready_s={"fc.weight": 0.05})
 
 
-def test_the_coordinator_sends_each_stage_its_calibrated_profile() -> None:
-    from fusion.coordinator.planning import ModelProfile, stage_profiled_s
+def test_a_stage_sums_its_nodes_in_the_calibrated_profile() -> None:
+    from fusion.wire import coordinator_pb2 as cpb
 
-    nodes = {
-        "a": {"fwd_time_s": 0.001, "bwd_time_s": 0.002},
-        "b": {"fwd_time_s": 0.003, "bwd_time_s": 0.004},
-        "c": {"fwd_time_s": 0.01, "bwd_time_s": 0.02},
-    }
-    profile = ModelProfile(
-        nodes=nodes, matmul_flops=1e9, optimizer_s_per_byte=0.0, device_name="cpu", compute_factor=2.0
+    profile = cpb.GetProfileResponse(
+        nodes=[
+            cpb.NodeProfile(name="a", forward_s=0.001, backward_s=0.002),
+            cpb.NodeProfile(name="b", forward_s=0.003, backward_s=0.004),
+            cpb.NodeProfile(name="c", forward_s=0.01, backward_s=0.02),
+        ],
+        compute_factor=2.0,
     )
-    got = stage_profiled_s(profile, [["a", "b", "x"], ["c"]])  # "x": a node the profile has no cost for (input, output)
-    assert got[0] == pytest.approx((0.008, 0.012)) and got[1] == pytest.approx((0.02, 0.04))
+    # "x": a node the profile has no cost for (input, output)
+    assert stage_seconds(profile, ["a", "b", "x"]) == pytest.approx((0.008, 0.012))
+    assert stage_seconds(profile, ["c"]) == pytest.approx((0.02, 0.04))
+    profile.compute_factor = 0.0  # not calibrated: as profiled
+    assert stage_seconds(profile, ["c"]) == pytest.approx((0.01, 0.02))
+
+
+def test_the_emulated_device_hook_stretches_each_computation_by_its_stage_profile() -> None:
+    from executor.hooks import BACKWARD, FORWARD, StageInfo
+
+    stage = StageInfo(job_id="j", stage_idx=1, nodes=("c",), worker_name="w")
+    device = EmulatedDevice(3.0, emulation="profile", seconds=lambda s: (0.01, 0.02))
+    device.stage_loaded(stage)
+    for kind, want_s in ((FORWARD, 0.02), (BACKWARD, 0.04)):  # (3 - 1) x the profiled seconds
+        t0 = time.perf_counter()
+        with device.compute(stage, kind, 0, 0):
+            pass
+        assert want_s <= time.perf_counter() - t0 < want_s + 0.5
+    for bad in ((float("nan"), 0.01), (0.01, -1.0)):
+        with pytest.raises(ConfigError, match="profiled seconds must be finite"):
+            EmulatedDevice(3.0, emulation="profile", seconds=lambda s, bad=bad: bad).stage_loaded(stage)
+    with pytest.raises(ConfigError, match="--emulation profile.*no profiled seconds"):
+        EmulatedDevice(3.0, emulation="profile", seconds=lambda s: (0.0, 0.0)).stage_loaded(stage)
+
+
+def test_the_benchmark_reads_the_served_profile_as_the_coordinator_caches_it() -> None:
+    from fusion.wire import coordinator_pb2 as cpb
+    from testbeds.job_profile import profile_document
+
+    served = cpb.GetProfileResponse(
+        nodes=[
+            cpb.NodeProfile(name="a", forward_s=0.001, backward_s=0.002, saved_bytes=64.0),
+            cpb.NodeProfile(name="__graph__", forward_s=0.001, backward_s=0.002),
+        ],
+        compute_factor=1.5,
+        matmul_flops=1e10,
+        optimizer_s_per_byte=1e-10,
+        device_name="CPU",
+        overhead_step_s=0.0,  # a calibration may find no fixed cost: 0 is a value
+        overhead_micro_batch_s=0.001,
+        calibrated=True,
+    )
+    doc = profile_document(served)
+    assert doc["nodes"] == {
+        "a": {"fwd_time_s": 0.001, "bwd_time_s": 0.002, "saved_bytes": 64.0},
+        "__graph__": {"fwd_time_s": 0.001, "bwd_time_s": 0.002},
+    }
+    assert (doc["compute_factor"], doc["overhead_step_s"], doc["overhead_micro_batch_s"]) == (1.5, 0.0, 0.001)
+    served.calibrated = False
+    assert profile_document(served)["overhead_step_s"] is None

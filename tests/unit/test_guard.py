@@ -1,4 +1,4 @@
-"""InputGuard: what a stage accepts from its peers, and the test-only fault hook.
+"""InputGuard: what a stage accepts from its peers, and the tests' injected faults.
 
 The guard must catch NaN/Inf at once, catch absurd norm jumps only after its warm-up,
 never learn from a tensor it rejected, and leave alone gradients that start near zero and
@@ -16,11 +16,11 @@ from executor.guard import (
     MAX_NORM_RATIO,
     RMS_FLOOR,
     WARMUP_OBSERVATIONS,
-    Fault,
     InputGuard,
 )
 from fusion.errors import ConfigError, PoisonedInputError
 from fusion.wire import tensor_pb2 as pb
+from tests.support.fault import SCALE, Fault
 
 ACT = pb.TRANSFER_KIND_ACTIVATION
 GRAD = pb.TRANSFER_KIND_GRADIENT
@@ -132,6 +132,7 @@ def test_fault_parse() -> None:
     assert Fault.parse("") is None
     assert Fault.parse("nan-gradients") == Fault(kind="nan-gradients", from_step=0)
     assert Fault.parse("nan-activations@12") == Fault(kind="nan-activations", from_step=12)
+    assert Fault.parse("scaled-gradients@3") == Fault(kind="scaled-gradients", from_step=3)
     for bad in ("nan", "nan-gradients@", "nan-gradients@x", "nan-gradients@-1", "inf-gradients@3"):
         with pytest.raises(ConfigError):
             Fault.parse(bad)
@@ -147,3 +148,14 @@ def test_fault_corrupts_only_its_kind_from_its_step() -> None:
     assert torch.equal(out["ids"], tensors["ids"])
     with pytest.raises(PoisonedInputError):
         InputGuard().check(GRAD, 1, out)
+
+
+def test_a_scaled_fault_is_caught_by_the_norm_bound_after_the_warm_up() -> None:
+    fault = Fault(kind="scaled-activations", from_step=WARMUP_OBSERVATIONS)
+    guard = InputGuard()
+    for step in range(WARMUP_OBSERVATIONS):
+        guard.check(ACT, 0, fault.corrupt("activations", step, {"x": scaled(100.0)}))
+    out = fault.corrupt("activations", WARMUP_OBSERVATIONS, {"x": scaled(100.0)})
+    assert float(torch.linalg.vector_norm(out["x"])) == pytest.approx(100.0 * SCALE)
+    with pytest.raises(PoisonedInputError, match="norm"):
+        guard.check(ACT, 0, out)

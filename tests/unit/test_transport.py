@@ -166,7 +166,9 @@ def test_several_tensors_in_one_transfer() -> None:
     assert [m.name for m in transfer.header.tensors] == list(tensors)
     offsets = [transfer.offsets[n] for n in tensors]
     assert offsets[0][0] == 0
-    assert all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False)), "payloads are concatenated in header order"
+    assert all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False)), (
+        "payloads are concatenated in header order"
+    )
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 1000])

@@ -1,9 +1,9 @@
 """What a baseline rank emulating a slower device by the profile stretches by.
 
-With ``--emulation profile`` (:mod:`executor.emulation`) an emulated rank sleeps ``factor
+With ``--emulation profile`` (:mod:`testbeds.emulation`) an emulated rank sleeps ``factor
 - 1`` times its computations' profiled seconds instead of times their wall time. The
 seconds come from the node profile the fusion coordinator measured and calibrated in the
-same benchmark (fusion's stages get theirs in ``LoadStage``), priced as the simulator
+same benchmark (fusion's workers sum theirs from the coordinator's ``GetProfile``), priced as the simulator
 prices them: a micro-batch's forward and backward at the profile's speed.
 
 - DDP: the whole model's forward and backward per micro-batch, and when in the backward
@@ -62,7 +62,7 @@ def read_reference(path: str | Path) -> dict[str, Any]:
 
 
 def ddp_attach_args(doc: dict[str, Any], samples: int) -> dict[str, Any]:
-    """:meth:`~executor.emulation.Slowdown.attach`'s profile for a DDP rank computing
+    """:meth:`~testbeds.emulation.Slowdown.attach`'s profile for a DDP rank computing
     ``samples`` samples a step."""
     k = samples / float(doc["micro_batch_samples"])
     d = doc["ddp"]
@@ -74,7 +74,7 @@ def ddp_attach_args(doc: dict[str, Any], samples: int) -> dict[str, Any]:
 
 
 def gpipe_attach_args(doc: dict[str, Any], stage: int) -> dict[str, Any]:
-    """:meth:`~executor.emulation.Slowdown.attach`'s profile for GPipe stage ``stage``."""
+    """:meth:`~testbeds.emulation.Slowdown.attach`'s profile for GPipe stage ``stage``."""
     stages = doc.get("gpipe") or []
     if not 0 <= stage < len(stages):
         raise ConfigError(f"the profiled seconds have {len(stages)} GPipe stage(s), not stage {stage}")

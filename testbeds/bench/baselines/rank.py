@@ -21,10 +21,10 @@ from typing import Any, Self
 import psutil
 import torch
 
-from executor.emulation import EMULATIONS, Slowdown, check_factor
 from fusion.config import JobSpec, load_job
 from fusion.errors import ConfigError
 from testbeds.bench.baselines.profiled import read_reference
+from testbeds.emulation import EMULATIONS, Slowdown, check_factor
 from testbeds.net.netns import DELAY_TUN
 
 logger = logging.getLogger(__name__)
@@ -47,16 +47,16 @@ class RankArgs:
     torch_threads: int
     slowdown: float = 1.0
     """Testbed emulation: this rank computes as a device this many times slower
-    (:class:`executor.emulation.Slowdown`)."""
+    (:class:`testbeds.emulation.Slowdown`)."""
     emulation: str = "wall"
-    """What the slowdown multiplies (:data:`executor.emulation.EMULATIONS`)."""
+    """What the slowdown multiplies (:data:`testbeds.emulation.EMULATIONS`)."""
     profiled: Path | None = None
     """``profile`` emulation: the benchmark's profiled seconds (:mod:`testbeds.bench.baselines.profiled`)."""
 
     def emulate(self, module: torch.nn.Module, profiled: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Attach this rank's testbed emulation of a slower device to ``module`` (a factor
         of 1: none). Under ``profile`` emulation, ``profiled`` picks this rank's
-        :meth:`~executor.emulation.Slowdown.attach` seconds from the benchmark's document
+        :meth:`~testbeds.emulation.Slowdown.attach` seconds from the benchmark's document
         (:mod:`testbeds.bench.baselines.profiled`)."""
         slowdown = Slowdown(self.slowdown, emulation=self.emulation)
         if not slowdown.by_profile:

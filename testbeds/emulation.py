@@ -22,20 +22,22 @@ Two ways to measure the stretch (:data:`EMULATIONS`, ``--emulation``):
 - ``profile``: ``factor - 1`` times the computation's reference seconds, the coordinator's
   calibrated node profile for it. What this machine adds is paid once, and the device
   computes at the topology's speed over the profile, which is what the planner and the
-  simulator assume. fusion's executor gets its stage's seconds in ``LoadStage``; the
-  baselines get theirs from the benchmark.
+  simulator assume. fusion's workers (:mod:`testbeds.worker`) sum their stage's nodes in
+  the profile the coordinator serves (``GetProfile``); the baselines get theirs from the
+  benchmark.
 
-This is emulation and is labelled as such wherever it is used (``fusion-worker
+This is emulation and is labelled as such wherever it is used (``python -m testbeds.worker
 --emulate-slowdown``, the baselines' ``--slowdown``, ``testbeds.bench --emulate-speeds``);
-it has no place on a real deployment.
+it has no place on a real deployment, and the product does not know of it: it reaches
+fusion's executor through its compute hook (:mod:`executor.hooks`).
 
 Forward and backward computations are stretched; the optimizer step is not (it is a small
 share of a step, and the simulator prices it so: ``testbeds/replay.py``).
 
 Two ways in, one stretch:
 
-- :meth:`Slowdown.stretch` after a timed computation (fusion's executor times each
-  micro-batch's forward and backward itself).
+- :meth:`Slowdown.stretch` after a timed computation (:class:`testbeds.worker.EmulatedDevice`
+  times each micro-batch's forward and backward of fusion's executor through its hook).
 - :meth:`Slowdown.attach` for a plain ``torch.nn.Module`` (the DDP and GPipe baselines):
   forward hooks stretch each forward; in the backward, a parameter's gradient accumulation
   stretches the computation since the last stretch once that is :data:`MIN_PIECE_S` or
