@@ -1,6 +1,6 @@
 """An executor timeline for diagnosis: what each stage and the driver did, and when.
 
-The simulator's replay (:mod:`testbeds.replay`) prices a step event by event; where it and
+The simulator's replay (:mod:`testbeds.sim.replay`) prices a step event by event; where it and
 a testbed run disagree, the question is which event the real executor took longer over:
 the driver's ``RunStep``, a feed, a forward on a busy core, one transfer over one link.
 With ``FUSION_TRACE_DIR`` set, every executor process (workers and the coordinator's
@@ -18,7 +18,7 @@ driver) appends one JSON object per event to ``$FUSION_TRACE_DIR/trace-<pid>.jso
 
 Each event carries ``t`` (``time.time()``: the processes of one testbed host share its
 clock), the job id, the step, and the stage, micro-batch, peer and transfer kind where
-they apply. ``python -m testbeds.timeline DIR`` lines the events up per step and link.
+they apply. ``python -m testbeds.bench.timeline DIR`` lines the events up per step and link.
 
 Off by default and then free (one attribute test per event). The trace is written only,
 never read back by an executor; a line is flushed when written, so a killed process

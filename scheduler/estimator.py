@@ -26,7 +26,7 @@ which is DESIGN.md's ``Σ c_i + Σ t_j + (M − 1)·max(max c_i, max t_j)`` for 
 the per-step fixed costs ``t_step`` (control round trips and the optimizer update, both
 measured by the profiler) added. The form is fast enough for planners to call thousands of
 times; it assumes a steady state a short pipeline over latency never reaches, and the
-simulator replays the executor's schedule event by event instead (``testbeds.replay``,
+simulator replays the executor's schedule event by event instead (``testbeds.sim.replay``,
 from the same :class:`StageGraph`).
 
 **The driver's path.** When the topology knows the driver's link to each worker
@@ -252,7 +252,7 @@ class Estimate:
 class StageGraph:
     """A placement reduced to its stages: what each computes per micro-batch and what
     crosses each cut. Shared by :func:`estimate`'s closed form and by event replays of the
-    executor's schedule (``testbeds.replay``)."""
+    executor's schedule (``testbeds.sim.replay``)."""
 
     num_stages: int
     stage_of: np.ndarray

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--emulate-speeds",
         action="store_true",
         help="emulate the topology's device speeds: workers on hosts slower than its fastest (flops / slowdown) compute "
-        "that many times slower (fusion-worker --emulate-slowdown); without it, only hosts with a slowdown are",
+        "that many times slower (testbeds.worker --emulate-slowdown); without it, only hosts with a slowdown are",
     )
     add_log_arg(run)
     return p

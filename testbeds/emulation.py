@@ -9,16 +9,16 @@ computation's wall time. Sleeping, not spinning, leaves the shared cores to the 
 as a separate device would. Wall time, not CPU time: the fast hosts compute on the same
 loaded CPU, so stretching the wall time keeps the topology's speed ratio between them; the
 price is that contention a slow host meets while computing is stretched ``factor`` times too
-(what the simulator's shared-core model does not follow; ``testbeds/results/bench-notes.md``).
+(what the simulator's shared-core model does not follow; ``docs/benchmarks.md``).
 
 Two ways to measure the stretch (:data:`EMULATIONS`, ``--emulation``):
 
 - ``wall`` (the default): ``factor - 1`` times each computation's wall time here. Whatever
   this machine adds to a computation is then multiplied by the factor too: the cost of
-  computing after a sleep (``testbeds/pause_cost.py``), the transfers its process handles
+  computing after a sleep (``testbeds/sim/machine.py``), the transfers its process handles
   meanwhile, waiting for a shared core. On volunteers' 25.4x host the computations took
   2.6x their profile on the core, so the host ran as a device about 65x slower than its
-  profile (``testbeds/results/reference-emulation-2026-12-02/``).
+  profile (``docs/benchmarks.md``).
 - ``profile``: ``factor - 1`` times the computation's reference seconds, the coordinator's
   calibrated node profile for it. What this machine adds is paid once, and the device
   computes at the topology's speed over the profile, which is what the planner and the

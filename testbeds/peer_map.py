@@ -1,6 +1,6 @@
 """Route fusion's gRPC traffic over a testbed's emulated links: the peer map.
 
-A testbed whose links are user-space proxies (:mod:`testbeds.proxy`, or netns without
+A testbed whose links are user-space proxies (:mod:`testbeds.net.proxy`, or netns without
 ``sch_netem``) writes, per source host, a JSON file ``{"HOST:PORT": "PROXYHOST:PROXYPORT"}``
 naming the proxy that carries that host's traffic to each server (:meth:`testbeds.net.Testbed.expose`),
 and names it in the environment of the processes it starts there (:data:`PEER_MAP_ENV`).

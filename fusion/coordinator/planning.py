@@ -299,10 +299,8 @@ class ExecutorOverhead:
 
 #: Calibration times steps until the ``M``-micro-batch ones have computed this long (and
 #: at least ``steps`` of each count). A shared machine's speed moves from one second to the
-#: next (a 2-core VM, one model timed back to back for 60 s by ``python -m
-#: testbeds.speed_trace``: 1 s windows from 0.79x to 1.63x the median, p10-p90 0.92-1.11x,
-#: in phases of a few seconds), and five steps land in one phase: the level they set for
-#: every node then misses a run of minutes by as much.
+#: next, in phases of a few seconds (docs/benchmarks.md has the trace), and five steps land
+#: in one phase: the level they set for every node then misses a run of minutes by as much.
 CALIBRATE_MIN_S = 3.0
 #: Share of the calibration steps left out at each end before averaging: preemptions and
 #: the first steps after a pause, not the machine's speed.

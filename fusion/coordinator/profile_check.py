@@ -60,7 +60,8 @@ class CheckRow:
     def memory_under(self) -> float:
         """Worst under-prediction of memory as a fraction (0 if never under)."""
         return max(
-            (max(0.0, (m - p) / m) for p, m in zip(self.predicted_memory, self.measured_memory, strict=False) if m > 0), default=0.0
+            (max(0.0, (m - p) / m) for p, m in zip(self.predicted_memory, self.measured_memory, strict=False) if m > 0),
+            default=0.0,
         )
 
     @classmethod

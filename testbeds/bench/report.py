@@ -125,7 +125,7 @@ def emulation_lines(doc: dict[str, Any]) -> list[str]:
     )
     return [
         f"**Emulated slower devices** ({why}): {hosts}; every system's computations there are followed by a sleep of "
-        f"(factor - 1) times {measure} (`executor.emulation`).",
+        f"(factor - 1) times {measure} (`testbeds.emulation`).",
         "",
     ]
 

@@ -113,7 +113,7 @@ def render(docs: Sequence[dict[str, Any]], notes: str = "", *, source: str = "te
             "fusion's (same batch; > 1: fusion is faster). Efficiency = the predicted step time of the plan fusion ran / "
             "fusion's measured step time. Loss gap = |fusion - uniform| / uniform final loss. Slower devices (emulated): "
             "hosts whose computations, in every system, were stretched to stand in for the topology's slower devices "
-            "(`executor.emulation`; every host shares this machine's CPU)."
+            "(`testbeds.emulation`; every host shares this machine's CPU)."
         ),
         "",
         "| topology | model | slower devices (emulated) | fusion samples/s | fusion step s | fusion ran on | x uniform | x ddp | x pipelining | efficiency | loss gap |",

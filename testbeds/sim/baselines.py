@@ -31,7 +31,7 @@ def simulate_ddp(
     ``cores``: on a one-machine testbed all ``N`` ranks compute at once on that many cores
     (one thread each), so compute takes ``max(1, N / cores)`` times longer
     (:func:`shared_cores_factor`, which counts a rank emulating a slower device by its share).
-    ``emulation``: ``profile`` (:mod:`executor.emulation`): an emulated rank computes as
+    ``emulation``: ``profile`` (:mod:`testbeds.emulation`): an emulated rank computes as
     here, that factor included, then sleeps ``slowdown - 1`` times the profile.
     """
     spec = job.spec
@@ -58,7 +58,7 @@ def simulate_ddp(
     compute_s = per_mb_s * max(scale)
     ready = ddp_bucket_ready_s(wl)
     buckets = len(ready) or ddp_buckets(param_bytes)
-    # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
+    # The optimizer step is not emulated (testbeds.emulation stretches forward and backward only).
     optimizer_s = (
         wl.step.optimizer_s_per_byte * param_bytes * job.reference_flops / min(w.flops for w in topology.workers)
     )
@@ -102,7 +102,7 @@ def _emulated_scale(reference_flops: float, w: WorkerSpec, contention: float, em
     """Seconds per profiled second of a worker's compute on a testbed whose ranks share
     cores (``contention``): under ``wall`` emulation the whole stretched computation pays it,
     under ``profile`` only the part on the core, the sleep being ``slowdown - 1`` times the
-    profile (:mod:`executor.emulation`)."""
+    profile (:mod:`testbeds.emulation`)."""
     if emulation == "profile":
         return reference_flops / w.flops * contention + (w.slowdown - 1.0)
     return reference_flops / w.effective_flops * contention

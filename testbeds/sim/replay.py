@@ -20,7 +20,7 @@ executor decide its step instead (each seen in a traced two-sites run):
 
 Compute is list-scheduled: a stage's action starts when its inputs are in and its machine
 has a free core (``cores`` per machine; stages on one machine take turns beyond that). A
-worker with an emulated ``slowdown`` (:mod:`executor.emulation`) holds its core for
+worker with an emulated ``slowdown`` (:mod:`testbeds.emulation`) holds its core for
 ``1 / slowdown`` of its compute and sleeps the rest, leaving the core to the others.
 Everything else is priced as :mod:`scheduler.estimator` prices it, from the same
 :class:`~scheduler.estimator.StageGraph`.
@@ -126,7 +126,7 @@ def replay_step(
     again with the spans the last pass placed until they no longer move (``MAX_PASSES`` at
     most; in the benchmark runs 2-9 passes).
 
-    ``emulation``: how the run's emulated devices stretched (:mod:`executor.emulation`).
+    ``emulation``: how the run's emulated devices stretched (:mod:`testbeds.emulation`).
     ``wall``: a computation takes ``slowdown`` times what it takes here, pause cost and
     interference included. ``profile``: it takes what it takes here (on the core, with those
     costs), then ``slowdown - 1`` times its profiled seconds asleep.
@@ -280,7 +280,7 @@ def _replay_pass(
     finished = tuple(max([free[s], *(q.answered_at for (a, _), q in queues.items() if a == s)]) for s in range(n))
     done = tuple(f + rtt[s] / 2 for s, f in enumerate(finished))
     tied = tied_sync_s(workload, sg, w, topology)
-    # The optimizer step is not emulated (executor.emulation stretches forward and backward only).
+    # The optimizer step is not emulated (testbeds.emulation stretches forward and backward only).
     unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
     apply = max(rtt, default=0.0) + optimizer_s(workload, unemulated)
     step = max(done, default=0.0) + tied + apply + workload.step.control_s

@@ -247,7 +247,7 @@ def simulate(
     ``cores``: cores all hosts share on a one-machine testbed, for the gloo baselines'
     ranks and for fusion's and uniform's stages where the topology puts hosts on one machine
     (``None``: hosts are machines); ``emulation``: how a testbed's emulated hosts stretch
-    (:mod:`executor.emulation`).
+    (:mod:`testbeds.emulation`).
     """
     results: dict[str, SystemResult] = {}
     timings: dict[str, float] = {}

@@ -83,7 +83,7 @@ TCP_PAYLOAD_SHARE = 1448 / 1514
 
 def emulated_slowdowns(topology: Topology, *, speeds: bool = False) -> dict[str, float]:
     """Per host a one-machine testbed runs slower, by how many times
-    (:class:`executor.emulation.Slowdown`): each host's ``slowdown`` (the topology file's
+    (:class:`testbeds.emulation.Slowdown`): each host's ``slowdown`` (the topology file's
     testbed emulation factor); with ``speeds`` (``--emulate-speeds``), how many times
     slower than the topology's fastest host it is by ``flops / slowdown``, so that the
     hosts keep the topology's device speed ratios though they share one CPU."""
@@ -144,7 +144,7 @@ def testbed_topology(
 def shared_cores_factor(workers: Sequence[WorkerSpec], cores: int | None) -> float:
     """How many times longer each rank's compute takes when the ranks on ``workers`` share
     ``cores`` (``None``: each has its own device). A rank emulating a slower device
-    (``slowdown`` k, :mod:`executor.emulation`) sleeps ``(k - 1) / k`` of its compute, so it
+    (``slowdown`` k, :mod:`testbeds.emulation`) sleeps ``(k - 1) / k`` of its compute, so it
     occupies ``1 / k`` of a core."""
     if not cores:
         return 1.0

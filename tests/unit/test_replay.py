@@ -121,7 +121,7 @@ def test_an_emulated_slow_device_leaves_its_core_to_the_others() -> None:
 
 
 def test_an_emulated_device_runs_its_optimizer_at_the_machines_speed() -> None:
-    """executor.emulation stretches forward and backward only: the optimizer update of an
+    """testbeds.emulation stretches forward and backward only: the optimizer update of an
     emulated slow device costs what it costs on the machine, a real slow device's more."""
     import dataclasses
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU checks in one run: the parity tests with every stage on cuda, then the GPT-2 small
 # step benchmark (testbeds/results/gpu/gpu-h200.md has the last figures).
-#   testbeds/bench/gpu_check.sh [WHEEL_DIR] [OUT_DIR]
+#   testbeds/gpu_check.sh [WHEEL_DIR] [OUT_DIR]
 # WHEEL_DIR: wheels to install first into /tmp/site (for a machine without a registry);
 # OUT_DIR: where the logs go (default: ./gpu-check-out).
 set -u
