@@ -27,10 +27,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *emulation_lines(doc),
         (
-            "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err "
-            "| machine x | probed s | err | calibrated s | err | note |"
+            "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x "
+            "| simulated s | err | calibrated s | err | note |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in doc["systems"].items():
 
@@ -44,8 +44,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | {f(r.get('step_s'), '.4g')} | {link} | "
             f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | {'-' if name == 'fusion' else f(sp, '.2f')} | "
-            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | {f(r.get('machine_drift'), '.2f')} | "
-            f"{f(r.get('probed_step_s'), '.4g')} | {f(r.get('probed_error'), '+.0%')} | "
+            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | "
             f"{f(cal, '.4g')} | {'-' if cal_err is None else f'{cal_err:+.0%}'} | "
             f"{r.get('note', '')} |"
         )
@@ -61,12 +60,6 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(
             f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
             f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; "
-            + (
-                "probed: the same with each system's compute as many times slower as the machine probes before and after its "
-                "runs were over the probe as the coordinator profiled (machine x, `testbeds.bench.speed_probe.ModelProbe`); "
-                if any(r.get("probed_step_s") for r in doc["systems"].values())
-                else ""
-            )
             + "calibrated: the same with each host of fusion's and uniform's plans computing "
             f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
             + " ddp's gradient buckets are all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message."
