@@ -576,8 +576,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         fleet_at = min((i for i, s in enumerate(systems) if s in ("fusion", "uniform")), default=len(systems))
         if any(s in ("ddp", "pipelining") for s in systems[:fleet_at]):
             raise FusionError(
-                "--emulation profile prices the emulated computations from fusion's coordinator profile: list fusion or "
-                "uniform before ddp and pipelining in --systems"
+                "--emulation profile prices the emulated computations from fusion's coordinator profile: "
+                "list fusion or uniform before ddp and pipelining in --systems"
             )
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
@@ -679,17 +679,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--emulate-speeds",
         action="store_true",
-        help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
-        "times slower, in every system (each computation is followed by a sleep; labelled in the output). "
+        help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute "
+        "that many times slower, in every system (each computation is followed by a sleep; labelled in the output). "
         "Without it, only hosts with a slowdown are emulated",
     )
     p.add_argument(
         "--emulation",
         choices=EMULATIONS,
         default="wall",
-        help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
-        "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
-        "times (default: %(default)s; testbeds.emulation)",
+        help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its "
+        "seconds in fusion's coordinator profile, so that what this machine adds to a computation is paid once, "
+        "not factor times (default: %(default)s; testbeds.emulation)",
     )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")

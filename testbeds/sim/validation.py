@@ -356,13 +356,15 @@ def print_validation(
         s_ = summary[key]
         if s_["compared"]:
             lines.append(
-                f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; median |error| {f(s_['median_abs'], '.0%')}"
+                f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; "
+                f"median |error| {f(s_['median_abs'], '.0%')}"
             )
     measured = sorted({r["bench"] for r in rows if r.get("links") == "measured"})
     lines.append(
-        "\nDDP's and pipelining's messages priced from the links' measured message times (`testbeds/net/link_times.py`) in: "
-        f"{', '.join(measured) or 'none'}; fusion's and uniform's gRPC transfers at the configured links; DDP's gradient "
-        "buckets all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message (`testbeds/sim/gloo.py`)"
+        "\nDDP's and pipelining's messages priced from the links' measured message times "
+        f"(`testbeds/net/link_times.py`) in: {', '.join(measured) or 'none'}; "
+        "fusion's and uniform's gRPC transfers at the configured links; DDP's gradient buckets all-reduced "
+        "as each rank's backward makes them ready, gloo's ring replayed message by message (`testbeds/sim/gloo.py`)"
     )
     paused = sorted({r["bench"] for r in rows if r.get("pause_cost")})
     pathed = sorted({r["bench"] for r in rows if r.get("transfer_path")})
@@ -376,8 +378,8 @@ def print_validation(
     )
     driven = sorted({r["bench"] for r in rows if r.get("driver_links") == "measured"})
     lines.append(
-        "\nfusion's and uniform's driver calls pay the gRPC round trip the coordinator measured to the worker on its own host, "
-        f"on top of the configured links, in: {', '.join(driven) or 'none'}"
+        "\nfusion's and uniform's driver calls pay the gRPC round trip the coordinator measured to the worker "
+        f"on its own host, on top of the configured links, in: {', '.join(driven) or 'none'}"
     )
     text = "\n".join(lines) + "\n"
     if out:
