@@ -90,7 +90,8 @@ def build_stage(request: epb.LoadStageRequest, *, allow_code: bool, graphs: Grap
     fingerprint = graph_fingerprint(gm)
     if request.graph_fingerprint and fingerprint != request.graph_fingerprint:
         raise GraphExportError(
-            f"this worker captured a different graph (fingerprint {fingerprint}, coordinator {request.graph_fingerprint}); "
+            f"this worker captured a different graph (fingerprint {fingerprint}, "
+            f"coordinator {request.graph_fingerprint}); "
             f"check that worker and coordinator run the same torch ({torch.__version__}) and fusion versions"
         )
     nodes = {n.name: n for n in gm.graph.nodes}

@@ -94,7 +94,8 @@ class InputGuard:
                     self.num_rejected += 1
                     raise PoisonedInputError(
                         src_stage_idx,
-                        f"{what} {name!r} has norm {norm:.3g}, over {math.exp(self.max_log_ratio):.0f}x the link's running norm {typical:.3g}",
+                        f"{what} {name!r} has norm {norm:.3g}, over {math.exp(self.max_log_ratio):.0f}x "
+                        f"the link's running norm {typical:.3g}",
                     )
             for name, norm in norms.items():
                 stats = self._stats.setdefault((kind, src_stage_idx, name), _LinkStats())

@@ -42,7 +42,8 @@ class TiedSet:
                 raise WireError(f"stage {stage_idx} holds no parameter {t.name!r} to tie")
             if stage_idx not in t.holders or len(t.holders) < 2 or list(t.holders) != sorted(set(t.holders)):
                 raise WireError(
-                    f"tied parameter {t.canonical!r}: holders {list(t.holders)} must be ascending, distinct, include stage {stage_idx} and another"
+                    f"tied parameter {t.canonical!r}: holders {list(t.holders)} must be ascending, distinct, "
+                    f"include stage {stage_idx} and another"
                 )
         if len({t.canonical for t in tied}) != len(tied):
             raise WireError(f"stage {stage_idx} names a tied parameter twice")

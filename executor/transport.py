@@ -413,14 +413,16 @@ def check_header_shape(header: pb.TransferHeader) -> int:
         dtype_from_wire(meta.dtype)
         if meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) and meta.size_bytes != expected_raw_bytes(meta):
             raise WireError(
-                f"tensor {meta.name!r} declares {meta.size_bytes} bytes but dtype and shape need {expected_raw_bytes(meta)}"
+                f"tensor {meta.name!r} declares {meta.size_bytes} bytes "
+                f"but dtype and shape need {expected_raw_bytes(meta)}"
             )
         if (
             meta.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
             and meta.size_bytes > 2 * expected_raw_bytes(meta) + ENCODED_SLACK_BYTES
         ):
             raise WireError(
-                f"encoded tensor {meta.name!r} declares {meta.size_bytes} bytes, more than twice its dense size; refusing it"
+                f"encoded tensor {meta.name!r} declares {meta.size_bytes} bytes, "
+                "more than twice its dense size; refusing it"
             )
         total += meta.size_bytes
     for v in header.values:

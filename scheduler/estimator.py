@@ -237,7 +237,8 @@ class Estimate:
     stage_compute_s: tuple[float, ...]
     """Forward + backward seconds per micro-batch, per stage."""
     link_s: dict[tuple[int, int], float]
-    """Seconds per micro-batch each cut is busy (the slower direction, the answer included), by (src stage, dst stage)."""
+    """Seconds per micro-batch each cut is busy (the slower direction, the answer included), by
+    (src stage, dst stage)."""
     link_bytes: dict[tuple[int, int], int]
     """Activation bytes per micro-batch on each cut."""
     peak_memory_bytes: dict[int, int]

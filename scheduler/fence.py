@@ -6,8 +6,9 @@ bandwidth graph: a cluster is a set of workers joined by a chain of fast links. 
 is built with Prim's algorithm on the (symmetrised, ``min(bw_ij, bw_ji)``) bandwidth
 matrix — O(n²) with numpy, so 1,024 workers take milliseconds — and held in a
 ``networkx`` graph; the slowest tree edges of a cluster are cut when the next faster tree
-edge is at least ``min_gap_ratio`` times faster, and the split recurses into the parts. Equal links give one cluster; a lab on 10 Gbps, a site on
-1 Gbps and a continent on 100 Mbps joined by 8 Mbps come apart into three.
+edge is at least ``min_gap_ratio`` times faster, and the split recurses into the parts.
+Equal links give one cluster; a lab on 10 Gbps, a site on 1 Gbps and a continent on
+100 Mbps joined by 8 Mbps come apart into three.
 
 **Ordering** chooses the chain of clusters that maximises the slowest link it uses
 (then the sum of log-bandwidths, to prefer fast links overall); the link between two

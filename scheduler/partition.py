@@ -555,7 +555,8 @@ def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: 
     if unit_need[worst] > biggest:
         return (
             f"the model cannot fit: unit {workload.names[worst]!r} alone needs {unit_need[worst] / gib:.2f} GiB "
-            f"(parameters, gradients, optimizer state and activations) but the largest worker has {biggest / gib:.2f} GiB"
+            "(parameters, gradients, optimizer state and activations) "
+            f"but the largest worker has {biggest / gib:.2f} GiB"
         )
     activations = float(np.sum(workload.saved_bytes)) * (micro_batches if schedule == "gpipe" else 1)
     if state + activations > total_cap:

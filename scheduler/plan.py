@@ -113,13 +113,15 @@ class Plan:
         if self.predicted_step_s is not None:
             lines.append(f"predicted step time: {self.predicted_step_s:.4g}s")
         lines.append(
-            f"{'stage':>5}  {'worker':<16} {'nodes':>6} {'params MB':>10} {'GFLOP/mb':>9} {'compute s':>9} {'peak MB':>9}"
+            f"{'stage':>5}  {'worker':<16} {'nodes':>6} {'params MB':>10} {'GFLOP/mb':>9} "
+            f"{'compute s':>9} {'peak MB':>9}"
         )
         for i, s in enumerate(self.stages):
             compute = f"{s.compute_s:.4f}" if s.compute_s is not None else "-"
             peak = f"{s.peak_memory_bytes / 1e6:.1f}" if s.peak_memory_bytes is not None else "-"
             lines.append(
-                f"{i:>5}  {s.worker:<16} {len(s.nodes):>6} {s.param_bytes / 1e6:>10.2f} {s.flops / 1e9:>9.3f} {compute:>9} {peak:>9}"
+                f"{i:>5}  {s.worker:<16} {len(s.nodes):>6} {s.param_bytes / 1e6:>10.2f} {s.flops / 1e9:>9.3f} "
+                f"{compute:>9} {peak:>9}"
             )
         lines.append(f"planning time: {self.planning_s:.3f}s")
         if self.cuts:

@@ -493,7 +493,8 @@ def _parse_links(links: list[object], workers: Sequence[WorkerSpec], source: str
         if value in cluster_idx:
             return frozenset(cluster_idx[value]), 0
         raise PlanError(
-            f"{label}: {key} = {value!r} is neither a host nor a cluster; hosts: {sorted(host_idx)}, clusters: {sorted(cluster_idx)}"
+            f"{label}: {key} = {value!r} is neither a host nor a cluster; "
+            f"hosts: {sorted(host_idx)}, clusters: {sorted(cluster_idx)}"
         )
 
     rules: list[_Rule] = []

@@ -37,7 +37,8 @@ def _add_topology_args(p: argparse.ArgumentParser) -> None:
         "--backend",
         choices=("auto", "netns", "proxy"),
         default="auto",
-        help="netns (root: namespaces + tc), proxy (no root: loopback + user-space link proxies), auto: netns when root (default: %(default)s)",
+        help="netns (root: namespaces + tc), proxy (no root: loopback + user-space link proxies), "
+        "auto: netns when root (default: %(default)s)",
     )
 
 
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up",
         help="build a testbed and keep it until Ctrl-C",
-        description="Build the topology, print each host's address and how to run a command on it, keep it up until Ctrl-C (or SIGTERM), then tear it down.",
+        description="Build the topology, print each host's address and how to run a command on it, "
+        "keep it up until Ctrl-C (or SIGTERM), then tear it down.",
     )
     _add_topology_args(up)
     up.add_argument(
@@ -58,13 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="HOST:PORT",
-        help="route a server you will run on HOST at PORT over the emulated links (repeatable); prints the address each host dials",
+        help="route a server you will run on HOST at PORT over the emulated links (repeatable); "
+        "prints the address each host dials",
     )
     add_log_arg(up)
     down = sub.add_parser(
         "down",
         help="remove leftovers of testbeds whose owner died",
-        description="Remove every leftover fusion testbed namespace (with its veths and bridge), spawned process and temp dir whose owning process is gone.",
+        description="Remove every leftover fusion testbed namespace (with its veths and bridge), "
+        "spawned process and temp dir whose owning process is gone.",
     )
     down.add_argument("--all", action="store_true", help="also remove testbeds whose owner is still running")
     down.add_argument("--dry-run", action="store_true", help="only list what would be removed")
@@ -72,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a fusion job on a testbed",
-        description="Build the topology, start fusion-coordinator on the first host and fusion-worker(s) on every host, submit the job, follow it to the end, print the summary, tear down.",
+        description="Build the topology, start fusion-coordinator on the first host and fusion-worker(s) "
+        "on every host, submit the job, follow it to the end, print the summary, tear down.",
     )
     _add_topology_args(run)
     run.add_argument("--job", required=True, help="job TOML file (fusion submit format)")
@@ -86,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--emulate-speeds",
         action="store_true",
-        help="emulate the topology's device speeds: workers on hosts slower than its fastest (flops / slowdown) compute "
-        "that many times slower (testbeds.worker --emulate-slowdown); without it, only hosts with a slowdown are",
+        help="emulate the topology's device speeds: workers on hosts slower than its fastest (flops / slowdown) "
+        "compute that many times slower (testbeds.worker --emulate-slowdown); without it, only hosts with a "
+        "slowdown are",
     )
     add_log_arg(run)
     return p

@@ -136,7 +136,8 @@ class Assembler:
         job_id, stage_idx, key, step, sha256, replica = self.meta
         if len(self._buf) != self.size_bytes:
             raise CheckpointError(
-                f"snapshot of stage {stage_idx} at step {step} is incomplete: {len(self._buf)} of {self.size_bytes} bytes arrived"
+                f"snapshot of stage {stage_idx} at step {step} is incomplete: "
+                f"{len(self._buf)} of {self.size_bytes} bytes arrived"
             )
         data, self._buf = self._buf, bytearray()  # no second copy of a blob that may be gigabytes
         actual = hashlib.sha256(data).hexdigest()

@@ -93,7 +93,8 @@ def restore_state(
         t = state[PARAM + name]
         if t.shape != target.shape or t.dtype != target.dtype:
             raise CheckpointError(
-                f"snapshot tensor {name!r} is {t.dtype}{list(t.shape)}, the stage holds {target.dtype}{list(target.shape)}"
+                f"snapshot tensor {name!r} is {t.dtype}{list(t.shape)}, "
+                f"the stage holds {target.dtype}{list(target.shape)}"
             )
     with torch.no_grad():
         for name, target in targets.items():

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate-seconds",
         type=float,
         default=None,
-        help=f"compute seconds the executor calibration measures per model before planning (default: $FUSION_CALIBRATE_S or {CALIBRATE_MIN_S})",
+        help="compute seconds the executor calibration measures per model before planning "
+        f"(default: $FUSION_CALIBRATE_S or {CALIBRATE_MIN_S})",
     )
     p.add_argument("--device", default="cpu", help="device stages run on (cpu, cuda, cuda:N; default: %(default)s)")
     p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM)")

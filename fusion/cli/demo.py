@@ -106,7 +106,10 @@ class ProgressBar:
         filled = int(self.width * step / self.total)
         loss = f"{status['loss']:.3f}" if status.get("loss") is not None else "-"
         rate = f"{status['samples_per_s']:.1f} samples/s" if status.get("samples_per_s") else ""
-        line = f"[{'#' * filled}{'.' * (self.width - filled)}] step {step}/{self.total}  loss {loss}  {rate}  ({status['state']})"
+        line = (
+            f"[{'#' * filled}{'.' * (self.width - filled)}] step {step}/{self.total}  "
+            f"loss {loss}  {rate}  ({status['state']})"
+        )
         now = time.monotonic()
         if self.tty:
             print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
@@ -133,7 +136,8 @@ def run_demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     print(
-        f"fusion demo: {spec.model.name} ({spec.model.preset or 'custom'}), {spec.train.steps} steps, {args.workers} workers; logs in {out / 'logs'}"
+        f"fusion demo: {spec.model.name} ({spec.model.preset or 'custom'}), {spec.train.steps} steps, "
+        f"{args.workers} workers; logs in {out / 'logs'}"
     )
     with Fleet(out / "logs") as fleet:
         address = fleet.start_coordinator(token=token, state_dir=state)
@@ -176,7 +180,8 @@ def run_demo(args: argparse.Namespace) -> int:
     tail = _last_losses(job_dir, 20)
     smooth = f" (mean of the last {len(tail)} steps: {sum(tail) / len(tail):.3f})" if tail else ""
     print(
-        f"done in {wall:.1f}s: loss {summary.get('first_loss', float('nan')):.3f} -> {summary.get('final_loss', float('nan')):.3f}{smooth}"
+        f"done in {wall:.1f}s: loss {summary.get('first_loss', float('nan')):.3f} "
+        f"-> {summary.get('final_loss', float('nan')):.3f}{smooth}"
     )
     print(f"  model:   {job_dir / 'model.safetensors'}")
     print(f"  curve:   {job_dir / 'loss.png'}")

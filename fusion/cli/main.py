@@ -147,7 +147,8 @@ def cmd_workers(args: argparse.Namespace) -> int:
         # Workers that show the same machine share its compute (the planner keeps a model whole there).
         machine = r.machine if len(r.machine) <= 20 else f"{r.machine[:8]}…{r.machine[-8:]}"
         print(
-            f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  {r.memory_bytes / 2**30:6.1f} GiB  {machine}"
+            f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  "
+            f"{r.memory_bytes / 2**30:6.1f} GiB  {machine}"
         )
     return 0
 
@@ -247,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--driver",
         default=None,
         metavar="HOST",
-        help="with --topology: the host the coordinator runs on (its feed and control links are priced; default: not priced)",
+        help="with --topology: the host the coordinator runs on "
+        "(its feed and control links are priced; default: not priced)",
     )
     sp.add_argument(
         "--workers", type=int, default=2, help="without --topology: N equal workers on 10 Gbps (default: %(default)s)"

@@ -206,7 +206,8 @@ def format_rows(rows: Sequence[CheckRow]) -> str:
         pm = "/".join(f"{b / 1e6:.1f}" for b in r.predicted_memory)
         mm = "/".join(f"{b / 1e6:.1f}" for b in r.measured_memory)
         lines.append(
-            f"{r.label:<12} {r.stages:>6} {r.predicted_step_s:>9.4f} {r.measured_step_s:>9.4f} {100 * r.time_error:>5.1f}%  {pm:>18} {mm:>18}"
+            f"{r.label:<12} {r.stages:>6} {r.predicted_step_s:>9.4f} {r.measured_step_s:>9.4f} "
+            f"{100 * r.time_error:>5.1f}%  {pm:>18} {mm:>18}"
         )
     s = summarize(rows)
     lines.append(
@@ -288,13 +289,23 @@ def format_report(doc: dict[str, Any]) -> str:
     if "plans" in doc:
         return format_rows([CheckRow.from_dict(r) for r in doc["plans"]])
     lines = [
-        f"model {doc['model']} ({doc['preset']}): {doc['num_nodes']} nodes, profiled on {doc['profiled_on']} ({doc['device_name']})",
-        f"  forward {doc['fwd_time_s'] * 1e3:.2f} ms, backward {doc['bwd_time_s'] * 1e3:.2f} ms per micro-batch; matmul {doc['matmul_flops'] / 1e9:.1f} GFLOP/s",
-        f"  executor overhead: {doc['overhead_step_s'] * 1e3:.2f} ms per step, {doc['overhead_micro_batch_s'] * 1e3:.2f} ms per micro-batch",
+        (
+            f"model {doc['model']} ({doc['preset']}): {doc['num_nodes']} nodes, "
+            f"profiled on {doc['profiled_on']} ({doc['device_name']})"
+        ),
+        (
+            f"  forward {doc['fwd_time_s'] * 1e3:.2f} ms, backward {doc['bwd_time_s'] * 1e3:.2f} ms per micro-batch; "
+            f"matmul {doc['matmul_flops'] / 1e9:.1f} GFLOP/s"
+        ),
+        (
+            f"  executor overhead: {doc['overhead_step_s'] * 1e3:.2f} ms per step, "
+            f"{doc['overhead_micro_batch_s'] * 1e3:.2f} ms per micro-batch"
+        ),
     ]
     lines += [f"    {n['node']:<40} {n['time_s'] * 1e3:8.3f} ms" for n in doc["slowest_nodes"]]
     lines += [
-        f"  link {link['src']} -> {link['dst']}: {link['latency_s'] * 1e3:.2f} ms + bytes / {link['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s"
+        f"  link {link['src']} -> {link['dst']}: {link['latency_s'] * 1e3:.2f} ms "
+        f"+ bytes / {link['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s"
         for link in doc["links"]
     ]
     return "\n".join(lines)

@@ -133,7 +133,8 @@ class CoordinatorService:
         requeued = store.recover()
         if requeued:
             logger.warning(
-                "%d job(s) were running when the coordinator stopped; they resume from their checkpoints once workers rejoin: %s",
+                "%d job(s) were running when the coordinator stopped; "
+                "they resume from their checkpoints once workers rejoin: %s",
                 len(requeued),
                 requeued,
             )
@@ -547,7 +548,10 @@ def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
     if kind == "metric":
         extra = f" tokens/s {record['tokens_per_s']:.0f}" if "tokens_per_s" in record else ""
-        return f"{stamp} step {record['step']}: loss {record['loss']:.4f}, {record['step_s']:.3f}s, samples/s {record['samples_per_s']:.1f}{extra}"
+        return (
+            f"{stamp} step {record['step']}: loss {record['loss']:.4f}, {record['step_s']:.3f}s, "
+            f"samples/s {record['samples_per_s']:.1f}{extra}"
+        )
     return f"{stamp} {record.get('event', kind)}: {record.get('message', '')}"
 
 

@@ -212,7 +212,8 @@ class Store:
     def add_job(self, *, job_id: str, name: str, spec_json: str, steps: int, output_dir: str) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO jobs (job_id, name, spec_json, state, created_at, steps, output_dir) VALUES (?, ?, ?, 'pending', ?, ?, ?)",
+                "INSERT INTO jobs (job_id, name, spec_json, state, created_at, steps, output_dir) "
+                "VALUES (?, ?, ?, 'pending', ?, ?, ?)",
                 (job_id, name, spec_json, time.time(), steps, output_dir),
             )
             _append_log(db, job_id, "event", {"event": "submitted", "message": f"job {name!r} submitted"})
@@ -311,7 +312,8 @@ class Store:
         """Record a durable checkpoint; forget all but the newest ``keep`` of the job."""
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO checkpoints (job_id, step, path, sha256, size_bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO checkpoints (job_id, step, path, sha256, size_bytes, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
                 (job_id, step, path, sha256, size_bytes, time.time()),
             )
             db.execute(

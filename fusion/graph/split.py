@@ -105,7 +105,8 @@ def split_stages(dag: OpDag, assignment: Mapping[str, int]) -> list[StageSpec]:
     """
     if any(n.op == "group" for n in dag.nodes):
         raise SplitError(
-            "cannot split a coarsened DAG directly: map the assignment with dag.expand_assignment() and split the original DAG"
+            "cannot split a coarsened DAG directly: map the assignment with dag.expand_assignment() "
+            "and split the original DAG"
         )
     stage_of = normalize_assignment(dag, assignment)
     num_stages = max(stage_of.values(), default=-1) + 1

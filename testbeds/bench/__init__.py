@@ -3,8 +3,8 @@
 - :mod:`testbeds.bench.harness`: the side-by-side benchmark (``python -m testbeds.bench``),
   its baselines (:mod:`testbeds.bench.baselines`), :mod:`~testbeds.bench.report` (one run's
   table and chart) and :mod:`~testbeds.bench.summary` (a set's table and targets);
-- :mod:`testbeds.bench.speed_probe` and :mod:`testbeds.bench.machine_probe`: this machine's
-  speed around each run and its costs beyond the profile, for the simulator's validation;
+- :mod:`testbeds.bench.machine_probe`: this machine's costs beyond the profile, for the
+  simulator's validation;
 - :mod:`testbeds.bench.timeline`: an executor trace of a run, step by step and link by link;
 - :mod:`~testbeds.bench.core` (transport and steps against one process),
   :mod:`~testbeds.bench.codecs`, :mod:`~testbeds.bench.recovery`,

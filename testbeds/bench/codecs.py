@@ -149,7 +149,8 @@ def format_report(doc: dict[str, Any]) -> str:
         mark = "-" if "meets_target" not in r else ("ok" if r["meets_target"] else "MISS")
         fracs = "  ".join(f"{_frac(r['cost_over_saved'][str(m)]):>9}" for m in links)
         lines.append(
-            f"{r['size_mib']:>8g}  {r['codec']:<5} {_ratio(r):>6}  {r['encode_s'] + r['decode_s']:>9.3f}  {fracs}  {mark}"
+            f"{r['size_mib']:>8g}  {r['codec']:<5} {_ratio(r):>6}  "
+            f"{r['encode_s'] + r['decode_s']:>9.3f}  {fracs}  {mark}"
         )
     lines += ["", f"all topk rows meet the target: {'yes' if doc['all_topk_meet_target'] else 'NO'}"]
     return "\n".join(lines)

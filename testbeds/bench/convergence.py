@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "convergence.json").write_text(json.dumps(results))
     lines = ["# Convergence with compression on one slow cut (3 stages)", ""]
     lines.append(
-        f"{args.steps} steps; final loss = mean of the last 20 steps; AdaTopK's slow cut emulated at 100 Mbps / 20 ms and 8 Mbps / 40 ms."
+        f"{args.steps} steps; final loss = mean of the last 20 steps; "
+        "AdaTopK's slow cut emulated at 100 Mbps / 20 ms and 8 Mbps / 40 ms."
     )
     lines.append("")
     lines.append("| job | run | final loss | vs none | mean keep ratio | bytes on the cut (after / before) |")
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             rs = r["ratios"]
             if run.startswith("adatopk") and rs:
                 lines.append(
-                    f"{run} on {name}: started at {rs[0]:.4f}, settled at {rs[-1]:.4f} (min {min(rs):.4f}, max {max(rs):.4f})."
+                    f"{run} on {name}: started at {rs[0]:.4f}, settled at {rs[-1]:.4f} "
+                    f"(min {min(rs):.4f}, max {max(rs):.4f})."
                 )
     (out / "convergence.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -162,7 +162,7 @@ def bench_steps(
                 job,
                 cluster.addresses,
                 device=device,
-                on_step=lambda s: print(
+                on_step=lambda s, k=k: print(
                     f"  {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s", file=sys.stderr
                 ),
             )
@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if "steps" in out:
         c = out["steps_config"]
         print(
-            f"\nGPT-2 {c['preset']} step time (batch {c['batch_size']} x {c['seq_len']}, {c['micro_batches']} micro-batches, {c['device']})"
+            f"\nGPT-2 {c['preset']} step time (batch {c['batch_size']} x {c['seq_len']}, "
+            f"{c['micro_batches']} micro-batches, {c['device']})"
         )
         print(f"{'system':>22} {'step s':>8} {'vs 1 proc':>10}")
         for r in out["steps"]:

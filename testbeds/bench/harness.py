@@ -38,10 +38,6 @@ many times slower than the fastest host each is by ``flops / slowdown``. The tab
 With ``--simulate`` the table also gets the simulator's prediction for each system
 (:mod:`testbeds.sim.simulate` in testbed mode: this machine's speed on every host, its own
 profile of the model, the coordinator's calibrated executor overheads) and its error.
-Before and after each run the benchmark times one micro-batch of the job's model on one
-thread for a second (:class:`testbeds.bench.speed_probe.ModelProbe`), and the simulator's
-``probed`` prediction prices each system at the speed the probes saw around its runs over
-the speed the probe saw as the coordinator profiled (how that did: ``docs/benchmarks.md``).
 
 With ``FUSION_TRACE_DIR`` set, the coordinator and the workers inherit it and write an
 executor timeline of fusion's and uniform's runs (:mod:`executor.trace`; read it with
@@ -74,7 +70,6 @@ from fusion.errors import FusionError
 from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench.report import markdown, write_chart
-from testbeds.bench.speed_probe import ModelProbe
 from testbeds.emulation import EMULATIONS
 from testbeds.net.launch import slowdown_args
 from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
@@ -82,8 +77,6 @@ from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_l
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
-#: Seconds of :class:`ModelProbe` steps before and after each run (the machine's speed then).
-PROBE_S = 1.0
 MBPS = 1e6 / 8
 
 
@@ -144,8 +137,6 @@ class Run:
     wall_s: float = 0.0
     measured: dict[str, Any] | None = None
     """fusion/uniform: the job's ``measured.json`` (what its coordinator planned from)."""
-    probe_s: tuple[float, float] | None = None
-    """The machine's speed just before and just after the run (:class:`testbeds.bench.speed_probe.ModelProbe`)."""
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -517,9 +508,6 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
         "rounds": len(per_round),
         "hosts_used": last.hosts_used,
     }
-    probes = [list(r.probe_s) for r in runs if r.probe_s]
-    if probes:  # the machine's speed before and after each round (ModelProbe), for the simulator
-        row["machine_probe_s"] = probes
     if not per_round:
         row.update(samples_per_s=None, step_s=None, slowest_link_bytes=None, final_loss=None)
         return row
@@ -588,14 +576,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         fleet_at = min((i for i, s in enumerate(systems) if s in ("fusion", "uniform")), default=len(systems))
         if any(s in ("ddp", "pipelining") for s in systems[:fleet_at]):
             raise FusionError(
-                "--emulation profile prices the emulated computations from fusion's coordinator profile: list fusion or "
-                "uniform before ddp and pipelining in --systems"
+                "--emulation profile prices the emulated computations from fusion's coordinator profile: "
+                "list fusion or uniform before ddp and pipelining in --systems"
             )
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
-    probe = ModelProbe(spec)
-    profile_probe_s: float | None = None  # the machine's speed as fusion's coordinator profiles (its first job)
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
         fleet = (
@@ -607,9 +593,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for round_idx in range(args.repeats):
             for system in systems:
                 logger.info("round %d: %s", round_idx + 1, system)
-                before_s = probe.median_step_s(PROBE_S)
-                if system in ("fusion", "uniform") and profile_probe_s is None:
-                    profile_probe_s = before_s
                 t0 = time.monotonic()
                 if system in ("fusion", "uniform"):
                     job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
@@ -631,10 +614,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         profiled=profiled,
                     )
                 run_s = time.monotonic() - t0
-                run.probe_s = (before_s, probe.median_step_s(PROBE_S))
                 print(
-                    f"  round {round_idx + 1} {system}: {len(run.records)} steps in {run_s:.1f}s, machine probe "
-                    f"{run.probe_s[0] * 1e3:.1f}/{run.probe_s[1] * 1e3:.1f} ms {run.note}",
+                    f"  round {round_idx + 1} {system}: {len(run.records)} steps in {run_s:.1f}s {run.note}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -670,13 +651,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         # What fusion's coordinator measured before planning (speeds, machines, link fits).
         "measured": next((r.measured for r in runs.get("fusion", []) if r.measured), None),
-        # The machine's speed while the coordinator profiled and around each run: the
-        # simulator's "probed" prediction prices each system at its runs' speed over this one.
-        "machine_probe": {
-            "step_s_at_profile": profile_probe_s,
-            "seconds": PROBE_S,
-            "what": "median forward and backward of one micro-batch, one thread",
-        },
     }
     doc = report(rows, meta)
     if args.simulate:
@@ -705,17 +679,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--emulate-speeds",
         action="store_true",
-        help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute that many "
-        "times slower, in every system (each computation is followed by a sleep; labelled in the output). "
+        help="emulate the topology's device speeds: hosts slower than its fastest (by flops / slowdown) compute "
+        "that many times slower, in every system (each computation is followed by a sleep; labelled in the output). "
         "Without it, only hosts with a slowdown are emulated",
     )
     p.add_argument(
         "--emulation",
         choices=EMULATIONS,
         default="wall",
-        help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its seconds in "
-        "fusion's coordinator profile, so that what this machine adds to a computation is paid once, not factor "
-        "times (default: %(default)s; testbeds.emulation)",
+        help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its "
+        "seconds in fusion's coordinator profile, so that what this machine adds to a computation is paid once, "
+        "not factor times (default: %(default)s; testbeds.emulation)",
     )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")

@@ -316,7 +316,8 @@ def run_load(
                 if progress and views % 6 == 0:
                     last = sampler.samples[-1] if sampler.samples else {"cpu_percent": 0.0, "rss_bytes": 0}
                     say(
-                        f"{elapsed:.0f}s: coordinator {last['cpu_percent']:.0f}% CPU, {last['rss_bytes'] / 2**20:.0f} MiB; "
+                        f"{elapsed:.0f}s: coordinator {last['cpu_percent']:.0f}% CPU, "
+                        f"{last['rss_bytes'] / 2**20:.0f} MiB; "
                         f"stalest heartbeat {max_age_s:.2f}s; gone {len(gone)}"
                     )
             window_s = time.monotonic() - t_window
@@ -345,7 +346,9 @@ def run_load(
     result: dict[str, Any] = {
         "workers": workers,
         "real_workers": real_workers,
-        "lite_worker": "python -m testbeds.bench.load_test lite-worker: registers, heart-beats, deregisters; no executor, no torch",
+        "lite_worker": (
+            "python -m testbeds.bench.load_test lite-worker: registers, heart-beats, deregisters; no executor, no torch"
+        ),
         "heartbeat_interval_s": heartbeat_interval_s,
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "window_s": round(window_s, 1),
@@ -403,7 +406,10 @@ def format_table(r: dict[str, Any]) -> str:
         ("lightweight workers / real workers", f"{r['workers']} / {r['real_workers']}"),
         (
             "window",
-            f"{r['window_s']:.0f} s (all registered after {r['all_registered_s']:.1f} s, {r['register_attempts']} Register calls)",
+            (
+                f"{r['window_s']:.0f} s (all registered after {r['all_registered_s']:.1f} s, "
+                f"{r['register_attempts']} Register calls)"
+            ),
         ),
         (
             "heartbeats sent / acknowledged / lost",
@@ -484,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    command = f"python -m testbeds.bench.load_test --workers {args.workers} --seconds {args.seconds:g} --real-workers {args.real_workers}"
+    command = (
+        f"python -m testbeds.bench.load_test --workers {args.workers} --seconds {args.seconds:g} "
+        f"--real-workers {args.real_workers}"
+    )
     out.with_suffix(".md").write_text(
         f"# Coordinator load test\n\n`{command}` on {result['cpu_count']} CPU cores, "
         f"{time.strftime('%Y-%m-%d')}.\n\n{table}\n"

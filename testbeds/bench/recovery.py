@@ -225,12 +225,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_overhead(o: dict[str, Any]) -> None:
     print(
-        textwrap.dedent(f"""
-        snapshot overhead, GPT-2 {o["preset"]} on {o["workers"]} local workers, a snapshot every {o["replicate_every"]} steps
-          step time without snapshots  {o["step_s_plain"]:.3f} s (median block of {o["replicate_every"]}: {o["block_s_plain"]:.2f} s)
-          block time with a snapshot   {o["block_s_snapshot"]:.2f} s
-          overhead                     {100 * o["overhead"]:+.1f} %   (target <= 3 %)
-          snapshot (all stages)        {o["snapshot_bytes"] / 1e6:.1f} MB -> replica traffic {o["replica_bytes_per_step"] / 1e6:.1f} MB per step""")
+        f"\nsnapshot overhead, GPT-2 {o['preset']} on {o['workers']} local workers, "
+        f"a snapshot every {o['replicate_every']} steps\n"
+        f"  step time without snapshots  {o['step_s_plain']:.3f} s "
+        f"(median block of {o['replicate_every']}: {o['block_s_plain']:.2f} s)\n"
+        f"  block time with a snapshot   {o['block_s_snapshot']:.2f} s\n"
+        f"  overhead                     {100 * o['overhead']:+.1f} %   (target <= 3 %)\n"
+        f"  snapshot (all stages)        {o['snapshot_bytes'] / 1e6:.1f} MB "
+        f"-> replica traffic {o['replica_bytes_per_step'] / 1e6:.1f} MB per step"
     )
 
 

@@ -14,6 +14,11 @@ from testbeds.sim.topologies import slowdowns_label
 
 def markdown(doc: dict[str, Any]) -> str:
     """The table (and the notes) as markdown."""
+    statistic = (
+        "trimmed means of the steps, medians of the rounds"
+        if doc.get("step_statistic") == "trimmed-mean"
+        else "medians"
+    )
     lines = [
         f"# {doc['topology']}: {doc['job_name']}",
         "",
@@ -22,15 +27,15 @@ def markdown(doc: dict[str, Any]) -> str:
         (
             f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
             f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; "
-            f"{'trimmed means of the steps, medians of the rounds' if doc.get('step_statistic') == 'trimmed-mean' else 'medians'}."
+            f"{statistic}."
         ),
         "",
         *emulation_lines(doc),
         (
-            "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x | simulated s | err "
-            "| machine x | probed s | err | calibrated s | err | note |"
+            "| system | samples/s | tokens/s | step s | slowest link used | bytes/step on it | final loss | fusion x "
+            "| simulated s | err | calibrated s | err | note |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in doc["systems"].items():
 
@@ -42,10 +47,11 @@ def markdown(doc: dict[str, Any]) -> str:
         cal, cal_err = r.get("calibrated_step_s"), r.get("calibrated_error")
         link = f"{r['slowest_link_mbps']:g} Mbps" if r.get("slowest_link_mbps") else "none"
         lines.append(
-            f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | {f(r.get('step_s'), '.4g')} | {link} | "
-            f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | {'-' if name == 'fusion' else f(sp, '.2f')} | "
-            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | {f(r.get('machine_drift'), '.2f')} | "
-            f"{f(r.get('probed_step_s'), '.4g')} | {f(r.get('probed_error'), '+.0%')} | "
+            f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | "
+            f"{f(r.get('step_s'), '.4g')} | {link} | "
+            f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | "
+            f"{'-' if name == 'fusion' else f(sp, '.2f')} | "
+            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | "
             f"{f(cal, '.4g')} | {'-' if cal_err is None else f'{cal_err:+.0%}'} | "
             f"{r.get('note', '')} |"
         )
@@ -53,31 +59,30 @@ def markdown(doc: dict[str, Any]) -> str:
     eff = doc.get("efficiency")
     fusion = doc["systems"].get("fusion", {})
     lines.append(
-        f"fusion efficiency (predicted {f_or(fusion.get('predicted_step_s'))} s / measured {f_or(fusion.get('step_s'))} s): "
+        f"fusion efficiency (predicted {f_or(fusion.get('predicted_step_s'))} s "
+        f"/ measured {f_or(fusion.get('step_s'))} s): "
         f"{'-' if eff is None else f'{eff:.2f}'}; fusion ran on {', '.join(fusion.get('hosts_used', [])) or '-'}"
         + (f"; AdaTopK keep ratios {fusion['keep_ratios']}" if fusion.get("keep_ratios") else "")
     )
     if "compute_factor" in doc:
+        costs = "the node costs the coordinator profiled in this run" if doc.get("profile") else "this machine profile"
         lines.append(
-            f"\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, {doc['latency_mode']} latency), "
-            f"with {'the node costs the coordinator profiled in this run' if doc.get('profile') else 'this machine profile'}; "
-            + (
-                "probed: the same with each system's compute as many times slower as the machine probes before and after its "
-                "runs were over the probe as the coordinator profiled (machine x, `testbeds.bench.speed_probe.ModelProbe`); "
-                if any(r.get("probed_step_s") for r in doc["systems"].values())
-                else ""
-            )
+            "\nsimulated: `testbeds.simulate` on this testbed (plans as run, driver on the first host, "
+            f"{doc['latency_mode']} latency), with {costs}; "
             + "calibrated: the same with each host of fusion's and uniform's plans computing "
-            f"what it measured in this run, and ddp's and pipelining's compute scaled by {doc['compute_factor']:.2f}, the mean of those factors."
-            + " ddp's gradient buckets are all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message."
+            "what it measured in this run, and ddp's and pipelining's compute scaled by "
+            f"{doc['compute_factor']:.2f}, the mean of those factors."
+            + " ddp's gradient buckets are all-reduced as each rank's backward makes them ready, "
+            "gloo's ring replayed message by message."
             + (
-                f" ddp's and pipelining's messages take the links' measured message times (`links-{doc['topology']}.json`, `testbeds/net/link_times.py`)."
+                " ddp's and pipelining's messages take the links' measured message times "
+                f"(`links-{doc['topology']}.json`, `testbeds/net/link_times.py`)."
                 if doc.get("sim_links") == "measured"
                 else ""
             )
             + (
-                " fusion's and uniform's stages pay this machine's measured cost of computing after a pause (`pause-cost.json`, "
-                "`testbeds/bench/machine_probe.py`) in the simulated column."
+                " fusion's and uniform's stages pay this machine's measured cost of computing after a pause "
+                "(`pause-cost.json`, `testbeds/bench/machine_probe.py`) in the simulated column."
                 if doc.get("sim_pause_cost")
                 else ""
             )
@@ -87,14 +92,14 @@ def markdown(doc: dict[str, Any]) -> str:
                 else ""
             )
             + (
-                " Their computations pay the measured cost of the transfers their process makes meanwhile (the same file, "
-                "`testbeds/sim/machine.py`) in the simulated column."
+                " Their computations pay the measured cost of the transfers their process makes meanwhile "
+                "(the same file, `testbeds/sim/machine.py`) in the simulated column."
                 if doc.get("sim_interference")
                 else ""
             )
             + (
-                " Their driver's calls pay the gRPC round trip the coordinator measured to the worker on its own host, on top of "
-                "the configured links."
+                " Their driver's calls pay the gRPC round trip the coordinator measured to the worker on its own host, "
+                "on top of the configured links."
                 if doc.get("sim_driver_links") == "measured"
                 else ""
             )

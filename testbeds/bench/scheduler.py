@@ -416,16 +416,25 @@ def format_report(doc: dict[str, Any]) -> str:
     a = doc["optimality"]
     lines = [
         f"a. OP-Fence / exhaustive optimum, {a['instances']} random small instances (seed {a['seed']})",
-        f"   median {_ratio(a['median'])}  (target <= {a['targets']['median']}: {_ok(_meets(a['median'], a['targets']['median']))})",
+        (
+            f"   median {_ratio(a['median'])}  "
+            f"(target <= {a['targets']['median']}: {_ok(_meets(a['median'], a['targets']['median']))})"
+        ),
         f"   p90    {_ratio(a['p90'])}",
-        f"   worst  {_ratio(a['worst'])}  (target <= {a['targets']['worst']}: {_ok(_meets(a['worst'], a['targets']['worst']))})",
+        (
+            f"   worst  {_ratio(a['worst'])}  "
+            f"(target <= {a['targets']['worst']}: {_ok(_meets(a['worst'], a['targets']['worst']))})"
+        ),
         f"   optimal on {a['num_optimal']}/{a['instances']}, no plan found on {a['num_no_plan']} "
         f"(instances {a['worst_instances']} are the worst, 0-based); "
         f"OP-Fence median planning time {a['opfence_s_median'] * 1e3:.1f} ms",
         "",
         f"b. predicted step time (s), {doc['topologies']['micro_batches']} micro-batches, 1F1B, AdamW "
         "(* exceeds a worker's memory, - no plan fits)",
-        f"   {'model':<11} {'topology':<17} {'opfence':>9} {'uniform':>9} {'compute':>9} {'x uniform':>9} {'x compute':>9} {'stages o/u/c':>12}",
+        (
+            f"   {'model':<11} {'topology':<17} {'opfence':>9} {'uniform':>9} {'compute':>9} "
+            f"{'x uniform':>9} {'x compute':>9} {'stages o/u/c':>12}"
+        ),
     ]
     for r in doc["topologies"]["rows"]:
         cells = []
@@ -445,7 +454,10 @@ def format_report(doc: dict[str, Any]) -> str:
             "",
             f"c. OP-Fence planning time, {doc['planning_time']['model']} on synthetic clustered topologies "
             "(* exceeds a worker's memory)",
-            f"   {'workers':>7} {'topology s':>10} {'plan s':>8} {'target':>8} {'step s':>8} {'stages':>6} {'clusters found/planted':>22} {'evals':>6}",
+            (
+                f"   {'workers':>7} {'topology s':>10} {'plan s':>8} {'target':>8} {'step s':>8} {'stages':>6} "
+                f"{'clusters found/planted':>22} {'evals':>6}"
+            ),
         ]
         for r in doc["planning_time"]["rows"]:
             target = r["target_s"]

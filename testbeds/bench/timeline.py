@@ -267,7 +267,10 @@ def render(doc: dict[str, Any]) -> str:
     """Markdown tables of :func:`summarize`'s document."""
     stages = sorted({int(k) for s in doc["steps"] for k in s["done_ms"]})
     lines = [
-        f"Job `{doc['job']}`: {len(doc['steps'])} steps, median {doc['median_step_ms']} ms (ms from each step's start).",
+        (
+            f"Job `{doc['job']}`: {len(doc['steps'])} steps, median {doc['median_step_ms']} ms "
+            "(ms from each step's start)."
+        ),
         "",
         "| step | step | RunStep | fed (last input) | "
         + " | ".join(f"stage {k} done / computed" for k in stages)
@@ -320,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
         Path(args.out + ".md").write_text(
-            f"# Executor timeline\n\n`python -m testbeds.bench.timeline {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}"
+            "# Executor timeline\n\n"
+            f"`python -m testbeds.bench.timeline {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}"
         )
     print(json.dumps(doc, indent=2) if args.json else text)
     return 0

@@ -194,7 +194,8 @@ class Testbed:
         ]
         if self.backend == "netns" and self.latency_mode == "userspace":
             lines.append(
-                "  (no sch_netem nor TUN in this kernel: latency is added only on fusion's peer-mapped path, by a user-space proxy)"
+                "  (no sch_netem nor TUN in this kernel: latency is added only on fusion's peer-mapped path, "
+                "by a user-space proxy)"
             )
         if self.latency_mode == "tun":
             lines.append(

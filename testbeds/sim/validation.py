@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,7 @@ def validate(bench_results: list[Path], *, cores: int | None = None) -> list[dic
     schedule, driver) on its own: each host of fusion's and uniform's plans computes as
     many times slower than profiled as the compute seconds it recorded (``compute_s``) are
     over the profile's for its stages; ddp and pipelining, which record no compute time,
-    take the mean of fusion's and uniform's factors. A third, ``probed``, where the result has
-    the benchmark's machine probes, is the profiled one with each system's compute scaled by
-    the machine's speed around its runs (:func:`machine_drift`). (In a pipeline of several processes on
+    take the mean of fusion's and uniform's factors. (In a pipeline of several processes on
     the testbed's shared cores a stage's forward and backward take 1.3-2x the profile's
     time, on-CPU time included, while a whole model on one worker matches it, so one mean
     factor fits neither.)
@@ -121,7 +118,6 @@ def validate_doc(
     for name, step_s in ((n, r.get("step_s")) for n, r in doc["systems"].items()):
         sim = sims.profiled.get(name, {}).get("step_s")
         cal = sims.calibrated.get(name, {}).get("step_s")
-        probed = (sims.probed or {}).get(name, {}).get("step_s")
         rows.append(
             {
                 "bench": label,
@@ -129,9 +125,6 @@ def validate_doc(
                 "measured_step_s": step_s,
                 "simulated_step_s": sim,
                 "error": (sim - step_s) / step_s if sim and step_s else None,
-                "machine_drift": sims.machine_drift.get(name),
-                "probed_step_s": probed,
-                "probed_error": (probed - step_s) / step_s if probed and step_s else None,
                 "compute_factor": sims.compute_factor,
                 "calibrated_step_s": cal,
                 "calibrated_error": (cal - step_s) / step_s if cal and step_s else None,
@@ -159,10 +152,6 @@ class SimulatedRun:
     driver_links_measured: bool
     """fusion's and uniform's driver calls took the round trips the run's coordinator measured
     (:func:`measured_driver_links`), not the configured links alone."""
-    probed: dict[str, dict[str, Any]] | None = None
-    """The profiled prediction with each system's compute at the machine's speed around its
-    runs (:func:`machine_drift`); ``None`` for a result without machine probes."""
-    machine_drift: dict[str, float] = field(default_factory=dict)
 
 
 def simulate_doc(
@@ -189,14 +178,11 @@ def simulate_doc(
         speed: float,
         host_factors: dict[str, dict[str, float]] | None = None,
         unseen_compute: bool = False,
-        drift: Mapping[str, float] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Every measured system; ``host_factors``: per system, hosts whose compute the run
         measured that many times the profile's (fusion and uniform, stage by stage);
         ``unseen_compute``: charge the compute a profile does not see but a run's measured
-        compute includes (the pause cost and the transfer interference); ``drift``: per
-        system, how many times slower than ``speed`` the machine computed around its runs."""
-        drift = drift or {}
+        compute includes (the pause cost and the transfer interference)."""
         share = TCP_PAYLOAD_SHARE if doc["backend"] == "netns" else 1.0
         emulated = doc.get("emulated_slowdown")  # hosts the run made slower (--emulate-speeds)
         host_factors = host_factors or {}
@@ -204,7 +190,7 @@ def simulate_doc(
         def topo(with_latency: bool, name: str) -> Any:
             return testbed_topology(
                 topology,
-                speed / drift.get(name, 1.0),
+                speed,
                 latency=with_latency,
                 payload_share=share,
                 emulated=emulated,
@@ -241,8 +227,6 @@ def simulate_doc(
         return sims
 
     raw = run_all(job.reference_flops, unseen_compute=True)
-    drift = machine_drift(doc)
-    probed = run_all(job.reference_flops, unseen_compute=True, drift=drift) if drift else None
     host_factors = {
         name: f
         for name in ("fusion", "uniform")
@@ -262,26 +246,7 @@ def simulate_doc(
         calibrated=calibrated,
         compute_factor=factor,
         driver_links_measured=driver_links is not None,
-        probed=probed,
-        machine_drift=drift,
     )
-
-
-def machine_drift(doc: dict[str, Any]) -> dict[str, float]:
-    """Per system, how many times slower this machine computed around its runs than while
-    fusion's coordinator profiled the model: the mean of the machine probes taken before and
-    after each of its rounds over the probe taken just before the coordinator's first job
-    (``machine_probe`` in a result, :class:`testbeds.bench.speed_probe.ModelProbe`); {} for a
-    result without probes."""
-    at_profile = (doc.get("machine_probe") or {}).get("step_s_at_profile")
-    if not at_profile:
-        return {}
-    out = {}
-    for name, row in doc["systems"].items():
-        probes = [s for pair in row.get("machine_probe_s") or [] for s in pair]
-        if probes:
-            out[name] = float(np.mean(probes)) / float(at_profile)
-    return out
 
 
 def measured_driver_links(doc: dict[str, Any], topology: Any) -> list[tuple[float, float]] | None:
@@ -351,11 +316,6 @@ def add_simulation(doc: dict[str, Any], directory: Path) -> None:
         row = doc["systems"][v["system"]]
         row["simulated_step_s"], row["sim_error"] = v["simulated_step_s"], v["error"]
         row["calibrated_step_s"], row["calibrated_error"] = v["calibrated_step_s"], v["calibrated_error"]
-        row["machine_drift"], row["probed_step_s"], row["probed_error"] = (
-            v["machine_drift"],
-            v["probed_step_s"],
-            v["probed_error"],
-        )
         doc["compute_factor"] = v["compute_factor"]
         doc["sim_links"] = v["links"]
         if v["system"] in ("fusion", "uniform"):
@@ -368,7 +328,7 @@ def print_validation(
     """Print (and with ``out``, write ``out.md``, headed by ``command``, and ``out.json``) the
     comparison and its summary."""
     summary: dict[str, Any] = {"rows": rows}
-    for key in ("error", "probed_error", "calibrated_error"):
+    for key in ("error", "calibrated_error"):
         errors = [float(abs(r[key])) for r in rows if r.get(key) is not None]
         summary[key] = {
             "within_10pct": sum(e <= 0.10 for e in errors),
@@ -376,8 +336,8 @@ def print_validation(
             "median_abs": float(np.median(errors)) if errors else None,
         }
     lines = [
-        "| run | system | measured s | simulated s | error | machine x | probed s | error | compute x | calibrated s | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | system | measured s | simulated s | error | compute x | calibrated s | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(v: float | None, fmt: str) -> str:
@@ -386,30 +346,25 @@ def print_validation(
     for r in rows:
         lines.append(
             f"| {r['bench']} | {r['system']} | {f(r['measured_step_s'], '.4g')} | {f(r['simulated_step_s'], '.4g')} | "
-            f"{f(r['error'], '+.0%')} | {f(r.get('machine_drift'), '.2f')} | {f(r.get('probed_step_s'), '.4g')} | "
-            f"{f(r.get('probed_error'), '+.0%')} | {f(r['compute_factor'], '.2f')} | {f(r['calibrated_step_s'], '.4g')} | {f(r['calibrated_error'], '+.0%')} |"
+            f"{f(r['error'], '+.0%')} | {f(r['compute_factor'], '.2f')} | {f(r['calibrated_step_s'], '.4g')} | "
+            f"{f(r['calibrated_error'], '+.0%')} |"
         )
     for key, label in (
         ("error", "profiled here"),
-        ("probed_error", "profiled here, at the machine's probed speed around the runs"),
         ("calibrated_error", "compute calibrated on the run"),
     ):
         s_ = summary[key]
         if s_["compared"]:
             lines.append(
-                f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; median |error| {f(s_['median_abs'], '.0%')}"
+                f"\n{label}: {s_['within_10pct']} of {s_['compared']} within 10 %; "
+                f"median |error| {f(s_['median_abs'], '.0%')}"
             )
-    lines.append(
-        "\nmachine x: how many times slower the machine computed around a system's runs than while fusion's coordinator "
-        "profiled (`testbeds.bench.speed_probe.ModelProbe`, timed by the benchmark before and after each run); the probed "
-        "prediction is the profiled one with every host's compute that many times slower (what runs asleep under "
-        "`--emulation profile` is the profile's, and stays)"
-    )
     measured = sorted({r["bench"] for r in rows if r.get("links") == "measured"})
     lines.append(
-        "\nDDP's and pipelining's messages priced from the links' measured message times (`testbeds/net/link_times.py`) in: "
-        f"{', '.join(measured) or 'none'}; fusion's and uniform's gRPC transfers at the configured links; DDP's gradient "
-        "buckets all-reduced as each rank's backward makes them ready, gloo's ring replayed message by message (`testbeds/sim/gloo.py`)"
+        "\nDDP's and pipelining's messages priced from the links' measured message times "
+        f"(`testbeds/net/link_times.py`) in: {', '.join(measured) or 'none'}; "
+        "fusion's and uniform's gRPC transfers at the configured links; DDP's gradient buckets all-reduced "
+        "as each rank's backward makes them ready, gloo's ring replayed message by message (`testbeds/sim/gloo.py`)"
     )
     paused = sorted({r["bench"] for r in rows if r.get("pause_cost")})
     pathed = sorted({r["bench"] for r in rows if r.get("transfer_path")})
@@ -423,8 +378,8 @@ def print_validation(
     )
     driven = sorted({r["bench"] for r in rows if r.get("driver_links") == "measured"})
     lines.append(
-        "\nfusion's and uniform's driver calls pay the gRPC round trip the coordinator measured to the worker on its own host, "
-        f"on top of the configured links, in: {', '.join(driven) or 'none'}"
+        "\nfusion's and uniform's driver calls pay the gRPC round trip the coordinator measured to the worker "
+        f"on its own host, on top of the configured links, in: {', '.join(driven) or 'none'}"
     )
     text = "\n".join(lines) + "\n"
     if out:

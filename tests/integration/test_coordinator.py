@@ -36,7 +36,10 @@ import torch.nn as nn
 class TinyMLP(nn.Module):
     def __init__(self, hidden: int = 16, num_classes: int = 4) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, num_classes))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(3 * 8 * 8, hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, num_classes),
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -406,7 +409,8 @@ def test_killed_worker_is_dropped_and_the_job_goes_on(small_fleet: Fleet, tmp_pa
     else:
         raise AssertionError(f"job did not resume: {s}")
     print(
-        f"resumed {events['resumed_at_step']['time'] - killed_at:.2f}s after the kill: {events['resumed_at_step']['message']}"
+        f"resumed {events['resumed_at_step']['time'] - killed_at:.2f}s after the kill: "
+        f"{events['resumed_at_step']['message']}"
     )
     assert s["state"] == "running"
     assert victim in events["worker_lost"]["message"]

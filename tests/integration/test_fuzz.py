@@ -261,7 +261,8 @@ def test_zz_report_cases() -> None:
     """Runs last: how many cases ran (``pytest -s`` shows it)."""
     total = CASES["executor"] + CASES["coordinator"]
     print(
-        f"\nfuzz cases: executor {CASES['executor']}, coordinator {CASES['coordinator']}, total {total} ({CASES['ok']} valid requests answered OK)"
+        f"\nfuzz cases: executor {CASES['executor']}, coordinator {CASES['coordinator']}, total {total} "
+        f"({CASES['ok']} valid requests answered OK)"
     )
     if CASES["executor"] and CASES["coordinator"]:
         assert total >= EXAMPLES_PER_SERVICE

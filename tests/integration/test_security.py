@@ -320,7 +320,8 @@ def test_oversized_tensor_is_refused_before_its_payload_is_read(
     code, details, pulled = _hostile_send(driver, header)
     rss_growth = worker.memory_info().rss - rss_before
     print(
-        f"{case}: {code.name} after the client produced {pulled} of {HOSTILE_CHUNKS} 1 MiB chunks; worker RSS {rss_growth / 2**20:+.1f} MiB"
+        f"{case}: {code.name} after the client produced {pulled} of {HOSTILE_CHUNKS} 1 MiB chunks; "
+        f"worker RSS {rss_growth / 2**20:+.1f} MiB"
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert all(w in details for w in words), details

@@ -114,10 +114,6 @@ def test_short_bench_run_keeps_the_json_contract(tmp_path: Path, capsys: pytest.
     assert doc["profile"]["nodes"] and doc["profile"]["matmul_flops"] > 0
     assert {"control_s", "micro_batch_s", "optimizer_s_per_byte"} <= set(doc["step_costs"])
     assert doc["profile"]["compute_factor"] > 0  # the calibration's level for the node costs
-    # The machine's speed was probed as the coordinator profiled and around every run.
-    assert doc["machine_probe"]["step_s_at_profile"] > 0
-    for name, row in doc["systems"].items():
-        assert len(row["machine_probe_s"]) == 1 and all(s > 0 for s in row["machine_probe_s"][0]), name
     # ... and so does what fusion's coordinator measured: both hosts run on this machine's CPU.
     measured = doc["measured"]["topology"]
     assert {w["name"] for w in measured["workers"]} == {"near", "far"} and len(

@@ -14,7 +14,8 @@ from fusion.errors import FusionError
 from testbeds.bench import harness as bench
 
 JOB = JobSpec.from_toml(
-    'name = "retry"\n[model]\nname = "gpt2"\npreset = "tiny"\n[data]\nbatch_size = 8\nseq_len = 16\n[train]\nsteps = 2\n'
+    'name = "retry"\n[model]\nname = "gpt2"\npreset = "tiny"\n'
+    "[data]\nbatch_size = 8\nseq_len = 16\n[train]\nsteps = 2\n"
 )
 RECORDS = [{"step": 0, "step_s": 1.0, "loss": 2.0, "samples_per_s": 8.0, "bytes_per_link": {"0->1": 10.0}}]
 
