@@ -9,12 +9,20 @@ Every call must carry a ``fusion-auth`` credential (:mod:`fusion.auth`) proving 
   request's ``job_id`` must match the key's job);
 - a **probe key** the coordinator handed out for this worker: ``Probe`` and ``ProbeWhole`` only.
 
-Before the credential is even parsed, a peer whose failed attempts exhausted its budget
-(:class:`~fusion.auth.RateLimiter`, per IP) is refused with ``RESOURCE_EXHAUSTED``. A
-call must have a deadline no longer than :data:`MAX_CALL_S`, and one peer may hold at most
-``max_streams_per_peer`` streaming calls at once: a slow or silent peer cannot pin the
-server's threads for ever. A request that does not parse is answered
-``INVALID_ARGUMENT`` (gRPC's own deserialisation failure would say ``INTERNAL``).
+The credential is checked first (a parse and an HMAC: cheap), and a call that proves a key
+is served whatever its source address did before. Only failing calls (no credential, a
+forged, stale, replayed or wrong-scheme one) are counted per source address
+(:class:`~fusion.auth.RateLimiter`, a bounded table); once a source's failures exhaust its
+budget, its failing calls are answered ``RESOURCE_EXHAUSTED`` naming the address instead of
+``UNAUTHENTICATED``. Nobody sharing an address with a worker's peers (a NAT, a campus) can
+lock them out by failing. A request that does not parse and carries no valid credential
+fails authentication first, so it is counted too.
+
+A call must have a deadline no longer than :data:`MAX_CALL_S`, and one credential may hold
+at most ``max_streams_per_peer`` streaming calls at once from one address: a slow or silent
+peer cannot pin the server's threads for ever, and only authenticated calls hold a slot. A
+request that does not parse is answered ``INVALID_ARGUMENT`` (gRPC's own deserialisation
+failure would say ``INTERNAL``).
 """
 
 from __future__ import annotations
@@ -122,7 +130,7 @@ class ExecutorAccess:
         self.nonces = NonceCache()
         self.failures = RateLimiter(burst=failure_burst, per_s=failures_per_s)
         self.max_streams_per_peer = max_streams_per_peer
-        self._streams: dict[str, int] = {}
+        self._streams: dict[tuple[str, str, str], int] = {}
         self._lock = threading.Lock()
         self.num_refused = 0
 
@@ -170,10 +178,10 @@ class ExecutorAccess:
         return probe_key(control, int(claim.scope))
 
     def authenticate(self, method: str, context: grpc.ServicerContext) -> Principal:
-        """Check the call's credential and deadline; ``AuthError``/``WireError`` otherwise."""
-        host = peer_host(context.peer() or "")
-        if self.failures.exhausted(host):
-            raise RateLimitError(f"too many failed authentications from {host}; try again later")
+        """Check the call's credential and deadline; ``AuthError``/``WireError`` otherwise, or
+        ``RateLimitError`` (naming the address) for a failure from a source over its budget.
+
+        A valid credential is accepted whatever the source's count of failures."""
         try:
             claim = parse(metadata_value(context.invocation_metadata()))
             allowed = POLICY.get(method, DEFAULT_POLICY)
@@ -182,11 +190,16 @@ class ExecutorAccess:
                     f"{method} does not accept a {claim.scheme} credential (needs {'/'.join(sorted(allowed))})"
                 )
             verify(claim, self._key_for(claim), method=method, nonces=self.nonces)
-        except AuthError:
-            self.failures.allow(host)
+        except AuthError as e:
             with self._lock:
                 self.num_refused += 1
-            raise
+            host = peer_host(context.peer() or "")
+            if self.failures.allow(host):
+                raise
+            raise RateLimitError(
+                f"too many failed authentications from {host} ({e}); this address's failing calls are refused "
+                "for a while, calls with a valid credential are still served"
+            ) from e
         remaining = context.time_remaining()
         if remaining is None or remaining > MAX_CALL_S:
             raise WireError(f"{method} needs a deadline of at most {MAX_CALL_S:.0f}s")
@@ -202,31 +215,39 @@ class ExecutorAccess:
         if job_id != principal.scope:
             raise AuthError(f"a credential of job {principal.scope!r} cannot reach job {job_id!r}")
 
-    def stream_slot(self, host: str) -> _StreamSlot:
-        return _StreamSlot(self, host)
+    def stream_slot(self, host: str, principal: Principal) -> _StreamSlot:
+        """A slot for one streaming call of ``principal`` from ``host``; a credential's
+        streams do not count against another's (the coordinator's control streams and each
+        job's peers have their own bounds, even behind one address)."""
+        return _StreamSlot(self, host, principal)
 
 
 class _StreamSlot:
-    """Counts one streaming call of a peer; refuses past the per-peer bound."""
+    """Counts one streaming call of a credential from one address; refuses past the bound."""
 
-    def __init__(self, access: ExecutorAccess, host: str) -> None:
+    def __init__(self, access: ExecutorAccess, host: str, principal: Principal) -> None:
         self.access = access
         self.host = host
+        self.principal = principal
+        self._key = (host, principal.scheme, principal.scope)
 
     def __enter__(self) -> None:
         with self.access._lock:
-            n = self.access._streams.get(self.host, 0)
+            n = self.access._streams.get(self._key, 0)
             if n >= self.access.max_streams_per_peer:
-                raise RateLimitError(f"{self.host} already has {n} streaming calls open")
-            self.access._streams[self.host] = n + 1
+                raise RateLimitError(
+                    f"{self.host} already has {n} streaming calls open with this {self.principal.scheme} credential "
+                    f"(at most {self.access.max_streams_per_peer}); wait for them to end"
+                )
+            self.access._streams[self._key] = n + 1
 
     def __exit__(self, *exc: object) -> None:
         with self.access._lock:
-            n = self.access._streams.get(self.host, 1) - 1
+            n = self.access._streams.get(self._key, 1) - 1
             if n <= 0:
-                self.access._streams.pop(self.host, None)
+                self.access._streams.pop(self._key, None)
             else:
-                self.access._streams[self.host] = n
+                self.access._streams[self._key] = n
 
 
 def _abort(context: grpc.ServicerContext, error: Exception) -> None:
@@ -269,7 +290,7 @@ def guard(method: str, fn: Callable[..., Any], access: ExecutorAccess, *, client
         def stream_handler(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
             try:
                 principal = access.authenticate(method, context)
-                slot = access.stream_slot(peer_host(context.peer() or ""))
+                slot = access.stream_slot(peer_host(context.peer() or ""), principal)
                 slot.__enter__()
             except (AuthError, RateLimitError, WireError) as e:
                 _abort(context, e)

@@ -29,9 +29,11 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -308,17 +310,31 @@ class RateLimiter:
                 self._buckets.popitem(last=False)
             return ok
 
-    def exhausted(self, peer: str, *, now_s: float | None = None) -> bool:
-        """Whether ``peer``'s bucket is empty now (takes nothing)."""
-        now = time.monotonic() if now_s is None else now_s
-        with self._lock:
-            return peer in self._buckets and self._level(peer, now) < 1.0
-
 
 def peer_host(peer: str) -> str:
-    """The host part of a gRPC peer string (``ipv4:1.2.3.4:5678`` → ``ipv4:1.2.3.4``)."""
-    if peer.startswith("ipv6:"):
-        return peer.rsplit(":", 1)[0] if "]:" in peer else peer
-    if peer.startswith("ipv4:"):
-        return peer.rsplit(":", 1)[0]
-    return peer
+    """The address part of a gRPC peer string, the key of the per-source limits and the
+    address their messages name.
+
+    ``ipv4:1.2.3.4:5678`` → ``1.2.3.4``; ``ipv6:%5B::1%5D:5678`` (gRPC percent-encodes the
+    brackets) or ``ipv6:[::1]:5678`` → ``::1``; an IPv4-mapped IPv6 address → its IPv4 form,
+    so a client counts the same on a dual-stack listener; ``unix:/path`` → ``unix:/path``,
+    and ``unix:`` (a client socket has no path) → ``local unix socket``. The port is dropped:
+    every connection of one host shares its limits. Never empty.
+    """
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and rest:
+        host = urllib.parse.unquote(rest)
+        if host.startswith("["):
+            host = host[1 : host.find("]")] if "]" in host else host[1:]
+        elif kind == "ipv4" or host.count(":") == 1:
+            host = host.rsplit(":", 1)[0]
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host or peer
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ip)
+    if kind in ("unix", "unix-abstract"):
+        return peer if rest else "local unix socket"
+    return peer or "unknown address"

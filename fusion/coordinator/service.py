@@ -33,13 +33,13 @@ import grpc
 
 from executor.client import ChannelPool
 from executor.hooks import ChannelFactory
-from executor.status import rpc_errors
+from executor.status import rpc_errors, status_code_of
 from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
 from fusion.config import JobSpec
 from fusion.coordinator.planning import CALIBRATE_MIN_S, JobProfileCache, LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
-from fusion.errors import AuthError, ConfigError, RateLimitError, WireError
+from fusion.errors import AuthError, ConfigError, FusionError, RateLimitError, WireError
 from fusion.tls import ServerTls, add_port
 from fusion.wire import coordinator_pb2 as cpb
 
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 AUTH_METADATA = "fusion-auth"
 #: How many recent events ``fusion status`` shows.
 STATUS_EVENTS = 20
+#: Shortest token the coordinator accepts without a warning (16 URL-safe characters: 96 bits).
+MIN_TOKEN_CHARS = 16
 #: How long a leaving worker waits for its jobs to hand its state off.
 HANDOFF_TIMEOUT_S = 120.0
 
@@ -104,6 +106,15 @@ class CoordinatorService:
         and the jobs' drivers; :mod:`executor.hooks`; default: a plain channel)."""
         if not token:
             raise ConfigError("the coordinator needs a non-empty token")
+        if len(token) < MIN_TOKEN_CHARS:
+            # A valid token is accepted from any address, however many wrong guesses came
+            # from it (no lockout): only the token's length stops online guessing.
+            logger.warning(
+                "the coordinator token is %d characters: short tokens can be guessed online; use at least %d "
+                "random characters (omit --token and the coordinator generates one)",
+                len(token),
+                MIN_TOKEN_CHARS,
+            )
         if heartbeat_timeout_s <= heartbeat_interval_s:
             raise ConfigError("heartbeat timeout must be longer than the heartbeat interval")
         self.store = store
@@ -116,8 +127,10 @@ class CoordinatorService:
         # Calls to workers' executors are signed with each worker's control key, derived
         # from its stored session hash (so it survives a coordinator restart).
         self.pool = ChannelPool(keyring=KeyRing(resolve_control=self._control_key_of), channel_factory=channel_factory)
-        #: Registrations per peer IP, and failed authentications per peer IP (a peer that
-        #: exhausts the latter is refused everything for a while: no online token guessing).
+        #: Registrations per source address (counted once the token is proven), and failed
+        #: calls per source address (wrong or missing credentials, malformed requests): past
+        #: its budget a source's failing calls are refused with RESOURCE_EXHAUSTED, while its
+        #: calls with a valid credential are still served. Both tables are bounded.
         self.register_limit = RateLimiter(burst=register_burst, per_s=registers_per_s)
         self.auth_failures = RateLimiter(burst=auth_failure_burst, per_s=auth_failures_per_s)
         self.profiles = ProfileCache(load=store.get_profile, store=store.put_profile)
@@ -167,41 +180,60 @@ class CoordinatorService:
             return None
         return control_key_from_hash(max(rows, key=lambda w: w.registered_at).session_hash)
 
-    def _refuse_flooders(self, context: grpc.ServicerContext) -> str:
-        host = peer_host(context.peer() or "")
-        if self.auth_failures.exhausted(host):
-            raise RateLimitError(f"too many failed authentications from {host}; try again later")
-        return host
+    def _failed(self, context: grpc.ServicerContext, error: FusionError) -> FusionError:
+        """Count a failed call against its source address: ``error`` while the source is
+        within its budget, past it a :class:`RateLimitError` that names the address.
 
-    def _failed(self, host: str, error: AuthError) -> AuthError:
-        self.auth_failures.allow(host)
-        return error
+        Only failing calls are counted and only they are refused: a call that authenticates
+        is served whatever its address's count (whoever shares the address, a NAT or a
+        campus, cannot lock the job owner or the volunteers out by failing)."""
+        host = peer_host(context.peer() or "")
+        if self.auth_failures.allow(host):
+            return error
+        return RateLimitError(
+            f"too many failed authentications from {host} ({error}); this address's failing calls are refused "
+            "for a while, calls with a valid credential are still served"
+        )
+
+    def _is_owner(self, context: grpc.ServicerContext) -> bool:
+        return hmac.compare_digest(_credential(context).encode(), self._token.encode())
 
     def _check_owner(self, context: grpc.ServicerContext) -> None:
-        host = self._refuse_flooders(context)
-        if not hmac.compare_digest(_credential(context).encode(), self._token.encode()):
+        if not self._is_owner(context):
             raise self._failed(
-                host, AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN")
+                context, AuthError("wrong or missing token: pass the coordinator's token with --token or FUSION_TOKEN")
             )
 
     def _check_worker(self, context: grpc.ServicerContext, worker_id: str) -> None:
         from fusion.errors import NotFoundError
 
-        host = self._refuse_flooders(context)
         try:
             row = self.store.worker(worker_id)
         except NotFoundError:
-            raise self._failed(host, AuthError(f"unknown worker {worker_id!r}: register first")) from None
+            raise self._failed(context, AuthError(f"unknown worker {worker_id!r}: register first")) from None
         if not hmac.compare_digest(_hash(_credential(context)), row.session_hash):
-            raise self._failed(host, AuthError(f"wrong session credential for worker {worker_id!r}"))
+            raise self._failed(context, AuthError(f"wrong session credential for worker {worker_id!r}"))
+
+    def malformed(self, context: grpc.ServicerContext, error: WireError) -> FusionError:
+        """What to answer a request that does not parse: ``error`` for the job owner (a
+        buggy client, not counted); from anyone else it counts as a failed authentication
+        (:meth:`_failed`), so garbage cannot be sent at a rate wrong tokens cannot."""
+        if self._is_owner(context):
+            return error
+        return self._failed(context, error)
 
     # ------------------------------------------------------------- workers
     @rpc_errors
     def Register(self, request: cpb.RegisterRequest, context: grpc.ServicerContext) -> cpb.RegisterResponse:
         self._check_owner(context)
+        # Counted only once the token is proven: failures of others at this address never
+        # use up a volunteer's registrations.
         host = peer_host(context.peer() or "")
         if not self.register_limit.allow(host):
-            raise RateLimitError(f"too many registrations from {host}; retry in a few seconds")
+            raise RateLimitError(
+                f"too many registrations from {host} (more than {self.register_limit.burst:.0f} at once, then "
+                f"{self.register_limit.per_s:g}/s); retry in a few seconds"
+            )
         if (
             not request.address
             or ":" not in request.address
@@ -578,7 +610,10 @@ def coordinator_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
 
         def checked(request: Any, context: grpc.ServicerContext, fn: Any = fn, name: str = method.name) -> Any:
             if isinstance(request, Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {name} request: {request.reason}")
+                error = service.malformed(context, WireError(f"malformed {name} request: {request.reason}"))
+                if isinstance(error, WireError):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                context.abort(status_code_of(error), f"{type(error).__name__}: {error}")
             return fn(request, context)
 
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
