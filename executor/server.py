@@ -565,7 +565,8 @@ def build_parser(prog: str = "python -m executor.server") -> argparse.ArgumentPa
         "--auth-failure-burst",
         type=float,
         default=30.0,
-        help="failed authentications per peer IP before it is refused for a while (default: %(default)s)",
+        help="failed authentications per peer IP before its failing calls are refused for a while; "
+        "calls with a valid credential are always served (default: %(default)s)",
     )
     return parser
 

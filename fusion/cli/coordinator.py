@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--auth-failure-burst",
         type=float,
         default=30.0,
-        help="failed authentications per IP before it is refused for a while (default: %(default)s)",
+        help="failed authentications per IP before its failing calls are refused for a while; "
+        "calls with a valid credential are always served (default: %(default)s)",
     )
     p.add_argument(
         "--auth-failures-per-s",
