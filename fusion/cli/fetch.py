@@ -60,14 +60,15 @@ class _Progress:
         self.out = out if size_bytes >= PROGRESS_MIN_BYTES else None
         self.tty = bool(self.out is not None and self.out.isatty())
         self.t0 = self.last = time.monotonic()
+        self.shown_bytes = -1
 
     def update(self, done_bytes: int, *, final: bool = False) -> None:
         if self.out is None:
             return
         now = time.monotonic()
-        if not final and not self.tty and now - self.last < PROGRESS_EVERY_S:
+        if not self.tty and (done_bytes == self.shown_bytes or (not final and now - self.last < PROGRESS_EVERY_S)):
             return
-        self.last = now
+        self.last, self.shown_bytes = now, done_bytes
         rate = done_bytes / max(now - self.t0, 1e-9) / 1e6
         line = (
             f"{self.name}: {done_bytes / 1e6:.1f}/{self.size_bytes / 1e6:.1f} MB "
