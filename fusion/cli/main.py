@@ -273,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fusion.cli.demo import add_demo_parser
 
     add_demo_parser(sub)
+    from fusion.cli.fetch import add_fetch_parser
+
+    add_fetch_parser(sub)
     return p
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from executor.status import call_with_retry
@@ -113,3 +114,22 @@ class CoordinatorClient:
     def logs(self, job_id: str, after_seq: int = 0) -> tuple[list[str], int]:
         r = self._call(self.stub.GetLogs, cpb.GetLogsRequest(job_id=job_id, after_seq=after_seq), "GetLogs")
         return list(r.lines), int(r.last_seq)
+
+    def fetch_outputs(
+        self, job_id: str, *, checkpoint: bool = False, timeout_s: float = 3 * 3600.0
+    ) -> Iterator[cpb.FetchOutputsResponse]:
+        """The parts of ``job_id``'s output files as the coordinator streams them (``FetchOutputs``:
+        per file a start, data chunks, an end with its SHA-256); one attempt, one deadline for the
+        whole stream. gRPC failures, also mid-stream, raise :class:`~fusion.errors.RemoteError`."""
+        import grpc
+
+        from executor.status import remote_error
+
+        request = cpb.FetchOutputsRequest(job_id=job_id, checkpoint=checkpoint)
+        call = self.stub.FetchOutputs(request, timeout=timeout_s, metadata=((AUTH_METADATA, self.credential),))
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            raise remote_error(e, peer=self.address, what="FetchOutputs") from None
+        finally:
+            call.cancel()

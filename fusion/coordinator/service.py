@@ -26,6 +26,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from executor.hooks import ChannelFactory
 from executor.status import rpc_errors, status_code_of
 from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
 from fusion.config import JobSpec
+from fusion.coordinator.fetch import stream_errors, stream_outputs
 from fusion.coordinator.planning import CALIBRATE_MIN_S, JobProfileCache, LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
@@ -406,6 +408,14 @@ class CoordinatorService:
             calibrated=profile.compute_factor is not None and profile.overhead_step_s is not None,
         )
 
+    @stream_errors
+    def FetchOutputs(
+        self, request: cpb.FetchOutputsRequest, context: grpc.ServicerContext
+    ) -> Iterator[cpb.FetchOutputsResponse]:
+        """A job's output files, chunked and digested (job owners: the token; ``fusion fetch``)."""
+        self._check_owner(context)
+        yield from stream_outputs(self.store.job(request.job_id), checkpoint=request.checkpoint)
+
     @rpc_errors
     def ProfileWorkers(
         self, request: cpb.ProfileWorkersRequest, context: grpc.ServicerContext
@@ -616,7 +626,8 @@ def coordinator_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
                 context.abort(status_code_of(error), f"{type(error).__name__}: {error}")
             return fn(request, context)
 
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(
             checked,
             request_deserializer=lenient(message_factory.GetMessageClass(method.input_type).FromString),
             response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,

@@ -219,3 +219,35 @@ class GetProfileResponse(_message.Message):
     overhead_micro_batch_s: float
     calibrated: bool
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeProfile, _Mapping]]] = ..., compute_factor: _Optional[float] = ..., matmul_flops: _Optional[float] = ..., optimizer_s_per_byte: _Optional[float] = ..., device_name: _Optional[str] = ..., overhead_step_s: _Optional[float] = ..., overhead_micro_batch_s: _Optional[float] = ..., calibrated: _Optional[bool] = ...) -> None: ...
+
+class FetchOutputsRequest(_message.Message):
+    __slots__ = ("job_id", "checkpoint")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    checkpoint: bool
+    def __init__(self, job_id: _Optional[str] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
+
+class OutputFileStart(_message.Message):
+    __slots__ = ("path", "size_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class OutputFileEnd(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class FetchOutputsResponse(_message.Message):
+    __slots__ = ("start", "data", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: OutputFileStart
+    data: bytes
+    end: OutputFileEnd
+    def __init__(self, start: _Optional[_Union[OutputFileStart, _Mapping]] = ..., data: _Optional[bytes] = ..., end: _Optional[_Union[OutputFileEnd, _Mapping]] = ...) -> None: ...

@@ -89,6 +89,11 @@ class CoordinatorStub:
                 request_serializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileRequest.SerializeToString,
                 response_deserializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileResponse.FromString,
                 _registered_method=True)
+        self.FetchOutputs = channel.unary_stream(
+                '/fusion.wire.Coordinator/FetchOutputs',
+                request_serializer=fusion_dot_wire_dot_coordinator__pb2.FetchOutputsRequest.SerializeToString,
+                response_deserializer=fusion_dot_wire_dot_coordinator__pb2.FetchOutputsResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -165,6 +170,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchOutputs(self, request, context):
+        """A job's output files (and with checkpoint its newest durable checkpoint), streamed in
+        chunks: per file a start, its bytes, an end with the SHA-256 of the bytes sent.
+        Job-owner call (the token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +236,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetProfile,
                     request_deserializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileRequest.FromString,
                     response_serializer=fusion_dot_wire_dot_coordinator__pb2.GetProfileResponse.SerializeToString,
+            ),
+            'FetchOutputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchOutputs,
+                    request_deserializer=fusion_dot_wire_dot_coordinator__pb2.FetchOutputsRequest.FromString,
+                    response_serializer=fusion_dot_wire_dot_coordinator__pb2.FetchOutputsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +540,33 @@ class Coordinator:
             '/fusion.wire.Coordinator/GetProfile',
             fusion_dot_wire_dot_coordinator__pb2.GetProfileRequest.SerializeToString,
             fusion_dot_wire_dot_coordinator__pb2.GetProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fusion.wire.Coordinator/FetchOutputs',
+            fusion_dot_wire_dot_coordinator__pb2.FetchOutputsRequest.SerializeToString,
+            fusion_dot_wire_dot_coordinator__pb2.FetchOutputsResponse.FromString,
             options,
             channel_credentials,
             insecure,
