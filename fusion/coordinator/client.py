@@ -8,6 +8,7 @@ from typing import Any
 
 from executor.status import call_with_retry
 from fusion.config import JobSpec
+from fusion.errors import RemoteError
 from fusion.tls import open_channel
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import coordinator_pb2_grpc as cgrpc
@@ -16,6 +17,9 @@ logger = logging.getLogger(__name__)
 
 AUTH_METADATA = "fusion-auth"
 TIMEOUT_S = 30.0
+
+#: gRPC's words for "nothing answered at that address" (refused, no route, unknown host).
+_UNREACHABLE = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed", "Connection refused")
 
 
 class CoordinatorClient:
@@ -43,9 +47,19 @@ class CoordinatorClient:
         def call(req: Any, timeout: float) -> Any:
             return method(req, timeout=timeout, metadata=metadata)
 
-        return call_with_retry(
-            call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts
-        )
+        try:
+            return call_with_retry(
+                call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts
+            )
+        except RemoteError as e:
+            if e.code == "UNAVAILABLE" and any(s in str(e) for s in _UNREACHABLE):
+                raise RemoteError(
+                    f"no coordinator at {self.address} — is fusion-coordinator running?",
+                    code=e.code,
+                    peer=self.address,
+                    metadata=e.metadata,
+                ) from e
+            raise
 
     # ------------------------------------------------------------- workers
     def register(self, name: str, address: str, resources: cpb.WorkerResources) -> cpb.RegisterResponse:
