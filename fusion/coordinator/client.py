@@ -22,6 +22,26 @@ TIMEOUT_S = 30.0
 _UNREACHABLE = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed", "Connection refused")
 
 
+def _unreachable_message(e: RemoteError, address: str) -> str | None:
+    """One line for a coordinator that could not be reached, or ``None`` for other errors."""
+    if e.code != "UNAVAILABLE":
+        return None
+    text = str(e)
+    if "handshake" in text.lower():
+        return (
+            f"TLS handshake with the coordinator at {address} failed — does it serve TLS, "
+            "and did the CA given with --tls-ca sign its certificate?"
+        )
+    if "Socket closed" in text:  # what a plain-text client sees of a TLS server
+        return (
+            f"the coordinator at {address} closed the connection at once — "
+            "if it serves TLS, pass --tls-ca (or set FUSION_TLS_CA)"
+        )
+    if any(s in text for s in _UNREACHABLE):
+        return f"no coordinator at {address} — is fusion-coordinator running?"
+    return None
+
+
 class CoordinatorClient:
     """Calls to one coordinator, authenticated with a token or a worker session."""
 
@@ -52,14 +72,10 @@ class CoordinatorClient:
                 call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts
             )
         except RemoteError as e:
-            if e.code == "UNAVAILABLE" and any(s in str(e) for s in _UNREACHABLE):
-                raise RemoteError(
-                    f"no coordinator at {self.address} — is fusion-coordinator running?",
-                    code=e.code,
-                    peer=self.address,
-                    metadata=e.metadata,
-                ) from e
-            raise
+            message = _unreachable_message(e, self.address)
+            if message is None:
+                raise
+            raise RemoteError(message, code=e.code, peer=self.address, metadata=e.metadata) from e
 
     # ------------------------------------------------------------- workers
     def register(self, name: str, address: str, resources: cpb.WorkerResources) -> cpb.RegisterResponse:

@@ -169,7 +169,7 @@ def test_gpt2_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:
     listed = cli.run("jobs", "--json")
     assert job_id in {j["id"] for j in json.loads(listed.stdout)}
     logs = cli.run("logs", job_id)
-    assert "step 11" in logs.stdout and "succeeded" in logs.stdout
+    assert "step 12:" in logs.stdout and "step 0:" not in logs.stdout and "succeeded" in logs.stdout  # steps done
 
 
 def test_opfence_job_trains_like_one_process(cli: Cli, tmp_path: Path) -> None:

@@ -270,3 +270,39 @@ def test_loss_png_is_written_with_the_events(tmp_path: Path) -> None:
     data = (outputs.dir / LOSS_PLOT_FILE).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     outputs.close()
+
+
+# ----------------------------------------------------------------- unreachable coordinator
+
+
+@pytest.mark.parametrize(
+    ("details", "expected"),
+    [
+        (
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote "
+            "host: Connection refused",
+            "no coordinator at h:1 — is fusion-coordinator running?",
+        ),
+        (
+            "errors resolving nosuch.invalid:1: [field:hostname lookup error:Domain name not found]",
+            "no coordinator at h:1 — is fusion-coordinator running?",
+        ),
+        (
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Tls handshake failed "
+            "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: WRONG_VERSION_NUMBER",
+            "TLS handshake with the coordinator at h:1 failed",
+        ),
+        (
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed",
+            "if it serves TLS, pass --tls-ca",
+        ),
+    ],
+    ids=["refused", "dns", "tls-handshake", "plain-to-tls"],
+)
+def test_an_unreachable_coordinator_is_named_in_one_line(details: str, expected: str) -> None:
+    from fusion.coordinator.client import _unreachable_message
+
+    message = _unreachable_message(remote("UNAVAILABLE", details, "ListJobs"), "h:1")
+    assert message is not None and expected in message and "\n" not in message
+    assert _unreachable_message(remote("UNAVAILABLE", "StageError: stage 1 is restarting"), "h:1") is None
+    assert _unreachable_message(remote("INVALID_ARGUMENT", "Connection refused"), "h:1") is None
