@@ -5,12 +5,14 @@ counts them: ``step 5/100`` means five steps are done. On a terminal the bar sho
 steps, their rate, the time left (ETA), the loss and the samples per second; before the
 first step it shows what the job waits for (``waiting``) or which planning phase it is in
 (``phase``). When the stream is not a terminal (a log file, a pipe) nothing is rewritten:
-a plain line is written when the state or phase changes and at most every ``every_s``
-seconds in between, so a log holds no carriage returns.
+a plain line, prefixed with the time since the display started, is written when the
+state or phase changes and at most every ``every_s`` seconds in between, so a log holds
+no carriage returns.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -41,6 +43,14 @@ def progress_line(status: dict[str, Any], rate_steps_per_s: float | None) -> str
     return f"{', '.join(parts)} ({describe(status)})"
 
 
+def _columns(stream: TextIO) -> int:
+    """The width of the terminal behind ``stream``; 0 when unknown."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 class JobProgress:
     """Shows successive status documents of one job (``CoordinatorClient.status``).
 
@@ -61,6 +71,8 @@ class JobProgress:
         self._first: tuple[float, int] | None = None  # (time, step) when steps were first seen running
         self._last_print = float("-inf")
         self._last_what = ""
+        self._t0 = time.monotonic()
+        self._trained = False  # the bar has shown a running job
 
     def _rate(self, step: int) -> float | None:
         now = time.monotonic()
@@ -81,12 +93,23 @@ class JobProgress:
         what = describe(status)
         now = time.monotonic()
         if what != self._last_what or now - self._last_print >= self.every_s:
-            print(progress_line(status, rate), file=self.stream, flush=True)
+            elapsed = tqdm.format_interval(now - self._t0)
+            print(f"[{elapsed}] {progress_line(status, rate)}", file=self.stream, flush=True)
             self._last_print, self._last_what = now, what
 
     def _show_bar(self, status: dict[str, Any], step: int) -> None:
         if self._bar is None:
-            self._bar = tqdm(total=self.total, initial=step, unit="step", file=self.stream, dynamic_ncols=True)
+            sized = _columns(self.stream) > 0  # a terminal of unknown size (0x0) gets 100x24
+            self._bar = tqdm(
+                total=self.total,
+                initial=step,
+                desc=describe(status),
+                unit="step",
+                file=self.stream,
+                dynamic_ncols=sized,
+                ncols=None if sized else 100,
+                nrows=None if sized else 24,
+            )
         bar = self._bar
         postfix: dict[str, str] = {}
         if status.get("loss") is not None:
@@ -95,11 +118,13 @@ class JobProgress:
             postfix["samples/s"] = f"{float(status['samples_per_s']):.1f}"
         bar.set_description_str(describe(status), refresh=False)
         bar.set_postfix(postfix, refresh=False)
-        if step >= bar.n:
-            bar.update(step - bar.n)
-        else:  # rewound by a restore: show the step, the rate starts over
+        running = status.get("state") == "running"
+        if running and (not self._trained or step < bar.n):
+            # Training starts (or restarts after a restore): time and rate count from here.
             bar.reset(total=self.total)
-            bar.update(step)
+            bar.initial = step
+            self._trained = True
+        bar.n = step  # set, not added: the rate is the mean since training started, and so is the ETA
         bar.refresh()
 
     def write(self, line: str, file: TextIO | None = None) -> None:

@@ -209,7 +209,8 @@ def test_progress_without_a_terminal_writes_plain_lines_now_and_then() -> None:
         "running)",
         "succeeded)",
     ]
-    assert lines[2].startswith("step 1/100") and lines[3].startswith("step 100/100")
+    assert all(re.match(r"\[00:0\d\] step ", line) for line in lines), lines
+    assert lines[2].startswith("[00:00] step 1/100") and lines[3].startswith("[00:00] step 100/100")
 
 
 def test_progress_on_a_terminal_is_a_bar_with_loss() -> None:
