@@ -25,7 +25,7 @@ from fusion.cli.progress import JobProgress
 from fusion.config import JobSpec, OutputSpec
 from fusion.coordinator.client import CoordinatorClient
 from fusion.coordinator.store import TERMINAL_STATES
-from fusion.errors import FusionError
+from fusion.errors import ConfigError, FusionError
 from fusion.launch import Fleet
 
 #: The built-in demo job: a 4-layer GPT-2 on byte-level Python source.
@@ -97,7 +97,7 @@ def demo_job(args: argparse.Namespace, out: Path) -> JobSpec:
 
 def run_demo(args: argparse.Namespace) -> int:
     if args.workers < 1:
-        raise FusionError("--workers must be at least 1")
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
     out = Path(args.out).expanduser().resolve()
     spec = demo_job(args, out)
     token = secrets.token_urlsafe(16)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from fusion.errors import ConfigError, FusionError, NotFoundError, RemoteError
+from fusion.errors import AuthError, ConfigError, FusionError, NotFoundError, RemoteError
 
 DEFAULT_COORDINATOR = "127.0.0.1:7077"
 
@@ -91,12 +91,12 @@ def setup_logging(level: str) -> None:
 
 #: Exit codes of every fusion command (README "Troubleshooting").
 EXIT_FAILED = 1  # a runtime failure: no coordinator, a refused request, a failed job
-EXIT_BAD_INPUT = 2  # what was typed or written is invalid (flags, job file), found here or by the coordinator
+EXIT_BAD_INPUT = 2  # what was given is invalid (flags, job file, token), found here or by the coordinator
 EXIT_NOT_FOUND = 3  # no such job
 EXIT_INTERRUPTED = 130
 
 #: Remote errors that mean the input was bad, and that no such thing exists (gRPC code names).
-_BAD_INPUT_CODES = frozenset({"INVALID_ARGUMENT"})
+_BAD_INPUT_CODES = frozenset({"INVALID_ARGUMENT", "UNAUTHENTICATED"})
 _NOT_FOUND_CODES = frozenset({"NOT_FOUND"})
 
 
@@ -115,7 +115,7 @@ def remote_message(e: RemoteError) -> str:
 
 def exit_code_of(e: FusionError) -> int:
     """The exit code for ``e``, the same whether the problem was found here or remotely."""
-    if isinstance(e, ConfigError):
+    if isinstance(e, ConfigError | AuthError):
         return EXIT_BAD_INPUT
     if isinstance(e, NotFoundError):
         return EXIT_NOT_FOUND

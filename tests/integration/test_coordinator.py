@@ -298,7 +298,7 @@ def test_bad_job_files_are_rejected_at_submit(cli: Cli, tmp_path: Path) -> None:
 
 def test_wrong_token_is_refused(fleet: Fleet, cli: Cli, tmp_path: Path) -> None:
     r = cli.run("jobs", token="not-the-token")
-    assert r.returncode == 1 and "wrong or missing token" in r.stderr
+    assert r.returncode == 2 and "wrong or missing token" in r.stderr  # bad input, as for fusion-worker
     proc = fleet.start_worker("intruder", token="not-the-token", wait=False)
     assert proc.wait(timeout=60) == 2
     assert "refused" in fleet.log_of("worker-intruder")

@@ -16,7 +16,7 @@ from fusion.cli.progress import JobProgress, describe, progress_line
 from fusion.cli.workers_table import COLUMNS, format_workers, human_age, human_bytes, select_workers
 from fusion.coordinator.loss_plot import EVENT_LABELS, ema, ema_span, event_markers, loss_plot_data, read_records
 from fusion.coordinator.outputs import LOSS_PLOT_FILE, JobOutputs
-from fusion.errors import ConfigError, NotFoundError, RemoteError, StateError
+from fusion.errors import AuthError, ConfigError, NotFoundError, RemoteError, StateError
 from fusion.wire import coordinator_pb2 as cpb
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,7 +125,8 @@ def test_a_remote_config_error_reads_like_a_local_one(capsys: pytest.CaptureFixt
         (remote("NOT_FOUND", "NotFoundError: no job 'j'", "GetJob"), EXIT_NOT_FOUND),
         (StateError("job j already succeeded; nothing to cancel"), EXIT_FAILED),
         (remote("FAILED_PRECONDITION", "StateError: job j already succeeded; nothing to cancel"), EXIT_FAILED),
-        (remote("UNAUTHENTICATED", "AuthError: wrong or missing token"), EXIT_FAILED),
+        (remote("UNAUTHENTICATED", "AuthError: wrong or missing token"), EXIT_BAD_INPUT),
+        (AuthError("wrong or missing token"), EXIT_BAD_INPUT),
         (RemoteError("no coordinator at h:1 — is fusion-coordinator running?", code="UNAVAILABLE"), EXIT_FAILED),
     ],
 )
