@@ -98,6 +98,9 @@ def test_cancel_of_an_ended_job_says_so_and_fails(fleet: Fleet, tmp_path: Path) 
     again = fusion(fleet.coordinator_address, "cancel", job_id)
     assert again.returncode == EXIT_FAILED
     assert one_error_line(again) == f"error: job {job_id} already cancelled; nothing to cancel"
+    followed = fusion(fleet.coordinator_address, "logs", "--follow", job_id)  # ends at once, plain lines
+    assert followed.returncode == 0 and "\r" not in followed.stdout + followed.stderr, followed.stderr
+    assert "pending -> cancelled: cancelled by the job owner" in followed.stdout
 
 
 def test_workers_table_lists_the_live_worker(fleet: Fleet) -> None:
