@@ -3,9 +3,10 @@
 Everything real: a ``fusion-coordinator`` process, ``--workers`` ``fusion-worker``
 processes on loopback, a job submitted over gRPC, the model split into stages that run a
 pipelined forward and a remote backward pass. The text is the Python standard library's
-own source code (present on every Python install), read byte by byte. The demo shows a
-progress bar with loss and throughput, stops every process it started (also on Ctrl-C
-or an error), and prints where the trained model and the loss curve are.
+own source code (present on every Python install), read byte by byte. The demo shows the
+job's progress (:class:`~fusion.cli.progress.JobProgress`: steps done, rate, ETA, loss;
+what it waits for before it starts), stops every process it started (also on Ctrl-C or
+an error), and prints where the trained model and the loss curve are.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fusion.cli.progress import JobProgress
 from fusion.config import JobSpec, OutputSpec
 from fusion.coordinator.client import CoordinatorClient
 from fusion.coordinator.store import TERMINAL_STATES
-from fusion.errors import FusionError
+from fusion.errors import ConfigError, FusionError
 from fusion.launch import Fleet
 
 #: The built-in demo job: a 4-layer GPT-2 on byte-level Python source.
@@ -68,7 +70,10 @@ def add_demo_parser(sub: Any) -> None:
     from fusion.cli.env import add_log_arg
 
     sp = sub.add_parser(
-        "demo", help="train a small GPT-2 on local workers, end to end", description=__doc__.splitlines()[0]
+        "demo",
+        help="train a small GPT-2 on local workers, end to end",
+        description="Start a coordinator and a few workers on this machine and train a small GPT-2 on them, "
+        "end to end; everything they start is stopped at the end (also on Ctrl-C).",
     )
     sp.add_argument("--workers", type=int, default=3, help="number of local worker processes (default: %(default)s)")
     sp.add_argument("--job", default=None, help="a job file to run instead of the built-in GPT-2 job")
@@ -90,43 +95,9 @@ def demo_job(args: argparse.Namespace, out: Path) -> JobSpec:
     return replace(spec, output=OutputSpec(dir=str(out)))
 
 
-class ProgressBar:
-    """One self-rewriting line on stderr: bar, step, loss, throughput."""
-
-    def __init__(self, total: int, width: int = 30) -> None:
-        self.total = max(total, 1)
-        self.width = width
-        self.tty = sys.stderr.isatty()
-        self._last_print = 0.0
-        self._last_state = ""
-        self._last_line = ""
-
-    def update(self, status: dict[str, Any]) -> None:
-        step = status.get("step", 0)
-        filled = int(self.width * step / self.total)
-        loss = f"{status['loss']:.3f}" if status.get("loss") is not None else "-"
-        rate = f"{status['samples_per_s']:.1f} samples/s" if status.get("samples_per_s") else ""
-        line = (
-            f"[{'#' * filled}{'.' * (self.width - filled)}] step {step}/{self.total}  "
-            f"loss {loss}  {rate}  ({status['state']})"
-        )
-        now = time.monotonic()
-        if self.tty:
-            print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
-        elif (now - self._last_print > 5 or status["state"] != self._last_state) and line != self._last_line:
-            print(line, file=sys.stderr, flush=True)
-            self._last_print = now
-            self._last_state = status["state"]
-            self._last_line = line
-
-    def done(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
-
-
 def run_demo(args: argparse.Namespace) -> int:
     if args.workers < 1:
-        raise FusionError("--workers must be at least 1")
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
     out = Path(args.out).expanduser().resolve()
     spec = demo_job(args, out)
     token = secrets.token_urlsafe(16)
@@ -157,20 +128,23 @@ def run_demo(args: argparse.Namespace) -> int:
         with CoordinatorClient(address, token) as client:
             job_id = client.submit(spec)
             print(f"  submitted job {job_id}")
-            bar = ProgressBar(spec.train.steps)
+            progress = JobProgress(spec.train.steps)
             try:
                 while True:
                     status = client.status(job_id)
-                    bar.update(status)
+                    progress.update(status)
                     if status["state"] in TERMINAL_STATES:
                         break
                     time.sleep(0.5)
             except KeyboardInterrupt:
-                bar.done()
+                progress.close()
                 print("interrupted: cancelling the job and stopping the workers", file=sys.stderr)
-                client.cancel(job_id)
+                try:
+                    client.cancel(job_id)
+                except FusionError as e:  # it ended meanwhile
+                    print(f"  {e}", file=sys.stderr)
                 raise
-            bar.done()
+            progress.close()
     wall = time.monotonic() - t0
     job_dir = Path(status["output_dir"])
     if status["state"] != "succeeded":

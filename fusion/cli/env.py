@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from fusion.errors import ConfigError, FusionError
+from fusion.errors import AuthError, ConfigError, FusionError, NotFoundError, RemoteError
 
 DEFAULT_COORDINATOR = "127.0.0.1:7077"
 
@@ -89,16 +89,53 @@ def setup_logging(level: str) -> None:
     )
 
 
+#: Exit codes of every fusion command (README "Troubleshooting").
+EXIT_FAILED = 1  # a runtime failure: no coordinator, a refused request, a failed job
+EXIT_BAD_INPUT = 2  # what was given is invalid (flags, job file, token), found here or by the coordinator
+EXIT_NOT_FOUND = 3  # no such job
+EXIT_INTERRUPTED = 130
+
+#: Remote errors that mean the input was bad, and that no such thing exists (gRPC code names).
+_BAD_INPUT_CODES = frozenset({"INVALID_ARGUMENT", "UNAUTHENTICATED"})
+_NOT_FOUND_CODES = frozenset({"NOT_FOUND"})
+
+
+def remote_message(e: RemoteError) -> str:
+    """The remote side's own message, without the call, the peer and the error type
+    (``"SubmitJob on H:P failed with INVALID_ARGUMENT: ConfigError: x"`` -> ``"x"``)."""
+    text = str(e)
+    marker = f"failed with {e.code}: " if e.code else None
+    if marker and marker in text:
+        text = text.split(marker, 1)[1]
+    head, sep, rest = text.partition(": ")
+    if sep and head.isidentifier() and head.endswith("Error"):
+        return rest
+    return text
+
+
+def exit_code_of(e: FusionError) -> int:
+    """The exit code for ``e``, the same whether the problem was found here or remotely."""
+    if isinstance(e, ConfigError | AuthError):
+        return EXIT_BAD_INPUT
+    if isinstance(e, NotFoundError):
+        return EXIT_NOT_FOUND
+    if isinstance(e, RemoteError):
+        if e.code in _BAD_INPUT_CODES:
+            return EXIT_BAD_INPUT
+        if e.code in _NOT_FOUND_CODES:
+            return EXIT_NOT_FOUND
+    return EXIT_FAILED
+
+
 def run_cli(body: Callable[[], int]) -> int:
-    """Run a CLI body: fusion errors become one line on stderr and exit code 1 (2 for bad input)."""
+    """Run a CLI body: a fusion error becomes one ``error: ...`` line on stderr and the exit
+    code of its kind (:func:`exit_code_of`); remote errors read like local ones."""
     try:
         return body()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_INTERRUPTED
     except FusionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        message = remote_message(e) if isinstance(e, RemoteError) else str(e)
+        print(f"error: {message}", file=sys.stderr)
+        return exit_code_of(e)

@@ -5,7 +5,7 @@ fusion status [JOB_ID] [--json]
 fusion jobs [--json]
 fusion cancel JOB_ID
 fusion logs JOB_ID [--follow]
-fusion workers
+fusion workers [--all]
 fusion plan JOB.toml --workers N [--json]
 fusion demo [--workers 3] [--job FILE] [--out DIR]
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import replace
@@ -116,40 +117,61 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel a pending, planning or running job; a job that already ended is an error (exit 1)."""
     with _client(args) as c:
         state = c.cancel(args.job_id)
     print(f"{args.job_id}: {state}")
     return 0
 
 
+#: A metric line of ``GetLogs`` (the coordinator's ``_log_line``): ``DATE TIME step N: loss ...``.
+_METRIC_LINE = re.compile(r"^\S+ \S+ step \d+: loss ")
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
+    """Print a job's log; with ``--follow`` keep printing until it ends. On a terminal the
+    per-step lines become one progress bar (events are still printed); elsewhere every
+    line is printed as it is."""
+    from fusion.cli.progress import JobProgress
     from fusion.coordinator.store import TERMINAL_STATES
 
     with _client(args) as c:
-        seq = 0
-        while True:
-            lines, seq = c.logs(args.job_id, seq)
+        progress: JobProgress | None = None
+        if args.follow and sys.stdout.isatty():
+            progress = JobProgress(int(c.status(args.job_id)["steps"]))
+
+        def emit(lines: list[str]) -> None:
             for line in lines:
-                print(line, flush=True)
-            if not args.follow or c.status(args.job_id)["state"] in TERMINAL_STATES:
-                if args.follow:
-                    for line in c.logs(args.job_id, seq)[0]:
-                        print(line, flush=True)
-                return 0
-            time.sleep(1.0)
+                if progress is None:
+                    print(line, flush=True)
+                elif not _METRIC_LINE.match(line):
+                    progress.write(line)
+
+        seq = 0
+        try:
+            while True:
+                lines, seq = c.logs(args.job_id, seq)
+                emit(lines)
+                if not args.follow:
+                    return 0
+                status = c.status(args.job_id)
+                if progress is not None:
+                    progress.update(status)
+                if status["state"] in TERMINAL_STATES:
+                    emit(c.logs(args.job_id, seq)[0])
+                    return 0
+                time.sleep(1.0)
+        finally:
+            if progress is not None:
+                progress.close()
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
+    from fusion.cli.workers_table import format_workers
+
     with _client(args) as c:
         workers = c.workers()
-    for w in workers:
-        r = w.resources
-        # Workers that show the same machine share its compute (the planner keeps a model whole there).
-        machine = r.machine if len(r.machine) <= 20 else f"{r.machine[:8]}…{r.machine[-8:]}"
-        print(
-            f"{w.name:<24} {w.address:<22} {w.state:<5} {r.device:<7} {r.matmul_flops / 1e9:8.1f} GFLOP/s  "
-            f"{r.memory_bytes / 2**30:6.1f} GiB  {machine}"
-        )
+    print(format_workers(workers, include_gone=args.all))
     return 0
 
 
@@ -238,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("job_id")
     sp.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     sp.set_defaults(func=cmd_logs)
-    sp = command("workers", "list the workers that joined")
+    sp = command("workers", "list the live workers (name, id, state, device, speed, memory, job, heartbeat)")
+    sp.add_argument("--all", action="store_true", help="also list gone and excluded workers")
     sp.set_defaults(func=cmd_workers)
     sp = command("plan", "plan a job offline on a topology file (or N equal workers)", connect=False)
     sp.add_argument("job", nargs="?", help="path to the job file (or --job)")

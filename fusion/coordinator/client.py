@@ -9,6 +9,7 @@ from typing import Any
 
 from executor.status import call_with_retry
 from fusion.config import JobSpec
+from fusion.errors import RemoteError
 from fusion.tls import open_channel
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import coordinator_pb2_grpc as cgrpc
@@ -17,6 +18,29 @@ logger = logging.getLogger(__name__)
 
 AUTH_METADATA = "fusion-auth"
 TIMEOUT_S = 30.0
+
+#: gRPC's words for "nothing answered at that address" (refused, no route, unknown host).
+_UNREACHABLE = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed", "Connection refused")
+
+
+def _unreachable_message(e: RemoteError, address: str) -> str | None:
+    """One line for a coordinator that could not be reached, or ``None`` for other errors."""
+    if e.code != "UNAVAILABLE":
+        return None
+    text = str(e)
+    if "handshake" in text.lower():
+        return (
+            f"TLS handshake with the coordinator at {address} failed — does it serve TLS, "
+            "and did the CA given with --tls-ca sign its certificate?"
+        )
+    if "Socket closed" in text:  # what a plain-text client sees of a TLS server
+        return (
+            f"the coordinator at {address} closed the connection at once — "
+            "if it serves TLS, pass --tls-ca (or set FUSION_TLS_CA)"
+        )
+    if any(s in text for s in _UNREACHABLE):
+        return f"no coordinator at {address} — is fusion-coordinator running?"
+    return None
 
 
 class CoordinatorClient:
@@ -44,9 +68,15 @@ class CoordinatorClient:
         def call(req: Any, timeout: float) -> Any:
             return method(req, timeout=timeout, metadata=metadata)
 
-        return call_with_retry(
-            call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts
-        )
+        try:
+            return call_with_retry(
+                call, request, peer=self.address, what=what, timeout_s=timeout_s or self.timeout_s, attempts=attempts
+            )
+        except RemoteError as e:
+            message = _unreachable_message(e, self.address)
+            if message is None:
+                raise
+            raise RemoteError(message, code=e.code, peer=self.address, metadata=e.metadata) from e
 
     # ------------------------------------------------------------- workers
     def register(self, name: str, address: str, resources: cpb.WorkerResources) -> cpb.RegisterResponse:

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,24 +122,17 @@ class JobOutputs:
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=dict(metadata or {})))
         return path
 
-    def write_loss_plot(self, steps: list[int], losses: list[float], title: str) -> None:
-        """``loss.png``: training loss against step."""
+    def write_loss_plot(
+        self, steps: list[int], losses: list[float], title: str, *, records: Iterable[Mapping[str, Any]] = ()
+    ) -> None:
+        """``loss.png``: the raw and smoothed loss against steps done, with the events among
+        ``records`` (``metrics.jsonl``'s lines in order) marked (:mod:`fusion.coordinator.loss_plot`)."""
         if not steps:
             return
-        import matplotlib
+        from fusion.coordinator.loss_plot import draw_loss_plot, loss_plot_data
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-        ax.plot(steps, losses, linewidth=1.5)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        atomic_write(self.dir / LOSS_PLOT_FILE, lambda tmp: fig.savefig(tmp, format="png"))
-        plt.close(fig)
+        data = loss_plot_data(steps, losses, records)
+        draw_loss_plot(data, title, lambda write: atomic_write(self.dir / LOSS_PLOT_FILE, write))
 
     def close(self) -> None:
         self._metrics.close()

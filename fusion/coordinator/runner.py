@@ -43,6 +43,7 @@ from executor.driver import PipelineDriver, StepStats
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
 from fusion.coordinator.durable_writer import DurableWriter
+from fusion.coordinator.loss_plot import read_records
 from fusion.coordinator.outputs import (
     METRICS_FILE,
     JobOutputs,
@@ -561,7 +562,8 @@ class JobRunner(threading.Thread):
     def _plot(self, outputs: JobOutputs) -> None:
         steps = [s for s, _ in self._history]
         losses = [loss for _, loss in self._history]
-        outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})")
+        records = read_records(outputs.dir / METRICS_FILE)  # its events are marked on the curve
+        outputs.write_loss_plot(steps, losses, f"{self.spec.name} ({self.job_id})", records=records)
 
     def _summary(self, state: str, reason: str | None, t_start: float) -> dict[str, Any]:
         return job_summary(

@@ -353,7 +353,9 @@ class CoordinatorService:
         self._check_owner(context)
         job = self.store.job(request.job_id)
         if job.state in TERMINAL_STATES:
-            return cpb.CancelJobResponse(state=job.state)
+            from fusion.errors import StateError
+
+            raise StateError(f"job {job.job_id} already {job.state}; nothing to cancel")
         with self._lock:
             runner = self._runners.get(job.job_id)
             if runner is None:
@@ -591,7 +593,7 @@ def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:
     if kind == "metric":
         extra = f" tokens/s {record['tokens_per_s']:.0f}" if "tokens_per_s" in record else ""
         return (
-            f"{stamp} step {record['step']}: loss {record['loss']:.4f}, {record['step_s']:.3f}s, "
+            f"{stamp} step {record['step'] + 1}: loss {record['loss']:.4f}, {record['step_s']:.3f}s, "
             f"samples/s {record['samples_per_s']:.1f}{extra}"
         )
     return f"{stamp} {record.get('event', kind)}: {record.get('message', '')}"
