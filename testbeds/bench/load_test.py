@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from fusion.errors import RemoteError
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import coordinator_pb2_grpc as cgrpc
 
@@ -328,7 +329,11 @@ def run_load(
             for p in lites:
                 p.wait(timeout=120)
             if job_id:
-                client.cancel(job_id)
+                try:
+                    client.cancel(job_id)
+                except RemoteError as e:  # it may have ended since its status was read
+                    if e.code != "FAILED_PRECONDITION":
+                        raise
             client.close()
             coordinator_log = fleet.log_of("coordinator")
         finally:

@@ -122,6 +122,7 @@ def bench_overhead(
 def bench_recover(preset: str, batch: int, seq: int, micro: int, every: int, kill_after: int) -> dict[str, Any]:
     from fusion.config import JobSpec
     from fusion.coordinator.client import CoordinatorClient
+    from fusion.errors import RemoteError
     from fusion.launch import Fleet
 
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
@@ -170,7 +171,11 @@ def bench_recover(preset: str, batch: int, seq: int, micro: int, every: int, kil
                 final = client.status(job_id)
             trained_on = final["state"] == "running" or final["state"] == "succeeded"
             if final["state"] == "running":
-                client.cancel(job_id)
+                try:
+                    client.cancel(job_id)
+                except RemoteError as e:  # it may have ended since its status was read
+                    if e.code != "FAILED_PRECONDITION":
+                        raise
             client.close()
     return {
         "preset": preset,
