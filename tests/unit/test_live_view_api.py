@@ -257,3 +257,12 @@ def test_serves_only_tls_with_a_certificate(service: CoordinatorService, tmp_pat
         assert request(srv, "GET", "/api/jobs", context=client)[0] == 200
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("value", ["8080", "127.0.0.1:", "127.0.0.1:http", ":8080", "127.0.0.1:99999"])
+def test_coordinator_refuses_a_malformed_http_address(tmp_path: Path, value: str, capsys: Any) -> None:
+    from fusion.cli.coordinator import main
+
+    code = main(["--http", value, "--state-dir", str(tmp_path), "--token", TOKEN])
+    assert code != 0
+    assert "--http must be HOST:PORT" in capsys.readouterr().err
