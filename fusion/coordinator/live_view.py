@@ -46,6 +46,8 @@ COOKIE = "fusion_view"
 MAX_FORM_BYTES = 4096
 #: Seconds a connection may stay silent (also bounds the TLS handshake).
 CONNECTION_TIMEOUT_S = 30.0
+#: Most connections served at once; more are closed at once (each holds a thread).
+MAX_CONNECTIONS = 64
 LOGIN_FORM = """<!doctype html><html><head><meta charset="utf-8"><title>fusion live view: sign in</title>
 <style>body{{font:15px system-ui,sans-serif;margin:4em auto;max-width:28em}}input{{font:inherit}}</style></head>
 <body><h1>fusion live view</h1><p>{message}</p><form method="post" action="/login">
@@ -69,7 +71,10 @@ class LiveViewServer(ThreadingHTTPServer):
         self.tls = tls is not None
         if tls is not None:
             self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
-        self._thread = threading.Thread(target=self.serve_forever, name="live-view", daemon=True)
+        self._thread = threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.2}, name="live-view", daemon=True
+        )
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     @property
     def port(self) -> int:
@@ -84,6 +89,23 @@ class LiveViewServer(ThreadingHTTPServer):
             self.shutdown()
             self._thread.join(timeout=10)
         self.server_close()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.debug("live view: %d connections open; closing the one from %s", MAX_CONNECTIONS, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.debug("live view: connection from %s failed", client_address, exc_info=True)

@@ -13,6 +13,7 @@ import http.client
 import json
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,29 @@ def test_coordinator_refuses_a_malformed_http_address(tmp_path: Path, value: str
     code = main(["--http", value, "--state-dir", str(tmp_path), "--token", TOKEN])
     assert code != 0
     assert "--http must be HOST:PORT" in capsys.readouterr().err
+
+
+def test_silent_connections_beyond_the_cap_are_closed(
+    service: CoordinatorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fusion.coordinator import live_view
+
+    monkeypatch.setattr(live_view, "MAX_CONNECTIONS", 3)
+    srv = start_live_view(service, "127.0.0.1", 0, token=TOKEN)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(3)]
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as extra:
+            assert extra.recv(1) == b""  # closed without an answer
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the slots free as the idle ones go
+            try:
+                if get_json(srv, "/api/jobs")[0] == 200:
+                    break
+            except ConnectionError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        srv.close()
