@@ -22,6 +22,7 @@ from tests.support.browser import Browser, find_chromium
 
 TOKEN = "live-view-browser-token"
 CHROMIUM = find_chromium()
+pytest.importorskip("websocket", reason="websocket-client (of the test extra) drives Chromium")
 
 pytestmark = [
     pytest.mark.timeout(420),
