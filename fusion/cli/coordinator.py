@@ -19,6 +19,7 @@ from fusion.cli.env import (
     run_cli,
     setup_logging,
 )
+from fusion.coordinator.live_view import start_live_view, tls_context
 from fusion.coordinator.planning import CALIBRATE_MIN_S
 from fusion.coordinator.service import CoordinatorService, start_coordinator_server
 from fusion.coordinator.store import Store
@@ -28,6 +29,7 @@ from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 logger = logging.getLogger(__name__)
 
 LISTENING = "fusion-coordinator listening on"
+LIVE_VIEW = "fusion-coordinator live view on"
 STATE_DB = "coordinator.sqlite"
 
 
@@ -95,8 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="failed authentications per second per IP tolerated after the burst (default: %(default)s)",
     )
+    p.add_argument(
+        "--http",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the read-only live view (web page and JSON API) here; it asks for the token, "
+        "and uses HTTPS with --tls-cert/--tls-key (PORT 0 picks a free one)",
+    )
     add_log_arg(p)
     return p
+
+
+def _http_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--http must be HOST:PORT (e.g. 127.0.0.1:8080), got {text!r}")
+    return host, int(port)
 
 
 def _token(args: argparse.Namespace, state_dir: Path) -> str:
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None, *, channel_factory: ChannelFactory | Non
         warn_if_exposed(args.host, tls, "the coordinator")
         if args.port < 0 or args.port > 65535:
             raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+        http = _http_address(args.http) if args.http else None
         calibrate_s = env_calibrate_s(CALIBRATE_MIN_S) if args.calibrate_seconds is None else args.calibrate_seconds
         if not calibrate_s >= 0:
             raise ConfigError(f"--calibrate-seconds must be >= 0, got {calibrate_s}")
@@ -150,12 +168,27 @@ def main(argv: list[str] | None = None, *, channel_factory: ChannelFactory | Non
             server, port = start_coordinator_server(service, args.host, args.port, tls=tls)
         except OSError as e:
             raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from e
+        view = None
+        if http is not None:
+            warn_if_exposed(http[0], tls, "the live view")
+            try:
+                view = start_live_view(
+                    service, *http, token=token, tls=tls_context(args.tls_cert, args.tls_key) if tls else None
+                )
+            except OSError as e:
+                server.stop(grace=0)
+                service.close()
+                raise ConfigError(f"cannot serve the live view on {args.http}: {e}") from e
+            scheme = "https" if tls else "http"
+            print(f"{LIVE_VIEW} {scheme}://{http[0]}:{view.port}/ (sign in with the token)", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"{LISTENING} {args.host}:{port} (state: {state_dir})", flush=True)
         stop.wait()
         print("fusion-coordinator stopping", flush=True)
+        if view is not None:
+            view.close()
         server.stop(grace=2.0)
         service.close()
         store.close()
