@@ -7,13 +7,13 @@ that the search priced, and what the extra stages would have traded.
 
 The trade, per training step of ``M`` micro-batches (estimator terms, :class:`Estimate`):
 
-- *compute saved* ``= M · (max_s c_s − max_s c'_s)``, with ``c_s`` the compute seconds per
-  micro-batch of stage ``s`` in the chosen plan and ``c'_s`` in the wider one: a pipeline's
-  period follows its slowest stage, so spreading the model gains at most this much;
-- *transfers added* ``= M · (Σ_cuts l'_k − Σ_cuts l_k)``, with ``l_k`` the seconds per
-  micro-batch a cut is busy (``Estimate.link_s``): the time the extra cuts spend on links.
-
-The modelled step times decide; the two terms say where the difference comes from.
+- *compute saved* ``C = M · (max_s c_s − max_s c'_s)``, with ``c_s`` the compute seconds
+  per micro-batch of stage ``s`` in the chosen plan and ``c'_s`` in the wider one: a
+  pipeline's period follows its slowest stage, so spreading the model gains about this much;
+- *transfers added* ``T = Δ + C``, with ``Δ = step' − step`` the difference of the modelled
+  step times: everything else the extra stages cost (bytes on the cuts, their latencies and
+  answers, the pipeline's fill and drain), so that ``T − C = Δ`` exactly (``C`` taken as 0
+  where the wider plan's slowest stage is no faster).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def why_left_out(
     if wider is None:
         return f"{head} {no_wider or 'no plan over more workers was found'}"
     compute_saved_s = micro_batches * (max(chosen.stage_compute_s) - max(wider.stage_compute_s))
-    transfers_s = micro_batches * (sum(wider.link_s.values()) - sum(chosen.link_s.values()))
+    transfers_s = wider.step_s - chosen.step_s + max(compute_saved_s, 0.0)
     verb = "splitting over" if stages == 1 else "using"
     trade = (
         f"would add {_s(transfers_s)} of transfers per step" if transfers_s > 0 else "would move no more data per step"

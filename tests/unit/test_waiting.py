@@ -17,6 +17,7 @@ from fusion.coordinator.service import CoordinatorService, waiting_for_workers
 from fusion.coordinator.store import Store
 from fusion.graph.export import capture
 from fusion.graph.ir import OpDag
+from scheduler.explain import why_left_out
 from scheduler.plan import Plan
 from scheduler.planner import PlanRequest, make_plan
 from scheduler.topology import Topology, WorkerSpec
@@ -191,3 +192,21 @@ def test_a_plan_using_every_worker_has_no_why(mlp_dag: OpDag) -> None:
     plan = make_plan(mlp_dag, topology(2, 1e5), PlanRequest(strategy="uniform", micro_batches=4))
     assert len(plan.stages) == 2 and "why" not in plan.extra
     assert "why:" not in plan.table()
+
+
+def test_the_why_line_trades_transfers_against_compute_as_the_estimator_priced() -> None:
+    from scheduler.estimator import Estimate
+
+    def est(step_s: float, compute: tuple[float, ...]) -> Estimate:
+        return Estimate(step_s, compute, {}, {}, {}, max(compute), tuple(range(len(compute))))
+
+    one = est(0.40, (0.10,))
+    two = est(0.61, (0.06, 0.05))
+    # Four micro-batches: C = 4 · (0.10 − 0.06) = 0.16 s saved; T = Δ + C = 0.21 + 0.16 = 0.37 s.
+    line = why_left_out(one, ["w1"], ["w2", "w3"], micro_batches=4, wider=two, wider_workers=["w1", "w2"])
+    assert line == (
+        "1 stage on w1: splitting over 2 workers (w1, w2) would add 0.37 s of transfers per step "
+        "for 0.16 s of compute saved (modelled 0.61 s/step against 0.40 s/step)"
+    )
+    two_stages = why_left_out(two, ["w1", "w2"], ["w3"], micro_batches=4, no_wider="no plan fits")
+    assert two_stages == "2 stages on w1, w2; left out w3: no plan fits"
