@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def _s(seconds: float) -> str:
     if abs(seconds) >= 0.01:
-        return f"{seconds:.2f} s"
+        return f"{seconds:.3g} s"
     if abs(seconds) >= 1e-5:
         return f"{seconds * 1e3:.2g} ms"
     return f"{seconds * 1e6:.2g} µs"

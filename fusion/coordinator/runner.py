@@ -407,7 +407,8 @@ class JobRunner(threading.Thread):
             stages = split_stages(self.captured.dag, plan.assignment())
             if plan.extra.get("why"):
                 self.event("left_out", str(plan.extra["why"]), to_metrics=why != "planned")
-        self.enter_phase("loading stages", f"{len(stages)} stage(s) on {', '.join(w.name for w in stage_workers)}")
+        where = ", ".join(w.name for w in stage_workers)
+        self.enter_phase("loading stages", f"{len(stages)} stage{'s' if len(stages) != 1 else ''} on {where}")
         old = self._driver
         if old is not None:
             # The old stages go; their snapshots stay (the restore reads them).
@@ -438,7 +439,6 @@ class JobRunner(threading.Thread):
             [w.address for w in self.stage_workers], [w.address for w in held], self.links.get
         )
         predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
-        where = ", ".join(w.name for w in stage_workers)
         buddies = ", ".join(
             f"{stage_workers[i].name}→{self._name_of(a, held)}" for i, a in sorted(self.buddies.items())
         )

@@ -46,8 +46,8 @@ from fusion.wire import coordinator_pb2 as cpb
 logger = logging.getLogger(__name__)
 
 AUTH_METADATA = "fusion-auth"
-#: How many recent events ``fusion status`` shows.
-STATUS_EVENTS = 20
+#: How many recent events ``fusion status --json`` carries (a first plan alone logs about a dozen).
+STATUS_EVENTS = 50
 #: Shortest token the coordinator accepts without a warning (16 URL-safe characters: 96 bits).
 MIN_TOKEN_CHARS = 16
 #: How long a leaving worker waits for its jobs to hand its state off.

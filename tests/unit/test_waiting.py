@@ -206,7 +206,7 @@ def test_the_why_line_trades_transfers_against_compute_as_the_estimator_priced()
     line = why_left_out(one, ["w1"], ["w2", "w3"], micro_batches=4, wider=two, wider_workers=["w1", "w2"])
     assert line == (
         "1 stage on w1: splitting over 2 workers (w1, w2) would add 0.37 s of transfers per step "
-        "for 0.16 s of compute saved (modelled 0.61 s/step against 0.40 s/step)"
+        "for 0.16 s of compute saved (modelled 0.61 s/step against 0.4 s/step)"
     )
     two_stages = why_left_out(two, ["w1", "w2"], ["w3"], micro_batches=4, no_wider="no plan fits")
     assert two_stages == "2 stages on w1, w2; left out w3: no plan fits"
