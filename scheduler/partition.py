@@ -116,6 +116,13 @@ class Objective:
         self(p)
         return self._feasible[p]
 
+    def best_wider(self, chosen: Placement) -> tuple[Placement | None, bool]:
+        """The fastest feasible placement evaluated so far with more stages than ``chosen``
+        (``None`` if there is none), and whether any placement with more stages was tried."""
+        wider = [p for p in self._cache if p.num_stages > chosen.num_stages]
+        fits = [p for p in wider if self._feasible[p]]
+        return (min(fits, key=self._cache.__getitem__) if fits else None), bool(wider)
+
 
 # ---------------------------------------------------------------- greedy cover
 class _Prefix:
@@ -481,11 +488,17 @@ def opfence_placement(
             pass
     if not objective.feasible(best):
         raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
-    details = {
+    details: dict[str, object] = {
         "clusters": [[topology.workers[w].name for w in c] for c in clusters],
         "evaluations": objective.evaluations,
         "candidates": len(candidates),
     }
+    if best.num_stages < len(topology):
+        wider, tried = objective.best_wider(best)
+        # The runner-up with more workers, for saying why the plan leaves some out.
+        details["wider"] = (
+            {"bounds": list(wider.bounds), "workers": list(wider.workers)} if wider is not None else {"tried": tried}
+        )
     return best, details
 
 

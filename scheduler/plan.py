@@ -124,6 +124,8 @@ class Plan:
                 f"{compute:>9} {peak:>9}"
             )
         lines.append(f"planning time: {self.planning_s:.3f}s")
+        if self.extra.get("why"):
+            lines.append(f"why: {self.extra['why']}")
         if self.cuts:
             lines.append(f"{'cut':>9}  {'MB/mb':>8} {'codec':<6} {'keep':>5}")
             for c in self.cuts:

@@ -20,7 +20,8 @@ from fusion.graph.ir import OpDag
 from fusion.graph.split import normalize_assignment, split_stages
 from scheduler.baselines import uniform_assignment
 from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
-from scheduler.partition import compute_placement, exhaustive_placement, opfence_placement
+from scheduler.explain import why_left_out
+from scheduler.partition import Placement, compute_placement, exhaustive_placement, opfence_placement
 from scheduler.plan import Plan, plan_from_stages
 from scheduler.topology import Topology
 
@@ -76,10 +77,12 @@ def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: S
 
 
 def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
-    """Plan ``dag`` onto ``topology`` with the requested strategy."""
+    """Plan ``dag`` onto ``topology`` with the requested strategy. A plan that leaves
+    workers out says why in ``extra["why"]`` (one line, :mod:`scheduler.explain`)."""
     t0 = time.perf_counter()
     if len(topology) == 0:
         raise PlanError("no workers to plan onto")
+    coarse: OpDag | None = None
     extra: dict[str, object] = {}
     if request.strategy == "uniform":
         num_stages = min(len(topology), len(dag.compute_nodes()))
@@ -107,6 +110,9 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
     stages = split_stages(dag, assignment)
     est = price(dag, stages, stage_workers, topology, request)
     codecs = compression_marks(est, request)
+    wider = extra.pop("wider", None)
+    if len(stage_workers) < len(topology):
+        extra["why"] = _why(dag, coarse, topology, request, est, stage_workers, wider)
     return plan_from_stages(
         dag,
         stages,
@@ -121,6 +127,41 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         codecs=codecs,
         extra=extra,
     )
+
+
+def _why(
+    dag: OpDag,
+    coarse: OpDag | None,
+    topology: Topology,
+    request: PlanRequest,
+    est: Estimate,
+    stage_workers: list[int],
+    wider: object,
+) -> str:
+    """Why the plan leaves workers out (:func:`scheduler.explain.why_left_out`); ``wider``:
+    OP-Fence's fastest placement over more workers (unit bounds and workers of ``coarse``)."""
+    names = [topology.workers[w].name for w in stage_workers]
+    left_out = [w.name for i, w in enumerate(topology.workers) if i not in stage_workers]
+    common = {"micro_batches": request.micro_batches}
+    if isinstance(wider, dict) and "bounds" in wider and coarse is not None:
+        placement = Placement(tuple(wider["bounds"]), tuple(wider["workers"]))
+        units = [n.name for n in coarse.compute_nodes()]
+        unit_stage = placement.unit_stage(len(units))
+        wider_stages = split_stages(dag, coarse.expand_assignment(dict(zip(units, map(int, unit_stage), strict=True))))
+        wider_est = price(dag, wider_stages, list(placement.workers), topology, request)
+        wider_names = [topology.workers[w].name for w in placement.workers]
+        return why_left_out(est, names, left_out, wider=wider_est, wider_workers=wider_names, **common)
+    if isinstance(wider, dict):
+        reason = (
+            "every plan over more workers the search priced exceeds a worker's memory"
+            if wider.get("tried")
+            else "the search priced no plan over more workers"
+        )
+    elif request.strategy == "uniform":
+        reason = f"strategy uniform cuts the {len(dag.compute_nodes())} nodes into {len(names)} non-empty stages"
+    else:
+        reason = f"strategy {request.strategy} placed no stage there"
+    return why_left_out(est, names, left_out, no_wider=reason, **common)
 
 
 def price(dag: OpDag, stages: list, stage_workers: list[int], topology: Topology, request: PlanRequest) -> Estimate:

@@ -58,6 +58,13 @@ def _format_status(s: dict[str, Any]) -> str:
     rate = f"{s['samples_per_s']:.1f} samples/s" if s.get("samples_per_s") else "-"
     lines = [
         f"job {s['id']} ({s['name']}): {s['state']}" + (f" — {s['reason']}" if s.get("reason") else ""),
+    ]
+    if s.get("waiting"):
+        lines.append(f"  {s['state']}: waits for {s['waiting']}")
+    if s.get("phase"):
+        elapsed = f" ({s['phase_elapsed_s']:.0f}s)" if s.get("phase_elapsed_s") is not None else ""
+        lines.append(f"  {s['state']}: {s['phase']}{elapsed}")
+    lines += [
         f"  step {s['step']}/{s['steps']}, loss {loss}, {rate}",
         f"  workers: {', '.join(s['workers']) or '-'}",
         f"  outputs: {s['output_dir']}",
@@ -66,6 +73,8 @@ def _format_status(s: dict[str, Any]) -> str:
     if plan:
         stages = ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"])
         lines.append(f"  plan: {plan['strategy']}: {stages}")
+        if plan.get("why"):
+            lines.append(f"  why: {plan['why']}")
     for e in s.get("events", [])[-5:]:
         lines.append(
             f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e.get('event')}: {e.get('message', '')}"

@@ -1,15 +1,16 @@
 """Measure what planning needs on live workers, then plan: the coordinator's and
 ``fusion profile``'s shared path from a job to a :class:`~scheduler.plan.Plan`.
 
-1. **Profile the model** on one worker (``ProfileModel``): per-node forward/backward
+1. **Probe the links** between every pair of workers (``ProbeLinks``, both directions, over
+   the real gRPC tensor path) and from the driver to each worker, fitted as
+   ``latency_s + bytes / bandwidth_bytes_per_s``.
+2. **Profile the model** on the worker nearest the driver (``ProfileModel``): per-node forward/backward
    seconds and saved activation bytes on that worker's device, the device's matmul speed,
    the optimizer's cost per byte. Cached per (graph fingerprint, device), so a second job
    with the same model does not pay again. Node times are scaled to other workers by the
    ratio of measured matmul speeds.
-2. **Probe the links** between every pair of workers (``ProbeLinks``, both directions, over
-   the real gRPC tensor path) and from the driver to each worker, fitted as
-   ``latency_s + bytes / bandwidth_bytes_per_s``.
-3. Build a :class:`~scheduler.topology.Topology` from the measurements and call the
+3. **Calibrate** the executor there, once per cached profile (:func:`calibrate_executor`).
+4. Build a :class:`~scheduler.topology.Topology` from the measurements and call the
    planner.
 
 :class:`LinkTable` keeps the link fits and refreshes them from the transfers training
@@ -465,6 +466,14 @@ class Measurements:
         return replace(self, topology=self.topology.subset(list(indices)))
 
 
+#: ``phase(name, detail)``: planning entered the step ``name`` (``detail`` says on what).
+Phase = Callable[[str, str], None]
+
+
+def _no_phase(name: str, detail: str) -> None:
+    pass
+
+
 def measure(
     spec: JobSpec,
     model: Any,
@@ -476,14 +485,21 @@ def measure(
     device: str = "cpu",
     cache: ProfileCache | None = None,
     calibrate_s: float = CALIBRATE_MIN_S,
+    phase: Phase | None = None,
 ) -> Measurements:
     """Probe the driver's links and those between workers, profile the model and calibrate
     the executor on the worker nearest the driver (where a one-stage plan would run) for at
-    least ``calibrate_s`` seconds of compute (:func:`calibrate_executor`)."""
+    least ``calibrate_s`` seconds of compute (:func:`calibrate_executor`).
+
+    ``phase(name, detail)`` is called as each step begins: ``probing links``, ``profiling``
+    and, when the cached profile is not calibrated yet, ``calibrating``."""
+    phase = phase or _no_phase
+    phase("probing links", f"{len(workers)} worker{'s' if len(workers) != 1 else ''} and the driver")
     driver_links = probe_driver_links(workers, pool)
-    home = min(range(len(workers)), key=lambda i: driver_links[i][0])
-    profile = profile_model(spec, captured.dag, workers[home], pool, device=device, cache=cache)
     lat, bw = probe_links(workers, pool)
+    home = min(range(len(workers)), key=lambda i: driver_links[i][0])
+    phase("profiling", f"the model on {workers[home].name}")
+    profile = profile_model(spec, captured.dag, workers[home], pool, device=device, cache=cache)
     # Node times were measured on workers[home] at profile.matmul_flops; other workers run at
     # their speed *relative to it* (the speeds workers report at join were measured under
     # different load, so only their ratios are trusted). Workers of one device on one machine
@@ -497,6 +513,7 @@ def measure(
     ]
     topology = measured_topology(scaled, lat, bw).with_driver_links(driver_links)
     if profile.overhead_step_s is None or profile.overhead_micro_batch_s is None or profile.compute_factor is None:
+        phase("calibrating", f"the executor on {workers[home].name} for {calibrate_s:g}s of compute")
         calibrated = calibrate_executor(
             spec,
             model,

@@ -125,6 +125,7 @@ class JobRunner(threading.Thread):
         self._measurements: Measurements | None = None
         self._measured: list[str] = []  # worker ids in measurement order
         self._outputs: JobOutputs | None = None
+        self._phase: tuple[str, float] | None = None  # (name, time.monotonic() it began)
         self._history: list[tuple[int, float]] = []
         self._durable: DurableWriter | None = None
         self.recovery = Recovery(self, pool=pool, checkpoints=self.checkpoints, initial=lambda: self.model.state_dict())
@@ -168,6 +169,30 @@ class JobRunner(threading.Thread):
         with self._lock:
             return self._stop_state
 
+    def phase(self) -> tuple[str, float] | None:
+        """``(name, seconds in it)`` of the planning step under way (``None`` between them)."""
+        with self._lock:
+            current = self._phase
+        return None if current is None else (current[0], time.monotonic() - current[1])
+
+    def enter_phase(self, name: str, detail: str = "") -> None:
+        """Planning enters step ``name``: the status shows it, the log says so (``planning:
+        probing links (3 workers and the driver)``) with how long the step before took."""
+        now = time.monotonic()
+        with self._lock:
+            previous, self._phase = self._phase, (name, now)
+        message = f"{name} ({detail})" if detail else name
+        extra: dict[str, Any] = {"phase": name}
+        if previous is not None:
+            extra["previous_phase"], extra["previous_s"] = previous[0], round(now - previous[1], 3)
+            message += f"; {previous[0]} took {now - previous[1]:.1f}s"
+        self.event("planning", message, to_metrics=False, **extra)
+
+    def end_phase(self) -> None:
+        """Planning is over (the job trains, or ends)."""
+        with self._lock:
+            self._phase = None
+
     @property
     def driver(self) -> PipelineDriver:
         """The driver of the current placement."""
@@ -181,10 +206,12 @@ class JobRunner(threading.Thread):
         t_start = time.time()
         try:
             self.store.transition(self.job_id, "planning")
+            self.enter_phase("tracing", f"the model {self.spec.model.name}")
             self._prepare()
             self._measure(self.workers)
             self.configure(self.planning_set(self.workers), why="planned", same_stages=False)
             step = self._resume_from_durable()
+            self.end_phase()
             self.store.transition(self.job_id, "running")
             while step < self.spec.train.steps:
                 if self.stopping() is not None:
@@ -239,6 +266,7 @@ class JobRunner(threading.Thread):
             if self._history:
                 self._plot(outputs)
         finally:
+            self.end_phase()
             with self._lock:
                 leaving = list(self._leaving.values())
             for event in leaving:
@@ -305,6 +333,7 @@ class JobRunner(threading.Thread):
             device=self.device,
             cache=self.profiles,
             calibrate_s=self.calibrate_s,
+            phase=self.enter_phase,
         )
         for i, a in enumerate(endpoints):
             for j, b in enumerate(endpoints):
@@ -337,6 +366,9 @@ class JobRunner(threading.Thread):
             self._measure(list(held))
         assert self._measurements is not None
         indices = [self._measured.index(w.worker_id) for w in workers]
+        strategy = self.spec.plan.strategy
+        source = "the default [plan] strategy" if strategy == "opfence" else "the job file's [plan] strategy"
+        self.enter_phase("searching", f"strategy {strategy}, {source}, over {len(workers)} workers")
         return plan_job(self.spec, self._measurements.subset(indices))
 
     def configure(
@@ -374,6 +406,10 @@ class JobRunner(threading.Thread):
             by_name = {w.name: w for w in workers}
             stage_workers = [by_name[s.worker] for s in plan.stages]
             stages = split_stages(self.captured.dag, plan.assignment())
+            if plan.extra.get("why"):
+                self.event("left_out", str(plan.extra["why"]), to_metrics=why != "planned")
+        where = ", ".join(w.name for w in stage_workers)
+        self.enter_phase("loading stages", f"{len(stages)} stage{'s' if len(stages) != 1 else ''} on {where}")
         old = self._driver
         if old is not None:
             # The old stages go; their snapshots stay (the restore reads them).
@@ -404,7 +440,6 @@ class JobRunner(threading.Thread):
             [w.address for w in self.stage_workers], [w.address for w in held], self.links.get
         )
         predicted = f", predicted {plan.predicted_step_s:.3f}s/step" if plan.predicted_step_s is not None else ""
-        where = ", ".join(w.name for w in stage_workers)
         buddies = ", ".join(
             f"{stage_workers[i].name}→{self._name_of(a, held)}" for i, a in sorted(self.buddies.items())
         )
@@ -416,6 +451,7 @@ class JobRunner(threading.Thread):
             stages=[w.name for w in stage_workers],
             buddies={stage_workers[i].name: self._name_of(a, held) for i, a in self.buddies.items()},
         )
+        self.end_phase()
 
     def _make_driver(
         self, plan: Plan, stages: Sequence[StageSpec], stage_workers: Sequence[WorkerRow]
@@ -524,6 +560,7 @@ class JobRunner(threading.Thread):
     def _faster_with_joiners(self) -> bool:
         current = self.plan.predicted_step_s
         candidate = self._plan_over(self.planning_set(self.workers), self.workers)
+        self.end_phase()
         faster = (
             current is not None
             and candidate.predicted_step_s is not None

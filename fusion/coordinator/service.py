@@ -48,8 +48,8 @@ from fusion.wire import coordinator_pb2 as cpb
 logger = logging.getLogger(__name__)
 
 AUTH_METADATA = "fusion-auth"
-#: How many recent events ``fusion status`` shows.
-STATUS_EVENTS = 20
+#: How many recent events ``fusion status --json`` carries (a first plan alone logs about a dozen).
+STATUS_EVENTS = 50
 #: Shortest token the coordinator accepts without a warning (16 URL-safe characters: 96 bits).
 MIN_TOKEN_CHARS = 16
 #: How long a leaving worker waits for its jobs to hand its state off.
@@ -468,7 +468,11 @@ class CoordinatorService:
         return cpb.ProfileWorkersResponse(result_json=json.dumps(doc))
 
     def status(self, job: JobRow, *, events: bool = True) -> dict[str, Any]:
-        """The ``fusion status --json`` document of a job."""
+        """The ``fusion status --json`` document of a job.
+
+        ``waiting``: what a pending job waits for, in one line (``None`` otherwise);
+        ``phase``: the planning step a job is in (``profiling``, ``probing links`` …; ``None``
+        outside planning), ``phase_elapsed_s`` how long it has been in it."""
         end = job.finished_at or time.time()
         doc: dict[str, Any] = {
             "id": job.job_id,
@@ -485,12 +489,21 @@ class CoordinatorService:
             "started_at": job.started_at,
             "finished_at": job.finished_at,
             "elapsed_s": round(end - job.started_at, 3) if job.started_at else None,
+            "waiting": job.waiting if job.state == "pending" else None,
+            "phase": None,
+            "phase_elapsed_s": None,
         }
+        with self._lock:
+            runner = self._runners.get(job.job_id)
+        phase = runner.phase() if runner is not None else None
+        if phase is not None:
+            doc["phase"], doc["phase_elapsed_s"] = phase[0], round(phase[1], 1)
         if job.plan_json:
             plan = json.loads(job.plan_json)
             doc["plan"] = {
                 "strategy": plan["strategy"],
                 "stages": [{"worker": s["worker"], "nodes": len(s["nodes"])} for s in plan["stages"]],
+                "why": plan.get("extra", {}).get("why"),
             }
         if events:
             records = self.store.log_records(job.job_id, kind="event")
@@ -551,12 +564,19 @@ class CoordinatorService:
             logger.warning("worker %s (%s) excluded by job %s", worker.name, worker.address, runner.job_id)
 
     def _start_pending_jobs(self) -> None:
+        """Start pending jobs, oldest first, while enough idle workers exist; each job that
+        still waits says what for (:meth:`Store.set_waiting`)."""
         with self._lock:
-            for job in self.store.jobs("pending"):
+            pending = self.store.jobs("pending")
+            for k, job in enumerate(pending):
                 idle = self.store.workers("idle")
                 spec = JobSpec.from_json(job.spec_json)
                 if len(idle) < spec.cluster.min_workers:
-                    return  # oldest first: a later job does not overtake one that waits for workers
+                    # Oldest first: a later job does not overtake one that waits for workers.
+                    self._say_waiting(job, waiting_for_workers(spec.cluster.min_workers, self.store.workers()))
+                    for later in pending[k + 1 :]:
+                        self._say_waiting(later, f"the job ahead of it ({job.job_id}) to start first")
+                    return
                 for w in idle:
                     self.store.set_worker_state(w.worker_id, "busy", job.job_id)
                 runner = JobRunner(
@@ -577,6 +597,11 @@ class CoordinatorService:
                 self._runners[job.job_id] = runner
                 runner.start()
 
+    def _say_waiting(self, job: JobRow, text: str) -> None:
+        if job.waiting != text:
+            self.store.set_waiting(job.job_id, text)
+            logger.info("job %s waits for %s", job.job_id, text)
+
     def _job_done(self, runner: JobRunner) -> None:
         with self._lock:
             self._runners.pop(runner.job_id, None)
@@ -586,6 +611,27 @@ class CoordinatorService:
                     self.store.set_worker_state(w.worker_id, "idle")
         logger.info("job %s ended: %s", runner.job_id, self.store.job(runner.job_id).state)
         self._wake.set()
+
+
+def waiting_for_workers(min_workers: int, workers: list[WorkerRow]) -> str:
+    """What a job that needs ``min_workers`` idle workers waits for, given every registered
+    worker, e.g. ``1 more idle worker: 2 of 3 idle (min_workers = 3), 1 busy with job-1a2b``."""
+    idle = sum(w.state == "idle" for w in workers)
+    missing = min_workers - idle
+    parts = [f"{idle} of {min_workers} idle (min_workers = {min_workers})"]
+    busy: dict[str, int] = {}
+    for w in workers:
+        if w.state == "busy":
+            busy[w.job_id or "?"] = busy.get(w.job_id or "?", 0) + 1
+    for job_id, n in busy.items():
+        doing = "profiling" if job_id.startswith("profile-") else f"with {job_id}"
+        parts.append(f"{n} busy {doing}")
+    excluded = sum(w.state == "excluded" for w in workers)
+    if excluded:
+        parts.append(f"{excluded} excluded")
+    if not any(w.state in ("idle", "busy") for w in workers):
+        parts.append("no worker is connected")
+    return f"{missing} more idle worker{'s' if missing != 1 else ''}: " + ", ".join(parts)
 
 
 def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:

@@ -71,7 +71,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     samples_per_s REAL,
     output_dir TEXT NOT NULL,
     plan_json TEXT,
-    workers_json TEXT
+    workers_json TEXT,
+    waiting TEXT
 );
 CREATE TABLE IF NOT EXISTS log (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -132,6 +133,8 @@ class JobRow:
     output_dir: str
     plan_json: str | None
     workers_json: str | None
+    waiting: str | None = None
+    """What a pending job waits for, in one line (``None`` when it does not wait)."""
 
     @property
     def workers(self) -> list[str]:
@@ -152,6 +155,7 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            _migrate(self._db)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -233,7 +237,8 @@ class Store:
         return [j for j in out if not states or j.state in states]
 
     def transition(self, job_id: str, state: str, reason: str | None = None) -> JobRow:
-        """Move a job to ``state``; ``StateError`` if the state machine forbids it."""
+        """Move a job to ``state``; ``StateError`` if the state machine forbids it. A job
+        that leaves ``pending`` no longer waits (:meth:`set_waiting`)."""
         with self._tx() as db:
             row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
             if row is None:
@@ -245,9 +250,10 @@ class Store:
             db.execute(
                 "UPDATE jobs SET state = ?, reason = COALESCE(?, reason), "
                 "started_at = CASE WHEN ? = 'running' THEN ? ELSE started_at END, "
-                "finished_at = CASE WHEN ? IN ('succeeded', 'failed', 'cancelled') THEN ? ELSE finished_at END "
+                "finished_at = CASE WHEN ? IN ('succeeded', 'failed', 'cancelled') THEN ? ELSE finished_at END, "
+                "waiting = CASE WHEN ? = 'pending' THEN waiting ELSE NULL END "
                 "WHERE job_id = ?",
-                (state, reason, state, now, state, now, job_id),
+                (state, reason, state, now, state, now, state, job_id),
             )
             record = {
                 "event": "state",
@@ -263,6 +269,11 @@ class Store:
                 "UPDATE jobs SET plan_json = ?, workers_json = ? WHERE job_id = ?",
                 (json.dumps(plan), json.dumps(worker_names), job_id),
             )
+
+    def set_waiting(self, job_id: str, text: str | None) -> None:
+        """Say what the pending job waits for (``None``: it no longer waits)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET waiting = ? WHERE job_id = ?", (text, job_id))
 
     def set_progress(self, job_id: str, *, step: int, loss: float, samples_per_s: float) -> None:
         with self._tx() as db:
@@ -349,6 +360,19 @@ class Store:
         with self._tx() as db:
             db.execute("UPDATE workers SET state = 'gone', job_id = NULL WHERE state != 'excluded'")
         return requeued
+
+
+#: Columns added to existing tables since their first release: (table, column, SQL type).
+_ADDED_COLUMNS = (("jobs", "waiting", "TEXT"),)
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring a state file written by an older coordinator up to the current schema."""
+    for table, column, kind in _ADDED_COLUMNS:
+        present = {str(r[1]) for r in db.execute(f"PRAGMA table_info({table})")}
+        if column not in present:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            logger.info("state file: added column %s.%s", table, column)
 
 
 def _append_log(db: sqlite3.Connection, job_id: str, kind: str, record: dict[str, Any]) -> int:
