@@ -41,7 +41,7 @@ from fusion.coordinator.fetch import stream_errors, stream_outputs
 from fusion.coordinator.planning import CALIBRATE_MIN_S, JobProfileCache, LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
-from fusion.errors import AuthError, ConfigError, FusionError, RateLimitError, WireError
+from fusion.errors import AuthError, ConfigError, FusionError, RateLimitError, StateError, WireError
 from fusion.tls import ServerTls, add_port
 from fusion.wire import coordinator_pb2 as cpb
 
@@ -353,8 +353,6 @@ class CoordinatorService:
         self._check_owner(context)
         job = self.store.job(request.job_id)
         if job.state in TERMINAL_STATES:
-            from fusion.errors import StateError
-
             raise StateError(f"job {job.job_id} already {job.state}; nothing to cancel")
         with self._lock:
             runner = self._runners.get(job.job_id)
