@@ -92,14 +92,15 @@ class Section:
         return cls(**fixed)
 
     def to_dict(self) -> dict[str, Any]:
-        """Returns the section as its TOML table: plain JSON-able values, ``None`` left out."""
+        """Returns the section as its TOML table: plain JSON-able values, ``None`` and empty arrays left out."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if f.name == "kwargs":
                 out.update(json.loads(json.dumps(value)))
             elif isinstance(value, tuple):
-                out[f.name] = list(value)
+                if value:
+                    out[f.name] = list(value)
             elif value is not None:
                 out[f.name] = value
         return out
@@ -121,6 +122,10 @@ class ModelSpec(Section):
     preset: str | None = None
     """A named size of a built-in model (e.g. ``"tiny"``); ``None`` for the zoo's default."""
 
+    leaf_modules: tuple[str, ...] = ()
+    """Dotted submodule names (as in ``model.named_modules()``) that capture keeps whole, one
+    node each, for blocks neither tracer captures; not passed to the factory."""
+
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Every other key of ``[model]``: keyword arguments of the model factory (TOML scalars
     or arrays of them)."""
@@ -132,7 +137,8 @@ class ModelSpec(Section):
             raise ConfigError(f"model.name must be {allowed}, got {kind_of(self.name)}")
         if self.preset is not None:
             check_str("model.preset", self.preset, what="a non-empty string or left out")
-        object.__setattr__(self, "kwargs", check_kwargs("model", self.kwargs, ("name", "preset")))
+        object.__setattr__(self, "leaf_modules", _check_leaf_modules(self.leaf_modules))
+        object.__setattr__(self, "kwargs", check_kwargs("model", self.kwargs, ("name", "preset", "leaf_modules")))
 
     @property
     def is_builtin(self) -> bool:
@@ -158,6 +164,16 @@ class ModelSpec(Section):
                 f"{', '.join(repr(m) for m in BUILTIN_MODELS)} or 'package.module:factory'"
             )
         return super().from_dict(table)
+
+
+def _check_leaf_modules(value: object) -> tuple[str, ...]:
+    what = 'an array of dotted submodule names, e.g. ["blocks.0.attn"]'
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"model.leaf_modules must be {what}, got {kind_of(value)}")
+    for item in value:
+        if not isinstance(item, str) or not all(p.isidentifier() or p.isdigit() for p in item.split(".")):
+            raise ConfigError(f"model.leaf_modules must be {what}, got {kind_of(item)}")
+    return tuple(value)
 
 
 def _is_import_path(name: str) -> bool:

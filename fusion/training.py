@@ -19,6 +19,7 @@ from fusion.config import JobSpec
 from fusion.data import batch_for_step, build_dataset
 from fusion.devices import use_exact_fp32
 from fusion.errors import ConfigError
+from fusion.graph.export import CapturedModel, capture
 from fusion.losses import get_loss
 from fusion.models import build_model, context_length, default_dataset
 from fusion.optim import build_optimizer
@@ -32,6 +33,23 @@ def build_job_model(job: JobSpec) -> torch.nn.Module:
     model = build_model(job.model.name, job.model.preset, **job.model.kwargs)
     model.train()
     return model
+
+
+def capture_job_model(job: JobSpec, model: torch.nn.Module, example_x: torch.Tensor) -> CapturedModel:
+    """Capture the job's model as workers do, keeping ``[model] leaf_modules`` whole.
+
+    Raises:
+        ConfigError: ``model.leaf_modules`` names a submodule the model does not have.
+        GraphExportError: the model cannot be captured.
+    """
+    names = {name for name, _ in model.named_modules()}
+    unknown = [m for m in job.model.leaf_modules if m not in names]
+    if unknown:
+        raise ConfigError(
+            f"model.leaf_modules names {unknown}, not submodules of {type(model).__name__}; "
+            f"use names from model.named_modules(), e.g. {sorted(names - {''})[:5]}"
+        )
+    return capture(model, (example_x,), leaf_modules=job.model.leaf_modules)
 
 
 def dataset_name(job: JobSpec) -> str:

@@ -41,8 +41,9 @@ def advertised_address(listen: str, bound_port: int, coordinator: str) -> str:
     return f"{host}:{bound_port}"
 
 
-def resources_message(profile: DeviceProfile) -> cpb.WorkerResources:
-    """What the worker reports at join: the resources in ``profile``, and its versions."""
+def resources_message(profile: DeviceProfile, *, allows_code: bool = False) -> cpb.WorkerResources:
+    """What the worker reports at join: the resources in ``profile``, its versions, and
+    whether it runs job owners' own model code (``--allow-code``)."""
     from fusion import __version__
 
     return cpb.WorkerResources(
@@ -55,6 +56,7 @@ def resources_message(profile: DeviceProfile) -> cpb.WorkerResources:
         machine=profile.machine,
         torch_version=torch.__version__,
         fusion_version=__version__,
+        allows_code=allows_code,
     )
 
 
@@ -123,7 +125,9 @@ class Worker:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                response = self.client.register(self.name, self.address, resources_message(self.profile))
+                response = self.client.register(
+                    self.name, self.address, resources_message(self.profile, allows_code=self.allow_code)
+                )
                 break
             except RemoteError as e:
                 if e.code == "UNAUTHENTICATED":

@@ -188,8 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plan offline: the model is captured on the meta device (no weights are allocated)."""
     import torch
 
-    from fusion.graph.export import capture
-    from fusion.training import build_job_dataset, example_micro_batch
+    from fusion.training import build_job_dataset, capture_job_model, example_micro_batch
     from scheduler.estimator import StepCosts
     from scheduler.planner import make_plan, request_for_job
     from scheduler.topology import Topology, WorkerSpec
@@ -212,7 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
     x, y = example_micro_batch(spec, build_job_dataset(spec))
-    dag = capture(model, (x.to("meta"),)).dag
+    dag = capture_job_model(spec, model, x.to("meta")).dag
     costs = StepCosts(target_bytes=y.numel() * y.element_size())
     plan = make_plan(dag, topology, request_for_job(spec, strategy=args.strategy, step_costs=costs))
     print(plan.to_json() if args.json else plan.table())

@@ -175,7 +175,10 @@ def profile_model(
             return hit
     request = epb.ProfileModelRequest(
         model=epb.ModelSpec(
-            name=spec.model.name, preset=spec.model.preset or "", kwargs_json=json.dumps(spec.model.kwargs)
+            name=spec.model.name,
+            preset=spec.model.preset or "",
+            kwargs_json=json.dumps(spec.model.kwargs),
+            leaf_modules=list(spec.model.leaf_modules),
         ),
         example_inputs=[value_spec(n, dag.node(n).value) for n in dag.input_names()],
         device=device,
@@ -373,6 +376,7 @@ def calibrate_executor(
                 example_target=example_y,
                 device=device,
                 pool=pool,
+                leaf_modules=spec.model.leaf_modules,
             )
             drivers.append(driver)
             driver.load()

@@ -25,11 +25,11 @@ from executor.client import ChannelPool
 from executor.driver import PipelineDriver
 from fusion.config import JobSpec
 from fusion.coordinator.planning import Endpoint, Measurements, measure, plan_job
-from fusion.graph.export import capture
 from fusion.graph.split import split_stages
 from fusion.training import (
     build_job_dataset,
     build_job_model,
+    capture_job_model,
     example_micro_batch,
     job_batch,
 )
@@ -128,6 +128,7 @@ def run_plan(
         device=device,
         pool=pool,
         link_bytes_per_s=links,
+        leaf_modules=spec.model.leaf_modules,
     )
     times: list[float] = []
     peaks = [0] * len(stages)
@@ -161,7 +162,7 @@ def check_estimator(
     model = build_job_model(spec)
     dataset = build_job_dataset(spec)
     example_x, _ = example_micro_batch(spec, dataset)
-    captured = capture(model, (example_x,))
+    captured = capture_job_model(spec, model, example_x)
     m = measure(spec, model, captured, dataset, endpoints, pool, device=device)
     by_name = {e.name: e.address for e in endpoints}
     configs: list[tuple[str, Measurements]] = []
@@ -279,7 +280,7 @@ def profile_report(
     model = build_job_model(spec)
     dataset = build_job_dataset(spec)
     x, _ = example_micro_batch(spec, dataset)
-    captured = capture(model, (x,))
+    captured = capture_job_model(spec, model, x)
     m = measure(spec, model, captured, dataset, endpoints, pool, device=device)
     return measurement_report(spec, m, endpoints, len(captured.dag.compute_nodes()))
 

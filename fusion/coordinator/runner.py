@@ -43,6 +43,7 @@ from executor.driver import PipelineDriver, StepStats
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
 from fusion.coordinator.durable_writer import DurableWriter
+from fusion.coordinator.eligibility import CodeGate
 from fusion.coordinator.loss_plot import read_records
 from fusion.coordinator.outputs import (
     METRICS_FILE,
@@ -64,11 +65,11 @@ from fusion.coordinator.recovery import Recovery, diagnose
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
 from fusion.coordinator.store import Store, WorkerRow
 from fusion.errors import FusionError, StateError
-from fusion.graph.export import capture
 from fusion.graph.split import StageSpec, split_stages
 from fusion.training import (
     build_job_dataset,
     build_job_model,
+    capture_job_model,
     example_micro_batch,
     job_batch,
 )
@@ -128,6 +129,7 @@ class JobRunner(threading.Thread):
         self._phase: tuple[str, float] | None = None  # (name, time.monotonic() it began)
         self._history: list[tuple[int, float]] = []
         self._durable: DurableWriter | None = None
+        self.code_gate = CodeGate(self)
         self.recovery = Recovery(self, pool=pool, checkpoints=self.checkpoints, initial=lambda: self.model.state_dict())
 
     # ------------------------------------------------------------- control from the coordinator
@@ -208,8 +210,7 @@ class JobRunner(threading.Thread):
             self.store.transition(self.job_id, "planning")
             self.enter_phase("tracing", f"the model {self.spec.model.name}")
             self._prepare()
-            self._measure(self.workers)
-            self.configure(self.planning_set(self.workers), why="planned", same_stages=False)
+            self.code_gate.place()
             step = self._resume_from_durable()
             self.end_phase()
             self.store.transition(self.job_id, "running")
@@ -314,7 +315,7 @@ class JobRunner(threading.Thread):
         self.model = build_job_model(spec)
         self.dataset = build_job_dataset(spec)
         example_x, self.example_y = example_micro_batch(spec, self.dataset)
-        self.captured = capture(self.model, (example_x,))
+        self.captured = capture_job_model(spec, self.model, example_x)
 
     def _endpoint(self, w: WorkerRow) -> Endpoint:
         return Endpoint.from_registration(w.name, w.address, w.resources)
@@ -481,6 +482,7 @@ class JobRunner(threading.Thread):
             cut_settings=settings,
             ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
+            leaf_modules=spec.model.leaf_modules,
         )
 
     @staticmethod
@@ -522,7 +524,7 @@ class JobRunner(threading.Thread):
     # ------------------------------------------------------------- between steps
     def claim(self, *, force: bool = False) -> list[WorkerRow]:
         """Take idle workers from the coordinator (used as spares or in the next re-plan)."""
-        joined = [w for w in self.claim_idle(self) if w.worker_id not in self.worker_ids]
+        joined = self.code_gate.screen([w for w in self.claim_idle(self) if w.worker_id not in self.worker_ids])
         self.workers.extend(joined)
         for w in joined:
             self.event("worker_joined", f"worker {w.name} ({w.address}) joined the job", worker=w.name)

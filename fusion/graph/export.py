@@ -15,6 +15,7 @@ deterministic: :func:`graph_fingerprint` hashes the structure and both sides com
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import threading
@@ -106,9 +107,11 @@ def _capture_locked(
         gm = ep.module()
     except Exception as export_error:
         hint = (
-            f"mark it as a leaf module (leaf_modules=[{failed_in!r}]) to keep it whole"
+            f"keep that module whole as one node: add `leaf_modules = [{json.dumps(failed_in)}]` under [model] in "
+            f"the job file (from Python: fusion.export(..., leaf_modules=[{failed_in!r}]))"
             if failed_in != "<top level>"
-            else "move the untraceable code into a submodule and name it in leaf_modules"
+            else "move the untraceable code into a submodule and name it in `leaf_modules = [...]` under [model] "
+            "in the job file (from Python: fusion.export(..., leaf_modules=[...]))"
         )
         raise GraphExportError(
             f"cannot capture {type(model).__name__}: torch.fx.symbolic_trace failed in module "

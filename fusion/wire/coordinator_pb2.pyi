@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerResources(_message.Message):
-    __slots__ = ("num_cores", "memory_bytes", "device", "device_name", "device_memory_bytes", "matmul_flops", "torch_version", "fusion_version", "machine")
+    __slots__ = ("num_cores", "memory_bytes", "device", "device_name", "device_memory_bytes", "matmul_flops", "torch_version", "fusion_version", "machine", "allows_code")
     NUM_CORES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerResources(_message.Message):
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     FUSION_VERSION_FIELD_NUMBER: _ClassVar[int]
     MACHINE_FIELD_NUMBER: _ClassVar[int]
+    ALLOWS_CODE_FIELD_NUMBER: _ClassVar[int]
     num_cores: int
     memory_bytes: int
     device: str
@@ -26,7 +27,8 @@ class WorkerResources(_message.Message):
     torch_version: str
     fusion_version: str
     machine: str
-    def __init__(self, num_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., matmul_flops: _Optional[float] = ..., torch_version: _Optional[str] = ..., fusion_version: _Optional[str] = ..., machine: _Optional[str] = ...) -> None: ...
+    allows_code: bool
+    def __init__(self, num_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., matmul_flops: _Optional[float] = ..., torch_version: _Optional[str] = ..., fusion_version: _Optional[str] = ..., machine: _Optional[str] = ..., allows_code: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "address", "resources")

@@ -307,7 +307,8 @@ def test_data_dependent_submodule_names_the_module_and_leaf_modules() -> None:
         capture(GatedNet(), (torch.randn(2, 4),))
     message = str(info.value)
     assert "'gate'" in message
-    assert "leaf_modules" in message
+    assert '`leaf_modules = ["gate"]` under [model] in the job file' in message
+    assert "fusion.export(..., leaf_modules=['gate'])" in message
 
 
 def test_leaf_module_is_kept_whole() -> None:
