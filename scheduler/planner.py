@@ -8,16 +8,19 @@ estimator on the original DAG, so plans from different strategies compare like w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fusion.config import JobSpec
-from fusion.errors import PlanError
+from fusion.errors import InsufficientMemoryError, PlanError
 from fusion.graph.ir import OpDag
 from fusion.graph.split import normalize_assignment, split_stages
+from fusion.memory import format_bytes
 from scheduler.baselines import uniform_assignment
 from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
 from scheduler.partition import compute_placement, exhaustive_placement, opfence_placement
@@ -50,6 +53,9 @@ class PlanRequest:
     """Coarsen the DAG to at most this many units before searching."""
     time_budget_s: float | None = None
     """Local-search budget of OP-Fence; default ``0.5 s + 4 ms per worker``."""
+    memory_scale: float = 1.0
+    """Factor on every predicted peak (>= 1): what training measured over what the
+    estimator predicted, once a stage's real peak outgrew its plan."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -58,6 +64,8 @@ class PlanRequest:
             raise PlanError(f"unknown schedule {self.schedule!r}; choose gpipe or 1f1b")
         if self.micro_batches < 1:
             raise PlanError("micro_batches must be >= 1")
+        if not (1.0 <= self.memory_scale < float("inf")):
+            raise PlanError(f"memory_scale must be a finite number >= 1, got {self.memory_scale}")
 
 
 def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: StepCosts | None = None) -> PlanRequest:
@@ -76,10 +84,18 @@ def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: S
 
 
 def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
-    """Plan ``dag`` onto ``topology`` with the requested strategy."""
+    """Plan ``dag`` onto ``topology`` with the requested strategy.
+
+    No stage is planned over its worker's memory cap: the predicted peaks (times
+    ``request.memory_scale``) are checked on the original DAG, whatever the strategy, and a
+    job no placement fits raises :class:`~fusion.errors.InsufficientMemoryError` naming the
+    memory needed against what the workers lend.
+    """
     t0 = time.perf_counter()
     if len(topology) == 0:
         raise PlanError("no workers to plan onto")
+    lent = topology
+    topology = scaled_caps(topology, request.memory_scale)
     extra: dict[str, object] = {}
     if request.strategy == "uniform":
         num_stages = min(len(topology), len(dag.compute_nodes()))
@@ -106,6 +122,8 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         stage_workers = list(placement.workers)
     stages = split_stages(dag, assignment)
     est = price(dag, stages, stage_workers, topology, request)
+    peaks = {w: int(math.ceil(need * request.memory_scale)) for w, need in est.peak_memory_bytes.items()}
+    check_caps(peaks, lent, dag, request)
     codecs = compression_marks(est, request)
     return plan_from_stages(
         dag,
@@ -117,9 +135,46 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         planning_s=time.perf_counter() - t0,
         predicted_step_s=est.step_s,
         compute_s=est.stage_compute_s,
-        peak_memory_bytes=[est.peak_memory_bytes[w] for w in stage_workers],
+        peak_memory_bytes=[peaks[w] for w in stage_workers],
         codecs=codecs,
         extra=extra,
+    )
+
+
+def scaled_caps(topology: Topology, memory_scale: float) -> Topology:
+    """``topology`` with every memory cap divided by ``memory_scale`` (planning against the
+    caps so is planning predicted peaks times the scale against the real ones)."""
+    if memory_scale == 1.0:
+        return topology
+    workers = tuple(
+        w if w.memory_bytes is None else dataclasses.replace(w, memory_bytes=max(1, int(w.memory_bytes / memory_scale)))
+        for w in topology.workers
+    )
+    return dataclasses.replace(topology, workers=workers)
+
+
+def check_caps(peaks: dict[int, int], topology: Topology, dag: OpDag, request: PlanRequest) -> None:
+    """Raise :class:`InsufficientMemoryError` if a worker's predicted peak exceeds its cap.
+
+    The search plans on a coarsened DAG (and ``uniform`` not at all for memory); this is the
+    verdict on the nodes themselves."""
+    over = {
+        w: need for w, need in peaks.items() if (cap := topology.workers[w].memory_bytes) is not None and need > cap
+    }
+    if not over:
+        return
+    caps = [w.memory_bytes for w in topology.workers if w.memory_bytes is not None]
+    lent = sum(caps)
+    w, need = max(over.items(), key=lambda kv: kv[1] - (topology.workers[kv[0]].memory_bytes or 0))
+    cap = topology.workers[w].memory_bytes or 0
+    hint = ", or plan with opfence (it places within the caps)" if request.strategy == "uniform" else ""
+    raise InsufficientMemoryError(
+        f"the {request.strategy} plan needs {format_bytes(need)} on worker {topology.workers[w].name}, which lends "
+        f"{format_bytes(cap)} ({need} > {cap} bytes; the {len(caps)} workers lend {format_bytes(lent)} in all); "
+        f"add workers with more memory or use fewer micro-batches{hint}",
+        needed_bytes=max(lent + need - cap, sum(peaks.values())),
+        lent_bytes=lent,
+        num_workers=len(caps),
     )
 
 
