@@ -110,13 +110,16 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         coarse = dag.coarsen(request.max_units)
         wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
         kwargs = {"micro_batches": request.micro_batches, "schedule": request.schedule}
-        if request.strategy == "opfence":
-            budget = request.time_budget_s if request.time_budget_s is not None else 0.5 + 0.004 * len(topology)
-            placement, extra = opfence_placement(wl, topology, time_budget_s=budget, **kwargs)
-        elif request.strategy == "compute":
-            placement = compute_placement(wl, topology, **kwargs)
-        else:
-            placement = exhaustive_placement(wl, topology, **kwargs)
+        try:
+            if request.strategy == "opfence":
+                budget = request.time_budget_s if request.time_budget_s is not None else 0.5 + 0.004 * len(topology)
+                placement, extra = opfence_placement(wl, topology, time_budget_s=budget, **kwargs)
+            elif request.strategy == "compute":
+                placement = compute_placement(wl, topology, **kwargs)
+            else:
+                placement = exhaustive_placement(wl, topology, **kwargs)
+        except InsufficientMemoryError as e:
+            raise rescaled(e, request.memory_scale, lent) from e
         unit_stage = placement.unit_stage(len(wl))
         assignment = coarse.expand_assignment({name: int(unit_stage[i]) for i, name in enumerate(wl.names)})
         stage_workers = list(placement.workers)
@@ -138,6 +141,18 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         peak_memory_bytes=[peaks[w] for w in stage_workers],
         codecs=codecs,
         extra=extra,
+    )
+
+
+def rescaled(e: InsufficientMemoryError, memory_scale: float, lent: Topology) -> InsufficientMemoryError:
+    """``e`` of a search over caps divided by ``memory_scale``, in real caps and scaled needs."""
+    if memory_scale == 1.0:
+        return e
+    return InsufficientMemoryError(
+        f"{e} (predicted peaks scaled by {memory_scale:.2f}, as training measured them)",
+        needed_bytes=int(e.needed_bytes * memory_scale),
+        lent_bytes=sum(w.memory_bytes or 0 for w in lent.workers),
+        num_workers=e.num_workers,
     )
 
 

@@ -43,6 +43,7 @@ from executor.driver import PipelineDriver, StepStats
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
 from fusion.coordinator.durable_writer import DurableWriter
+from fusion.coordinator.memory_ledger import MemoryLedger, lent_bytes
 from fusion.coordinator.outputs import (
     METRICS_FILE,
     JobOutputs,
@@ -126,6 +127,8 @@ class JobRunner(threading.Thread):
         self._outputs: JobOutputs | None = None
         self._history: list[tuple[int, float]] = []
         self._durable: DurableWriter | None = None
+        #: Each stage's measured peak against its worker's cap, and the factor on predictions.
+        self.memory = MemoryLedger()
         self.recovery = Recovery(self, pool=pool, checkpoints=self.checkpoints, initial=lambda: self.model.state_dict())
 
     # ------------------------------------------------------------- control from the coordinator
@@ -232,12 +235,14 @@ class JobRunner(threading.Thread):
             # a lost worker can take seconds.
             outputs.write_summary(self._summary(state, reason, t_start))
             try:
-                self.store.transition(self.job_id, state, reason)
+                if self.store.job(self.job_id).state != state:  # a waiting job stopped to wait on
+                    self.store.transition(self.job_id, state, reason)
             except FusionError as e2:
                 logger.error("job %s: could not record its end (%s): %s", self.job_id, reason, e2)
             if self._history:
                 self._plot(outputs)
         finally:
+            _quiet(lambda: outputs.write_measured(memory=self.memory.to_dict()))
             with self._lock:
                 leaving = list(self._leaving.values())
             for event in leaving:
@@ -253,6 +258,7 @@ class JobRunner(threading.Thread):
         self.links.observe_step(
             stats.sent_bytes, stats.sent_s, [w.address for w in self.stage_workers], self.spec.train.micro_batches
         )
+        self.memory.observe(stats.peak_memory_bytes)
         record = self._record(stats, x)
         assert self._outputs is not None
         self._outputs.append_metrics(record)
@@ -336,7 +342,7 @@ class JobRunner(threading.Thread):
             self._measure(list(held))
         assert self._measurements is not None
         indices = [self._measured.index(w.worker_id) for w in workers]
-        return plan_job(self.spec, self._measurements.subset(indices))
+        return plan_job(self.spec, self._measurements.subset(indices), memory_scale=self.memory.scale)
 
     def configure(
         self,
@@ -387,6 +393,9 @@ class JobRunner(threading.Thread):
                 name="unload",
             )
         self.plan, self.stages, self.stage_workers = plan, stages, stage_workers
+        self.memory.placed(
+            [s.peak_memory_bytes for s in plan.stages], [(w.name, lent_bytes(w.resources)) for w in stage_workers]
+        )
         driver = self._make_driver(plan, stages, stage_workers)
         with self._lock:
             self._driver = driver
@@ -444,6 +453,7 @@ class JobRunner(threading.Thread):
             cut_settings=settings,
             ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
+            planned_peak_memory_bytes=[s.peak_memory_bytes or 0 for s in plan.stages],
         )
 
     @staticmethod
@@ -472,6 +482,19 @@ class JobRunner(threading.Thread):
             loss=self._history[-1][1] if self._history else float("nan"),
             samples_per_s=0.0,
         )
+
+    def wait_for(self, text: str | None) -> None:
+        """Wait, ``pending``, saying ``text`` (what the job needs and has), or with ``None``
+        go back to ``running``."""
+        state = self.store.job(self.job_id).state
+        self.store.set_waiting(self.job_id, text)
+        if text is not None:
+            self.event("waiting_for_workers", f"waiting for workers: the job {text}")
+            if state == "running":
+                self.store.transition(self.job_id, "pending")
+        elif state == "pending":
+            self.store.transition(self.job_id, "planning")
+            self.store.transition(self.job_id, "running")
 
     def _resume_from_durable(self) -> int:
         """After a coordinator restart: continue from the newest durable checkpoint."""

@@ -468,6 +468,7 @@ class CoordinatorService:
             "loss": job.loss,
             "samples_per_s": job.samples_per_s,
             "workers": job.workers,
+            "waiting": job.waiting,
             "output_dir": job.output_dir,
             "created_at": job.created_at,
             "started_at": job.started_at,
@@ -520,9 +521,12 @@ class CoordinatorService:
             r.worker_lost(worker_id, reason)
 
     def _claim_idle(self, runner: JobRunner) -> list[WorkerRow]:
-        """Idle workers for a running job (late joiners), unless a pending job waits for them."""
+        """Idle workers for a running job (late joiners), unless a pending job waits for them;
+        a job that waits for workers itself (pending, its runner alive) takes them."""
         with self._lock:
-            if self._stop.is_set() or self.store.jobs("pending"):
+            pending = self.store.jobs("pending")
+            waiting = any(j.job_id == runner.job_id for j in pending)
+            if self._stop.is_set() or (pending and not waiting):
                 return []
             idle = self.store.workers("idle")
             for w in idle:
@@ -541,6 +545,8 @@ class CoordinatorService:
     def _start_pending_jobs(self) -> None:
         with self._lock:
             for job in self.store.jobs("pending"):
+                if job.job_id in self._runners:
+                    return  # it waits for workers in its runner, and goes first
                 idle = self.store.workers("idle")
                 spec = JobSpec.from_json(job.spec_json)
                 if len(idle) < spec.cluster.min_workers:

@@ -71,7 +71,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     samples_per_s REAL,
     output_dir TEXT NOT NULL,
     plan_json TEXT,
-    workers_json TEXT
+    workers_json TEXT,
+    waiting TEXT
 );
 CREATE TABLE IF NOT EXISTS log (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -132,6 +133,8 @@ class JobRow:
     output_dir: str
     plan_json: str | None
     workers_json: str | None
+    waiting: str | None = None
+    """What a pending job waits for (e.g. worker memory), or ``None``."""
 
     @property
     def workers(self) -> list[str]:
@@ -152,6 +155,9 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
+            if "waiting" not in columns:  # a state file from before the column
+                self._db.execute("ALTER TABLE jobs ADD COLUMN waiting TEXT")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -263,6 +269,11 @@ class Store:
                 "UPDATE jobs SET plan_json = ?, workers_json = ? WHERE job_id = ?",
                 (json.dumps(plan), json.dumps(worker_names), job_id),
             )
+
+    def set_waiting(self, job_id: str, text: str | None) -> None:
+        """Say what the job waits for (``None``: nothing)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET waiting = ? WHERE job_id = ?", (text, job_id))
 
     def set_progress(self, job_id: str, *, step: int, loss: float, samples_per_s: float) -> None:
         with self._tx() as db:
