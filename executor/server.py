@@ -591,6 +591,13 @@ def build_parser(prog: str = "python -m executor.server") -> argparse.ArgumentPa
     parser.add_argument("--name", default=f"executor-{os.getpid()}", help="worker name reported by Ping")
     parser.add_argument("--allow-code", action="store_true", help="allow job owners' module:factory models")
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory (GiB) this executor lends its stages; a stage planned or measured over it is refused "
+        "(default: unlimited)",
+    )
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transfer chunk size")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
@@ -631,6 +638,7 @@ def serve(
         chunk_bytes=args.chunk_bytes,
         hooks=hooks,
         channel_factory=channel_factory,
+        memory_cap_bytes=None if args.memory_gb is None else max(1, int(args.memory_gb * (1 << 30))),
     )
     service.access = ExecutorAccess(
         keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst

@@ -564,8 +564,12 @@ def infeasible(workload: Workload, topology: Topology, micro_batches: int, sched
     needed = int(max(state + activations, total_cap + 1))
 
     def error(message: str, needed_bytes: float) -> InsufficientMemoryError:
+        lent_text = f"{len(lent)} worker{'s' if len(lent) != 1 else ''} lend {format_bytes(total_cap)}"
         return InsufficientMemoryError(
-            message, needed_bytes=int(needed_bytes), lent_bytes=total_cap, num_workers=len(lent)
+            f"{message} (needed: {format_bytes(needed_bytes)}; lent: {lent_text})",
+            needed_bytes=int(needed_bytes),
+            lent_bytes=total_cap,
+            num_workers=len(lent),
         )
 
     if unit_need[worst] > biggest:
