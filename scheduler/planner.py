@@ -95,37 +95,25 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
     if len(topology) == 0:
         raise PlanError("no workers to plan onto")
     lent = topology
-    topology = scaled_caps(topology, request.memory_scale)
     extra: dict[str, object] = {}
-    if request.strategy == "uniform":
-        num_stages = min(len(topology), len(dag.compute_nodes()))
-        # Values that cannot cross a stage boundary pull their consumers along, which can
-        # empty a stage when there are nearly as many stages as nodes: drop those stages
-        # (and their workers) rather than fail.
-        assignment = normalize_assignment(dag, uniform_assignment(dag, num_stages))
-        stage_workers = sorted(set(assignment.values()))
-        renumber = {s: i for i, s in enumerate(stage_workers)}
-        assignment = {n: renumber[s] for n, s in assignment.items()}
-    else:
-        coarse = dag.coarsen(request.max_units)
-        wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
-        kwargs = {"micro_batches": request.micro_batches, "schedule": request.schedule}
-        try:
-            if request.strategy == "opfence":
-                budget = request.time_budget_s if request.time_budget_s is not None else 0.5 + 0.004 * len(topology)
-                placement, extra = opfence_placement(wl, topology, time_budget_s=budget, **kwargs)
-            elif request.strategy == "compute":
-                placement = compute_placement(wl, topology, **kwargs)
-            else:
-                placement = exhaustive_placement(wl, topology, **kwargs)
-        except InsufficientMemoryError as e:
-            raise rescaled(e, request.memory_scale, lent) from e
-        unit_stage = placement.unit_stage(len(wl))
-        assignment = coarse.expand_assignment({name: int(unit_stage[i]) for i, name in enumerate(wl.names)})
-        stage_workers = list(placement.workers)
-    stages = split_stages(dag, assignment)
-    est = price(dag, stages, stage_workers, topology, request)
-    peaks = {w: int(math.ceil(need * request.memory_scale)) for w, need in est.peak_memory_bytes.items()}
+    search_scale = request.memory_scale
+    for attempt in range(SEARCH_ROUNDS):
+        topology = scaled_caps(lent, search_scale)
+        if request.strategy == "uniform":
+            stages, stage_workers = uniform_stages(dag, len(topology))
+        else:
+            stages, stage_workers, extra = searched_stages(dag, topology, request, search_scale, lent)
+        est = price(dag, stages, stage_workers, topology, request)
+        peaks = {w: int(math.ceil(need * request.memory_scale)) for w, need in est.peak_memory_bytes.items()}
+        overshoot = max(
+            (need / cap for w, need in peaks.items() if (cap := lent.workers[w].memory_bytes) is not None),
+            default=0.0,
+        )
+        if overshoot <= 1.0 or request.strategy == "uniform" or attempt + 1 == SEARCH_ROUNDS:
+            break
+        # The search priced a coarsened DAG; the nodes themselves need more: search again
+        # against caps tightened by the overshoot.
+        search_scale *= overshoot * 1.01
     check_caps(peaks, lent, dag, request)
     codecs = compression_marks(est, request)
     return plan_from_stages(
@@ -142,6 +130,45 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         codecs=codecs,
         extra=extra,
     )
+
+
+#: Searches over tightened caps before a plan whose nodes need more than its coarse units is refused.
+SEARCH_ROUNDS = 3
+
+
+def uniform_stages(dag: OpDag, num_workers: int) -> tuple[list, list[int]]:
+    """``uniform``: equal node counts over the first workers in join order."""
+    num_stages = min(num_workers, len(dag.compute_nodes()))
+    # Values that cannot cross a stage boundary pull their consumers along, which can
+    # empty a stage when there are nearly as many stages as nodes: drop those stages
+    # (and their workers) rather than fail.
+    assignment = normalize_assignment(dag, uniform_assignment(dag, num_stages))
+    stage_workers = sorted(set(assignment.values()))
+    renumber = {s: i for i, s in enumerate(stage_workers)}
+    return split_stages(dag, {n: renumber[s] for n, s in assignment.items()}), stage_workers
+
+
+def searched_stages(
+    dag: OpDag, topology: Topology, request: PlanRequest, search_scale: float, lent: Topology
+) -> tuple[list, list[int], dict[str, object]]:
+    """``compute``, ``opfence``, ``exhaustive``: a search on the coarsened DAG, mapped back to nodes."""
+    coarse = dag.coarsen(request.max_units)
+    wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
+    kwargs = {"micro_batches": request.micro_batches, "schedule": request.schedule}
+    extra: dict[str, object] = {}
+    try:
+        if request.strategy == "opfence":
+            budget = request.time_budget_s if request.time_budget_s is not None else 0.5 + 0.004 * len(topology)
+            placement, extra = opfence_placement(wl, topology, time_budget_s=budget, **kwargs)
+        elif request.strategy == "compute":
+            placement = compute_placement(wl, topology, **kwargs)
+        else:
+            placement = exhaustive_placement(wl, topology, **kwargs)
+    except InsufficientMemoryError as e:
+        raise rescaled(e, search_scale, lent) from e
+    unit_stage = placement.unit_stage(len(wl))
+    assignment = coarse.expand_assignment({name: int(unit_stage[i]) for i, name in enumerate(wl.names)})
+    return split_stages(dag, assignment), list(placement.workers), extra
 
 
 def rescaled(e: InsufficientMemoryError, memory_scale: float, lent: Topology) -> InsufficientMemoryError:
