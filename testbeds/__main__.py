@@ -2,9 +2,10 @@
 
     python -m testbeds up TOPOLOGY [--backend netns|proxy|auto] [--expose HOST:PORT ...]
     python -m testbeds down [--all] [--dry-run]
-    python -m testbeds run TOPOLOGY --job JOB.toml [--backend ...] [--workers-per-host 1]
+    python -m testbeds run TOPOLOGY --job JOB.toml [--backend ...] [--workers-per-host 1] [--allow-code]
 
-TOPOLOGY is a path or the name of a shipped file in ``testbeds/topologies``.
+TOPOLOGY is a path or the name of a shipped file in ``testbeds/topologies``. Each host's
+workers lend its ``memory_gb`` (``fusion-worker --memory-gb``).
 """
 
 from __future__ import annotations

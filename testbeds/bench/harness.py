@@ -10,7 +10,9 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
 - ``fusion``: a real ``fusion-coordinator`` (on the first host: the job owner sits at one
   site, and the driver's traffic crosses that host's links) and one ``fusion-worker`` per
   host, the job submitted with ``[plan] strategy = "opfence"`` and ``[compression] mode =
-  "adatopk"``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``.
+  "adatopk"``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``. Each
+  worker lends its host's ``memory_gb`` (``--memory-gb``); with ``--allow-code`` the workers
+  take the job's own ``module:factory`` model, importable with this process's path.
 - ``uniform``: the same fleet, ``strategy = "uniform"``, ``mode = "none"``: the naive
   decentralized pipeline.
 - ``ddp``: :mod:`testbeds.bench.baselines.ddp`, one rank per host.
