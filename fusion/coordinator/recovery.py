@@ -320,8 +320,23 @@ class Recovery:
                 if job.stopping() is not None:
                     break
                 time.sleep(WAIT_POLL_S)
+            self._drop_silent()
         if waiting is not None:
             job.wait_for(None)
+
+    def _drop_silent(self) -> None:
+        """Let the job's workers that no longer answer go (they died while it waited)."""
+        job = self.job
+        for w, ok in zip(
+            list(job.workers), answering([w.address for w in job.workers], self.pool, (2.0, 8.0)), strict=True
+        ):
+            if not ok:
+                job.event(
+                    "worker_lost",
+                    f"worker {w.name} ({w.address}) stopped answering while the job waited",
+                    worker=w.name,
+                )
+                job.drop(w, "gone")
 
     def _restore(self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None) -> RestorePoint:
         """Bring every stage of the job's driver to the newest step they can all reach."""
