@@ -8,6 +8,8 @@ types whether the failure happened locally or on a remote worker.
 
 from __future__ import annotations
 
+from fusion.memory import format_bytes
+
 
 class FusionError(Exception):
     """Base class of every error fusion raises on purpose."""
@@ -140,8 +142,6 @@ class MemoryCapError(FusionError):
         measured: bool = False,
         job_id: str = "",
     ) -> None:
-        from fusion.memory import format_bytes
-
         what = "its step peaked at" if measured else "it is planned to need"
         job = f" of job {job_id}" if job_id else ""
         super().__init__(
