@@ -183,6 +183,7 @@ class JobRunner(threading.Thread):
         t_start = time.time()
         try:
             self.store.transition(self.job_id, "planning")
+            self.store.set_waiting(self.job_id, None)  # what it waited for before a restart, if anything
             self._prepare()
             self._measure(self.workers)
             self.configure(self.planning_set(self.workers), why="planned", same_stages=False)
