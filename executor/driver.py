@@ -30,7 +30,7 @@ import torch
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import CutSetting, RatioController
 from executor.micro_batch import TARGET_NAME
-from executor.status import POISONED_SENDER_METADATA
+from executor.status import POISONED_SENDER_METADATA, memory_cap_error
 from executor.trace import tracer
 from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
 from fusion.auth import new_key, wrap_job_key
@@ -133,6 +133,7 @@ class PipelineDriver:
         cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
         ratio_controller: RatioController | None = None,
         link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
+        planned_peak_memory_bytes: Sequence[int] = (),
     ) -> None:
         if len(addresses) != len(stages):
             raise ValueError(f"need one worker address per stage: {len(stages)} stages, {len(addresses)} addresses")
@@ -158,6 +159,9 @@ class PipelineDriver:
             k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()
         }
         self.ratio_controller = ratio_controller
+        #: Each stage's predicted peak memory as planned (``LoadStage`` checks it against the
+        #: worker's cap); empty when not planned.
+        self.planned_peak_memory_bytes = [int(b) for b in planned_peak_memory_bytes]
         #: Measured bandwidth between the workers of two stages, ``(src, dst) -> bytes/s``:
         #: each stage paces its sends to ``dst`` at it (:mod:`executor.sender`).
         self.link_bytes_per_s = {k: float(v) for k, v in (link_bytes_per_s or {}).items() if v > 0}
@@ -202,6 +206,11 @@ class PipelineDriver:
             micro_batch_weights=[1.0 / m] * m,
             cut_codecs=self._cut_codecs(spec.stage_idx),
             link_bytes_per_s={dst: bw for (src, dst), bw in self.link_bytes_per_s.items() if src == spec.stage_idx},
+            planned_peak_memory_bytes=(
+                self.planned_peak_memory_bytes[spec.stage_idx]
+                if spec.stage_idx < len(self.planned_peak_memory_bytes)
+                else 0
+            ),
             auth=self._wrapped_job_key(self.addresses[spec.stage_idx]),
             tied=[
                 epb.TiedParameter(name=name, canonical=canonical, holder_stage_idx=[h for h, _ in holders])
@@ -235,7 +244,10 @@ class PipelineDriver:
 
         def load_one(spec: StageSpec) -> None:
             client = self.clients[spec.stage_idx]
-            response = client.load_stage(self.load_request(spec))
+            try:
+                response = client.load_stage(self.load_request(spec))
+            except RemoteError as e:
+                raise memory_cap_error(e) or e from None
             names = list(response.parameter_names) + list(response.buffer_names)
             self._state_names[spec.stage_idx] = set(names)
             if set_initial:
@@ -381,6 +393,9 @@ class PipelineDriver:
         poisoned = self._poisoned(errors)
         if poisoned is not None:
             return poisoned
+        over_cap = next((c for _, e in errors if (c := memory_cap_error(e)) is not None), None)
+        if over_cap is not None:
+            return over_cap
         stage_idx, error = sorted(errors, key=lambda se: secondary(se[1]))[0]
         if isinstance(error, RemoteError):
             return RemoteError(

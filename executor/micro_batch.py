@@ -30,7 +30,7 @@ from executor.compression import CutCompression
 from executor.hooks import BACKWARD, FORWARD, StageHooks, StageInfo
 from executor.mailbox import Mailbox, Payload
 from executor.memory_meter import MemoryMeter
-from fusion.errors import PoisonedInputError
+from fusion.errors import MemoryCapError, PoisonedInputError
 from fusion.graph.split import DRIVER, StageSpec
 from fusion.wire import tensor_pb2 as pb
 
@@ -55,6 +55,8 @@ class StepResult:
     peak_memory_bytes: int = 0
     poisoned: PoisonedInputError | None = None
     """Set when the step failed because a peer sent a poisoned tensor."""
+    over_cap: MemoryCapError | None = None
+    """Set when the step failed because the stage's measured peak exceeded its worker's cap."""
     tied_synced: bool = False
     """The tied gradients of this run of the step were exchanged (at most once)."""
 

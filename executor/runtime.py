@@ -44,6 +44,7 @@ from fusion.checkpoint import (
 )
 from fusion.checkpoint.snapshot import serialize, snapshot_metadata, snapshot_of
 from fusion.errors import (
+    MemoryCapError,
     NotFoundError,
     PoisonedInputError,
     StateError,
@@ -81,8 +82,16 @@ class StageRuntime:
         tied: Sequence[TiedParam] = (),
         hooks: StageHooks | None = None,
         info: StageInfo | None = None,
+        memory_cap_bytes: int | None = None,
+        planned_peak_bytes: int = 0,
     ) -> None:
         self.job_id = job_id
+        #: What the worker lends this stage; a step whose measured peak exceeds it fails with
+        #: :class:`MemoryCapError` (``None``: unlimited, and memory is measured only on request).
+        self.memory_cap_bytes = memory_cap_bytes
+        #: The stage's predicted peak as planned (0: not planned).
+        self.planned_peak_bytes = planned_peak_bytes
+        self.worker_name = info.worker_name if info is not None else ""
         self.stage_key = stage_key
         #: Checks incoming activations/gradients for NaN/Inf and absurd norms (:mod:`executor.guard`).
         self.input_guard = input_guard if input_guard is not None else InputGuard()
@@ -229,7 +238,8 @@ class StageRuntime:
             self.mailbox.reset()
             self.micro_batches.clear()
             self.meter.reset()
-            self.meter.enabled = measure_memory
+            # A capped stage measures every step: a step over the cap must fail, not swap.
+            self.meter.enabled = measure_memory or self.memory_cap_bytes is not None
             self.compression.reset_step()
             self.compression.set_ratios(keep_ratios or {})
             if self.device.type == "cuda":
@@ -285,7 +295,12 @@ class StageRuntime:
             for f in pending:
                 f.result(timeout=self.step_timeout_s)
             result.peak_memory_bytes = self._peak_memory()
+            self._check_cap(result)
             self._event("done", result.step)
+        except MemoryCapError as e:
+            logger.warning("stage %d step %d: %s", self.spec.stage_idx, result.step, e)
+            result.over_cap = e
+            result.error = str(e)
         except Aborted as e:
             result.error = str(e)
         except Exception as e:
@@ -301,6 +316,20 @@ class StageRuntime:
         """One timeline event of this stage (:mod:`executor.trace`; nothing when off)."""
         if self._trace.enabled:
             self._trace.event(ev, job=self.job_id, stage=self.spec.stage_idx, step=step, **fields)
+
+    def _check_cap(self, result: StepResult) -> None:
+        """Raise :class:`MemoryCapError` when the step's measured peak exceeded the cap."""
+        cap = self.memory_cap_bytes
+        if cap is not None and result.peak_memory_bytes > cap:
+            raise MemoryCapError(
+                worker=self.worker_name,
+                stage_idx=self.spec.stage_idx,
+                needed_bytes=result.peak_memory_bytes,
+                cap_bytes=cap,
+                planned_bytes=self.planned_peak_bytes,
+                measured=True,
+                job_id=self.job_id,
+            )
 
     def _peak_memory(self) -> int:
         """The step's peak: the CUDA allocator's, or parameters + gradients + optimizer

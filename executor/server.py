@@ -47,7 +47,7 @@ from executor.transport import (
 )
 from fusion.checkpoint import Snapshot, SnapshotStore, stage_key
 from fusion.config import TrainSpec
-from fusion.errors import FusionError, NotFoundError, StateError, WireError
+from fusion.errors import FusionError, MemoryCapError, NotFoundError, StateError, WireError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
 from fusion.tls import ServerTls, add_port, set_client_ca, warn_if_exposed
@@ -129,8 +129,13 @@ class ExecutorService:
         access: ExecutorAccess | None = None,
         hooks: StageHooks | None = None,
         channel_factory: ChannelFactory | None = None,
+        memory_cap_bytes: int | None = None,
     ) -> None:
         self.worker_name = worker_name
+        #: The memory this worker lends its stages (``fusion-worker --memory-gb``; ``None``:
+        #: unlimited): a stage planned over what is left of it is refused at LoadStage, and
+        #: a step whose measured peak exceeds it fails (:class:`~fusion.errors.MemoryCapError`).
+        self.memory_cap_bytes = memory_cap_bytes
         self.allow_code = allow_code
         #: Channels to peers, made by ``channel_factory`` (:mod:`executor.hooks`; default: plain).
         self.pool = ChannelPool(chunk_bytes=chunk_bytes, channel_factory=channel_factory)
@@ -157,6 +162,36 @@ class ExecutorService:
                 )
             return runtime
 
+    def stage_cap(self, job_id: str, stage_idx: int, planned_bytes: int) -> int | None:
+        """What the worker lends a stage it is asked to load: its cap less the planned peaks
+        of the other stages it holds; :class:`MemoryCapError` if ``planned_bytes`` exceeds it."""
+        cap = self.memory_cap_bytes
+        if cap is None:
+            return None
+        with self._lock:
+            held = sum(rt.planned_peak_bytes for k, rt in self._stages.items() if k != (job_id, stage_idx))
+        left = max(cap - held, 0)
+        if planned_bytes > left:
+            raise MemoryCapError(
+                worker=self.worker_name,
+                stage_idx=stage_idx,
+                needed_bytes=planned_bytes,
+                cap_bytes=left,
+                planned_bytes=planned_bytes,
+                job_id=job_id,
+            )
+        return left
+
+    def _step_cap(self, stage_cap: int | None, planned_bytes: int, device: torch.device) -> int | None:
+        """The cap a stage's steps are held to: none for a stage loaded without a planned peak
+        (the coordinator's measurements: one-stage profiling and calibration runs, which must
+        run on a worker that could not train the whole model); else the CUDA allocator's peak
+        (every stage on the device) against the whole cap, the CPU meter's (this stage)
+        against the stage's share."""
+        if stage_cap is None or planned_bytes <= 0:
+            return None
+        return self.memory_cap_bytes if device.type == "cuda" else stage_cap
+
     def jobs(self) -> list[str]:
         with self._lock:
             return sorted({j for j, _ in self._stages})
@@ -172,6 +207,7 @@ class ExecutorService:
             nodes=tuple(request.nodes),
             worker_name=self.worker_name,
         )
+        stage_cap = self.stage_cap(request.job_id, request.stage_idx, request.planned_peak_memory_bytes)
         self.hooks.stage_loaded(info)
         built = build_stage(request, allow_code=self.allow_code, graphs=self.graphs)
         self.access.add_job(request.job_id, request.auth)  # peers prove this job key to Send
@@ -207,6 +243,8 @@ class ExecutorService:
             hooks=self.hooks,
             info=info,
             tied=[TiedParam(t.name, t.canonical, tuple(t.holder_stage_idx)) for t in request.tied],
+            memory_cap_bytes=self._step_cap(stage_cap, request.planned_peak_memory_bytes, built.device),
+            planned_peak_bytes=request.planned_peak_memory_bytes,
         )
         key = (request.job_id, request.stage_idx)
         with self._lock:
@@ -301,6 +339,8 @@ class ExecutorService:
             return epb.WaitStepResponse(done=False)
         if result.poisoned is not None:
             raise result.poisoned
+        if result.over_cap is not None:
+            raise result.over_cap
         if result.error is not None:
             raise StateError(result.error)
         return epb.WaitStepResponse(
@@ -551,6 +591,13 @@ def build_parser(prog: str = "python -m executor.server") -> argparse.ArgumentPa
     parser.add_argument("--name", default=f"executor-{os.getpid()}", help="worker name reported by Ping")
     parser.add_argument("--allow-code", action="store_true", help="allow job owners' module:factory models")
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory (GiB) this executor lends its stages; a stage planned or measured over it is refused "
+        "(default: unlimited)",
+    )
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transfer chunk size")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
@@ -591,6 +638,7 @@ def serve(
         chunk_bytes=args.chunk_bytes,
         hooks=hooks,
         channel_factory=channel_factory,
+        memory_cap_bytes=None if args.memory_gb is None else max(1, int(args.memory_gb * (1 << 30))),
     )
     service.access = ExecutorAccess(
         keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst

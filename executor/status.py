@@ -10,6 +10,7 @@ retryable (the peer is unreachable for a moment) with exponential backoff, and r
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from fusion.errors import (
     ConfigError,
     FusionError,
     GraphExportError,
+    MemoryCapError,
     NotFoundError,
     PlanError,
     PoisonedInputError,
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _CODES: list[tuple[type[FusionError], grpc.StatusCode]] = [
     (RateLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (MemoryCapError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (CheckpointError, grpc.StatusCode.DATA_LOSS),
@@ -54,6 +57,35 @@ _CODES: list[tuple[type[FusionError], grpc.StatusCode]] = [
 
 #: Trailing metadata naming the stage that sent a tensor a stage rejected as poisoned.
 POISONED_SENDER_METADATA = "fusion-poisoned-sender"
+
+#: Trailing metadata of a stage refused for memory: JSON of the :class:`MemoryCapError`'s fields.
+MEMORY_CAP_METADATA = "fusion-memory-cap"
+
+_CAP_FIELDS = ("worker", "stage_idx", "needed_bytes", "cap_bytes", "planned_bytes", "measured", "job_id")
+
+
+def memory_cap_error(e: BaseException) -> MemoryCapError | None:
+    """The :class:`MemoryCapError` a remote stage answered with (its trailing metadata), if any."""
+    if isinstance(e, MemoryCapError):
+        return e
+    text = e.metadata.get(MEMORY_CAP_METADATA) if isinstance(e, RemoteError) else None
+    if not text:
+        return None
+    try:
+        fields = json.loads(text)
+        return MemoryCapError(
+            worker=str(fields["worker"]),
+            stage_idx=int(fields["stage_idx"]),
+            needed_bytes=int(fields["needed_bytes"]),
+            cap_bytes=int(fields["cap_bytes"]),
+            planned_bytes=int(fields.get("planned_bytes", 0)),
+            measured=bool(fields.get("measured", False)),
+            job_id=str(fields.get("job_id", "")),
+        )
+    except (ValueError, KeyError, TypeError) as bad:
+        logger.warning("malformed %s metadata %r: %s", MEMORY_CAP_METADATA, text[:200], bad)
+        return None
+
 
 #: Codes worth retrying: the peer may be back in a moment.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -85,6 +117,9 @@ def rpc_errors(method: F) -> F:
             logger.info("%s refused: %s (%s)", method.__name__, e, code.name)
             if isinstance(e, PoisonedInputError):
                 context.set_trailing_metadata(((POISONED_SENDER_METADATA, str(e.sender_stage)),))
+            if isinstance(e, MemoryCapError):
+                fields = {k: getattr(e, k) for k in _CAP_FIELDS}
+                context.set_trailing_metadata(((MEMORY_CAP_METADATA, json.dumps(fields)),))
             context.abort(code, f"{type(e).__name__}: {e}")
         except Exception as e:
             if isinstance(e, grpc.RpcError) and hasattr(context, "_state") and context.code() is not None:

@@ -8,6 +8,8 @@ types whether the failure happened locally or on a remote worker.
 
 from __future__ import annotations
 
+from fusion.memory import format_bytes
+
 
 class FusionError(Exception):
     """Base class of every error fusion raises on purpose."""
@@ -27,6 +29,23 @@ class SplitError(FusionError):
 
 class PlanError(FusionError):
     """A plan is malformed, or no plan satisfies the constraints."""
+
+
+class InsufficientMemoryError(PlanError):
+    """The workers cannot hold the job: what it needs against what they lend.
+
+    Attributes:
+        needed_bytes: the least memory the job needs (its parameters, gradients, optimizer
+            state and activations), or more where the cuts fragment it.
+        lent_bytes: the memory the workers planned over lend, in total.
+        num_workers: how many workers lend it.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int, lent_bytes: int, num_workers: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = int(needed_bytes)
+        self.lent_bytes = int(lent_bytes)
+        self.num_workers = int(num_workers)
 
 
 class WireError(FusionError):
@@ -97,3 +116,43 @@ class PoisonedInputError(FusionError):
         self.sender_stage = sender_stage
         self.reason = reason
         self.address = address
+
+
+class MemoryCapError(FusionError):
+    """A stage does not fit the memory its worker lends (``fusion-worker --memory-gb``):
+    refused at load for its planned peak, or its step failed for its measured peak.
+
+    Attributes:
+        worker: the worker's name.
+        stage_idx: the stage.
+        needed_bytes: the planned or measured peak of the stage.
+        cap_bytes: what the worker lends (less what its other stages hold).
+        planned_bytes: the stage's planned peak (0 when unknown).
+        measured: whether ``needed_bytes`` was measured while training (else planned).
+    """
+
+    def __init__(
+        self,
+        *,
+        worker: str,
+        stage_idx: int,
+        needed_bytes: int,
+        cap_bytes: int,
+        planned_bytes: int = 0,
+        measured: bool = False,
+        job_id: str = "",
+    ) -> None:
+        what = "its step peaked at" if measured else "it is planned to need"
+        job = f" of job {job_id}" if job_id else ""
+        super().__init__(
+            f"worker {worker or '?'} cannot hold stage {stage_idx}{job}: {what} {needed_bytes} bytes "
+            f"({format_bytes(needed_bytes)}) but the worker lends {cap_bytes} bytes ({format_bytes(cap_bytes)}); "
+            "plan with more workers or smaller stages, or start the worker with a larger --memory-gb"
+        )
+        self.worker = worker
+        self.stage_idx = int(stage_idx)
+        self.needed_bytes = int(needed_bytes)
+        self.cap_bytes = int(cap_bytes)
+        self.planned_bytes = int(planned_bytes)
+        self.measured = measured
+        self.job_id = job_id

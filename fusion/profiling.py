@@ -29,13 +29,16 @@ class DeviceProfile:
     num_cores: int
     """Logical CPU cores of the host."""
     memory_bytes: int
-    """Total host memory."""
+    """Host memory the worker lends: its ``--memory-gb`` cap on the CPU, else what the host
+    had free at start-up."""
     device: str
     """``cpu`` or ``cuda:N``."""
     device_name: str
     """Human-readable device name."""
     device_memory_bytes: int
-    """Memory of the device (host memory for the CPU)."""
+    """Memory of the device the worker lends its stages (host memory for the CPU): its
+    ``--memory-gb`` cap where smaller than the device, else what the device had free at
+    start-up. The planner plans each worker within it."""
     matmul_flops: float
     """Measured fp32 matmul throughput, FLOP/s."""
     machine: str = ""
@@ -86,29 +89,52 @@ def machine_id(device: str, *, boot_id_path: str = BOOT_ID_PATH) -> str:
     return f"{host}/cuda:{uuid if uuid is not None else index}"
 
 
-def measure_device(device: str = "cpu", *, machine: str | None = None) -> DeviceProfile:
-    """Profile this host and ``device`` (a short compute benchmark included); ``machine``
-    overrides :func:`machine_id` (an operator who knows better, e.g. pinned CPU sets)."""
+def free_memory_bytes(device: str = "cpu") -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device``'s memory now (host memory for the CPU)."""
     dev = torch.device(device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(free), int(total)
     vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total)
+
+
+def lent_memory_bytes(free_bytes: int, total_bytes: int, cap_bytes: int | None) -> int:
+    """What a worker lends: its cap (never more than the memory there is), else what is free."""
+    return min(cap_bytes, total_bytes) if cap_bytes is not None else free_bytes
+
+
+def measure_device(
+    device: str = "cpu", *, machine: str | None = None, memory_cap_bytes: int | None = None
+) -> DeviceProfile:
+    """Profile this host and ``device`` (a short compute benchmark included); ``machine``
+    overrides :func:`machine_id` (an operator who knows better, e.g. pinned CPU sets);
+    ``memory_cap_bytes`` is the memory the volunteer lends (``--memory-gb``; default: what
+    is free now), reported as the device's memory (and the host's, for the CPU)."""
+    dev = torch.device(device)
+    host_free, host_total = free_memory_bytes("cpu")
+    host_lent = lent_memory_bytes(host_free, host_total, memory_cap_bytes)
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
-        name, dev_mem, label = props.name, int(props.total_memory), f"cuda:{index}"
+        label = f"cuda:{index}"
+        free, total = free_memory_bytes(label)
+        name, dev_mem = props.name, lent_memory_bytes(free, total, memory_cap_bytes)
+        host_lent = host_free
         dev = torch.device(label)
     else:
-        name, dev_mem, label = f"CPU ({torch.get_num_threads()} threads)", int(vm.total), "cpu"
+        name, dev_mem, label = f"CPU ({torch.get_num_threads()} threads)", host_lent, "cpu"
     flops = measure_matmul_flops(dev)
     profile = DeviceProfile(
         num_cores=os.cpu_count() or 1,
-        memory_bytes=int(vm.total),
+        memory_bytes=host_lent,
         device=label,
         device_name=name,
         device_memory_bytes=dev_mem,
         matmul_flops=flops,
         machine=machine or machine_id(label),
     )
-    logger.info("measured %s: %.1f GFLOP/s", label, flops / 1e9)
+    logger.info("measured %s: %.1f GFLOP/s, lending %d bytes of memory", label, flops / 1e9, dev_mem)
     return profile
 
 

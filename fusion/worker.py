@@ -68,6 +68,10 @@ class Worker:
     measured at start-up to the one reported to the coordinator (default: as measured),
     for a host that knows better than one short benchmark (e.g. a testbed standing in for
     a slower device).
+
+    ``memory_cap_bytes`` is the memory the volunteer lends (``--memory-gb``; default: what
+    the device has free at start-up): reported at join, and enforced by its executor on
+    every stage it loads and every step it runs.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Worker:
         register_timeout_s: float = 60.0,
         tls: ServerTls | None = None,
         machine: str | None = None,
+        memory_cap_bytes: int | None = None,
         hooks: StageHooks | None = None,
         channel_factory: ChannelFactory | None = None,
         report: Callable[[DeviceProfile], DeviceProfile] | None = None,
@@ -97,6 +102,7 @@ class Worker:
         self._token = token
         self.client = CoordinatorClient(coordinator, token)
         self.tls = tls
+        self.memory_cap_bytes = memory_cap_bytes
         self.service = ExecutorService(
             worker_name=name, allow_code=allow_code, hooks=hooks, channel_factory=channel_factory
         )
@@ -112,8 +118,10 @@ class Worker:
 
     def start(self) -> None:
         """Measure, serve, register (waiting for the coordinator), start heart-beating."""
-        measured = measure_device(self.device, machine=self.machine)
+        measured = measure_device(self.device, machine=self.machine, memory_cap_bytes=self.memory_cap_bytes)
         self.profile = self._report(measured) if self._report is not None else measured
+        # The executor holds its stages to what the worker reports lending.
+        self.service.memory_cap_bytes = self.profile.device_memory_bytes
         self.server, port = start_server(self.service, self.listen, tls=self.tls)
         self.address = self.advertise or advertised_address(self.listen, port, self.coordinator)
         self._register(wait_s=self.register_timeout_s)

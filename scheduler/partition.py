@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusion.errors import PlanError
+from fusion.errors import InsufficientMemoryError, PlanError
+from fusion.memory import format_bytes
 from scheduler.estimator import OPTIMIZER_STATE_FACTOR, Estimate, Workload, estimate
 from scheduler.fence import cluster_workers, order_clusters
 from scheduler.topology import Topology
@@ -487,7 +488,7 @@ def opfence_placement(
         except PlanError:
             pass
     if not objective.feasible(best):
-        raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
+        raise infeasible(workload, topology, micro_batches, schedule)
     details: dict[str, object] = {
         "clusters": [[topology.workers[w].name for w in c] for c in clusters],
         "evaluations": objective.evaluations,
@@ -508,7 +509,7 @@ def compute_placement(workload: Workload, topology: Topology, *, micro_batches: 
     prefix = _Prefix(workload, micro_batches, schedule, len(workers))
     best = bisect_period(prefix, workers, topology, use_links=False)
     if best is None or not Objective(workload, topology, micro_batches=micro_batches, schedule=schedule).feasible(best):
-        raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
+        raise infeasible(workload, topology, micro_batches, schedule)
     return best
 
 
@@ -535,7 +536,7 @@ def exhaustive_placement(
                 if v < best_value:
                     best, best_value = p, v
     if best is None or not objective.feasible(best):
-        raise PlanError(infeasibility_reason(workload, topology, micro_batches, schedule))
+        raise infeasible(workload, topology, micro_batches, schedule)
     return best
 
 
@@ -555,33 +556,55 @@ def exhaustive_size(num_units: int, num_workers: int) -> int:
 
 def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: int, schedule: str) -> str:
     """Why no placement fits: the binding memory constraint, in numbers."""
+    return str(infeasible(workload, topology, micro_batches, schedule))
+
+
+def infeasible(workload: Workload, topology: Topology, micro_batches: int, schedule: str) -> PlanError:
+    """The error for a job no placement fits: an :class:`InsufficientMemoryError` naming the
+    memory the job needs against what the workers lend (a plain :class:`PlanError` when a
+    worker has no cap, which no memory shortfall explains)."""
     factor = 2.0 + OPTIMIZER_STATE_FACTOR[workload.optimizer]
     caps = [w.memory_bytes for w in topology.workers]
     if any(c is None for c in caps):
-        return "no placement satisfies the constraints (a worker has no memory cap, so this is unexpected)"
-    total_cap = sum(c for c in caps if c is not None)
+        return PlanError("no placement satisfies the constraints (a worker has no memory cap, so this is unexpected)")
+    lent = [int(c) for c in caps if c is not None]
+    total_cap = sum(lent)
     state = factor * workload.total_param_bytes
-    biggest = max(caps, key=lambda c: c or 0) or 0
+    biggest = max(lent, default=0)
     unit_need = [factor * sum(size for _, size in u) + workload.saved_bytes[i] for i, u in enumerate(workload.params)]
     worst = int(np.argmax(unit_need))
-    gib = 2**30
-    if unit_need[worst] > biggest:
-        return (
-            f"the model cannot fit: unit {workload.names[worst]!r} alone needs {unit_need[worst] / gib:.2f} GiB "
-            "(parameters, gradients, optimizer state and activations) "
-            f"but the largest worker has {biggest / gib:.2f} GiB"
-        )
     activations = float(np.sum(workload.saved_bytes)) * (micro_batches if schedule == "gpipe" else 1)
-    if state + activations > total_cap:
-        return (
-            f"the model cannot fit: parameters, gradients and {workload.optimizer} state need {state / gib:.2f} GiB "
-            f"plus at least {activations / gib:.2f} GiB of activations ({micro_batches} micro-batches, {schedule}), "
-            f"but the {len(caps)} workers have {total_cap / gib:.2f} GiB in total; add workers, use fewer "
-            "micro-batches or a smaller model"
+    needed = int(max(state + activations, total_cap + 1))
+
+    def error(message: str, needed_bytes: float) -> InsufficientMemoryError:
+        lent_text = f"{len(lent)} worker{'s' if len(lent) != 1 else ''} lend {format_bytes(total_cap)}"
+        return InsufficientMemoryError(
+            f"{message} (needed: {format_bytes(needed_bytes)}; lent: {lent_text})",
+            needed_bytes=int(needed_bytes),
+            lent_bytes=total_cap,
+            num_workers=len(lent),
         )
-    return (
-        f"no placement found that fits every worker's memory: the model needs {state / gib:.2f} GiB for parameters, "
+
+    if unit_need[worst] > biggest:
+        return error(
+            f"the model cannot fit: unit {workload.names[worst]!r} alone needs {format_bytes(unit_need[worst])} "
+            "(parameters, gradients, optimizer state and activations) "
+            f"but the largest worker has {format_bytes(biggest)}; add a worker with more memory "
+            "(fusion-worker --memory-gb) or use a smaller model",
+            max(needed, total_cap - biggest + unit_need[worst]),
+        )
+    if state + activations > total_cap:
+        return error(
+            f"the model cannot fit: parameters, gradients and {workload.optimizer} state need {format_bytes(state)} "
+            f"plus at least {format_bytes(activations)} of activations ({micro_batches} micro-batches, {schedule}), "
+            f"but the {len(lent)} workers have {format_bytes(total_cap)} in total; add workers, use fewer "
+            "micro-batches or a smaller model",
+            state + activations,
+        )
+    return error(
+        f"no placement found that fits every worker's memory: the model needs {format_bytes(state)} for parameters, "
         f"gradients and {workload.optimizer} state plus activations and stashed transfers per micro-batch in flight; "
-        f"the {len(caps)} workers have {total_cap / gib:.2f} GiB in total (largest {biggest / gib:.2f} GiB), too "
-        "fragmented for the cuts; add workers with more memory or use fewer micro-batches"
+        f"the {len(lent)} workers have {format_bytes(total_cap)} in total (largest {format_bytes(biggest)}), too "
+        "fragmented for the cuts; add workers with more memory or use fewer micro-batches",
+        needed,
     )

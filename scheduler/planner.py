@@ -8,16 +8,19 @@ estimator on the original DAG, so plans from different strategies compare like w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fusion.config import JobSpec
-from fusion.errors import PlanError
+from fusion.errors import InsufficientMemoryError, PlanError
 from fusion.graph.ir import OpDag
 from fusion.graph.split import normalize_assignment, split_stages
+from fusion.memory import format_bytes
 from scheduler.baselines import uniform_assignment
 from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
 from scheduler.explain import why_left_out
@@ -51,6 +54,9 @@ class PlanRequest:
     """Coarsen the DAG to at most this many units before searching."""
     time_budget_s: float | None = None
     """Local-search budget of OP-Fence; default ``0.5 s + 4 ms per worker``."""
+    memory_scale: float = 1.0
+    """Factor on every predicted peak (>= 1): what training measured over what the
+    estimator predicted, once a stage's real peak outgrew its plan."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -59,6 +65,8 @@ class PlanRequest:
             raise PlanError(f"unknown schedule {self.schedule!r}; choose gpipe or 1f1b")
         if self.micro_batches < 1:
             raise PlanError("micro_batches must be >= 1")
+        if not (1.0 <= self.memory_scale < float("inf")):
+            raise PlanError(f"memory_scale must be a finite number >= 1, got {self.memory_scale}")
 
 
 def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: StepCosts | None = None) -> PlanRequest:
@@ -77,38 +85,39 @@ def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: S
 
 
 def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
-    """Plan ``dag`` onto ``topology`` with the requested strategy. A plan that leaves
-    workers out says why in ``extra["why"]`` (one line, :mod:`scheduler.explain`)."""
+    """Plan ``dag`` onto ``topology`` with the requested strategy.
+
+    A plan that leaves workers out says why in ``extra["why"]`` (one line,
+    :mod:`scheduler.explain`). No stage is planned over its worker's memory cap: the predicted peaks (times
+    ``request.memory_scale``) are checked on the original DAG, whatever the strategy, and a
+    job no placement fits raises :class:`~fusion.errors.InsufficientMemoryError` naming the
+    memory needed against what the workers lend.
+    """
     t0 = time.perf_counter()
     if len(topology) == 0:
         raise PlanError("no workers to plan onto")
-    coarse: OpDag | None = None
+    lent = topology
     extra: dict[str, object] = {}
-    if request.strategy == "uniform":
-        num_stages = min(len(topology), len(dag.compute_nodes()))
-        # Values that cannot cross a stage boundary pull their consumers along, which can
-        # empty a stage when there are nearly as many stages as nodes: drop those stages
-        # (and their workers) rather than fail.
-        assignment = normalize_assignment(dag, uniform_assignment(dag, num_stages))
-        stage_workers = sorted(set(assignment.values()))
-        renumber = {s: i for i, s in enumerate(stage_workers)}
-        assignment = {n: renumber[s] for n, s in assignment.items()}
-    else:
-        coarse = dag.coarsen(request.max_units)
-        wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
-        kwargs = {"micro_batches": request.micro_batches, "schedule": request.schedule}
-        if request.strategy == "opfence":
-            budget = request.time_budget_s if request.time_budget_s is not None else 0.5 + 0.004 * len(topology)
-            placement, extra = opfence_placement(wl, topology, time_budget_s=budget, **kwargs)
-        elif request.strategy == "compute":
-            placement = compute_placement(wl, topology, **kwargs)
+    coarse: OpDag | None = None
+    search_scale = request.memory_scale
+    for attempt in range(SEARCH_ROUNDS):
+        topology = scaled_caps(lent, search_scale)
+        if request.strategy == "uniform":
+            stages, stage_workers = uniform_stages(dag, len(topology))
         else:
-            placement = exhaustive_placement(wl, topology, **kwargs)
-        unit_stage = placement.unit_stage(len(wl))
-        assignment = coarse.expand_assignment({name: int(unit_stage[i]) for i, name in enumerate(wl.names)})
-        stage_workers = list(placement.workers)
-    stages = split_stages(dag, assignment)
-    est = price(dag, stages, stage_workers, topology, request)
+            stages, stage_workers, extra, coarse = searched_stages(dag, topology, request, search_scale, lent)
+        est = price(dag, stages, stage_workers, topology, request)
+        peaks = {w: int(math.ceil(need * request.memory_scale)) for w, need in est.peak_memory_bytes.items()}
+        overshoot = max(
+            (need / cap for w, need in peaks.items() if (cap := lent.workers[w].memory_bytes) is not None),
+            default=0.0,
+        )
+        if overshoot <= 1.0 or request.strategy == "uniform" or attempt + 1 == SEARCH_ROUNDS:
+            break
+        # The search priced a coarsened DAG; the nodes themselves need more: search again
+        # against caps tightened by the overshoot.
+        search_scale *= overshoot * 1.01
+    check_caps(peaks, lent, dag, request)
     codecs = compression_marks(est, request)
     wider = extra.pop("wider", None)
     if len(stage_workers) < len(topology):
@@ -123,9 +132,98 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         planning_s=time.perf_counter() - t0,
         predicted_step_s=est.step_s,
         compute_s=est.stage_compute_s,
-        peak_memory_bytes=[est.peak_memory_bytes[w] for w in stage_workers],
+        peak_memory_bytes=[peaks[w] for w in stage_workers],
         codecs=codecs,
         extra=extra,
+    )
+
+
+#: Searches over tightened caps before a plan whose nodes need more than its coarse units is refused.
+SEARCH_ROUNDS = 3
+
+
+def uniform_stages(dag: OpDag, num_workers: int) -> tuple[list, list[int]]:
+    """``uniform``: equal node counts over the first workers in join order."""
+    num_stages = min(num_workers, len(dag.compute_nodes()))
+    # Values that cannot cross a stage boundary pull their consumers along, which can
+    # empty a stage when there are nearly as many stages as nodes: drop those stages
+    # (and their workers) rather than fail.
+    assignment = normalize_assignment(dag, uniform_assignment(dag, num_stages))
+    stage_workers = sorted(set(assignment.values()))
+    renumber = {s: i for i, s in enumerate(stage_workers)}
+    return split_stages(dag, {n: renumber[s] for n, s in assignment.items()}), stage_workers
+
+
+def searched_stages(
+    dag: OpDag, topology: Topology, request: PlanRequest, search_scale: float, lent: Topology
+) -> tuple[list, list[int], dict[str, object], OpDag]:
+    """``compute``, ``opfence``, ``exhaustive``: a search on the coarsened DAG, mapped back to
+    nodes; also the coarsened DAG the search's placements index."""
+    coarse = dag.coarsen(request.max_units)
+    wl = workload_from_dag(coarse, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
+    kwargs = {"micro_batches": request.micro_batches, "schedule": request.schedule}
+    extra: dict[str, object] = {}
+    try:
+        if request.strategy == "opfence":
+            budget = request.time_budget_s if request.time_budget_s is not None else 0.5 + 0.004 * len(topology)
+            placement, extra = opfence_placement(wl, topology, time_budget_s=budget, **kwargs)
+        elif request.strategy == "compute":
+            placement = compute_placement(wl, topology, **kwargs)
+        else:
+            placement = exhaustive_placement(wl, topology, **kwargs)
+    except InsufficientMemoryError as e:
+        raise rescaled(e, search_scale, lent) from e
+    unit_stage = placement.unit_stage(len(wl))
+    assignment = coarse.expand_assignment({name: int(unit_stage[i]) for i, name in enumerate(wl.names)})
+    return split_stages(dag, assignment), list(placement.workers), extra, coarse
+
+
+def rescaled(e: InsufficientMemoryError, memory_scale: float, lent: Topology) -> InsufficientMemoryError:
+    """``e`` of a search over caps divided by ``memory_scale``, in real caps and scaled needs."""
+    if memory_scale == 1.0:
+        return e
+    return InsufficientMemoryError(
+        f"{e} (predicted peaks scaled by {memory_scale:.2f}, as training measured them)",
+        needed_bytes=int(e.needed_bytes * memory_scale),
+        lent_bytes=sum(w.memory_bytes or 0 for w in lent.workers),
+        num_workers=e.num_workers,
+    )
+
+
+def scaled_caps(topology: Topology, memory_scale: float) -> Topology:
+    """``topology`` with every memory cap divided by ``memory_scale`` (planning against the
+    caps so is planning predicted peaks times the scale against the real ones)."""
+    if memory_scale == 1.0:
+        return topology
+    workers = tuple(
+        w if w.memory_bytes is None else dataclasses.replace(w, memory_bytes=max(1, int(w.memory_bytes / memory_scale)))
+        for w in topology.workers
+    )
+    return dataclasses.replace(topology, workers=workers)
+
+
+def check_caps(peaks: dict[int, int], topology: Topology, dag: OpDag, request: PlanRequest) -> None:
+    """Raise :class:`InsufficientMemoryError` if a worker's predicted peak exceeds its cap.
+
+    The search plans on a coarsened DAG (and ``uniform`` not at all for memory); this is the
+    verdict on the nodes themselves."""
+    over = {
+        w: need for w, need in peaks.items() if (cap := topology.workers[w].memory_bytes) is not None and need > cap
+    }
+    if not over:
+        return
+    caps = [w.memory_bytes for w in topology.workers if w.memory_bytes is not None]
+    lent = sum(caps)
+    w, need = max(over.items(), key=lambda kv: kv[1] - (topology.workers[kv[0]].memory_bytes or 0))
+    cap = topology.workers[w].memory_bytes or 0
+    hint = ", or plan with opfence (it places within the caps)" if request.strategy == "uniform" else ""
+    raise InsufficientMemoryError(
+        f"the {request.strategy} plan needs {format_bytes(need)} on worker {topology.workers[w].name}, which lends "
+        f"{format_bytes(cap)} ({need} > {cap} bytes; the {len(caps)} workers lend {format_bytes(lent)} in all); "
+        f"add workers with more memory or use fewer micro-batches{hint}",
+        needed_bytes=max(lent + need - cap, sum(peaks.values())),
+        lent_bytes=lent,
+        num_workers=len(caps),
     )
 
 

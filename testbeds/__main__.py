@@ -2,9 +2,10 @@
 
     python -m testbeds up TOPOLOGY [--backend netns|proxy|auto] [--expose HOST:PORT ...]
     python -m testbeds down [--all] [--dry-run]
-    python -m testbeds run TOPOLOGY --job JOB.toml [--backend ...] [--workers-per-host 1]
+    python -m testbeds run TOPOLOGY --job JOB.toml [--backend ...] [--workers-per-host 1] [--allow-code]
 
-TOPOLOGY is a path or the name of a shipped file in ``testbeds/topologies``.
+TOPOLOGY is a path or the name of a shipped file in ``testbeds/topologies``. Each host's
+workers lend its ``memory_gb`` (``fusion-worker --memory-gb``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         "compute that many times slower (testbeds.worker --emulate-slowdown); without it, only hosts with a "
         "slowdown are",
     )
+    run.add_argument(
+        "--allow-code",
+        action="store_true",
+        help="let the workers run the job's own model (module:factory, importable with this PYTHONPATH); "
+        "each host's workers lend its memory_gb either way",
+    )
     add_log_arg(run)
     return p
 
@@ -173,6 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             echo=lambda s: print(s, flush=True),
             slowdowns=slowdowns,
+            allow_code=args.allow_code,
         )
     print("testbed removed", flush=True)
     return 0 if status["state"] == "succeeded" else 1

@@ -16,6 +16,7 @@ import torch
 from executor.hooks import ChannelFactory, StageHooks
 from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
 from fusion.errors import AuthError
+from fusion.memory import format_bytes, gb_to_bytes
 from fusion.profiling import DeviceProfile
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 from fusion.worker import Worker
@@ -23,6 +24,17 @@ from fusion.worker import Worker
 logger = logging.getLogger(__name__)
 
 READY = "fusion-worker ready"
+
+
+def positive_gb(text: str) -> float:
+    """``--memory-gb``'s value: a positive, finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GB, got {text}")
+    return value
 
 
 def build_parser(prog: str = "fusion-worker") -> argparse.ArgumentParser:
@@ -47,6 +59,14 @@ def build_parser(prog: str = "fusion-worker") -> argparse.ArgumentParser:
         "--allow-code",
         action="store_true",
         help="allow job owners' own model code (module:factory); built-in models need no flag",
+    )
+    p.add_argument(
+        "--memory-gb",
+        type=positive_gb,
+        default=None,
+        metavar="X",
+        help="memory this worker lends, in GB (GiB): the planner never gives it a stage that needs more, and a "
+        "stage that does is refused (default: what the device has free when the worker starts)",
     )
     p.add_argument(
         "--machine",
@@ -106,6 +126,7 @@ def run_worker(
             allow_code=args.allow_code,
             tls=tls,
             machine=args.machine,
+            memory_cap_bytes=None if args.memory_gb is None else gb_to_bytes(args.memory_gb),
             hooks=hooks,
             channel_factory=channel_factory,
             report=report,
@@ -122,8 +143,10 @@ def run_worker(
         except BaseException:
             worker.stop("failed to start")
             raise
+        lent = worker.profile.device_memory_bytes if worker.profile is not None else 0
         print(
-            f"{READY}: {worker.name} serving on {worker.address}, joined {args.coordinator} as {worker.worker_id}",
+            f"{READY}: {worker.name} serving on {worker.address}, joined {args.coordinator} as {worker.worker_id}, "
+            f"lending {format_bytes(lent)} of memory",
             flush=True,
         )
         stop.wait()

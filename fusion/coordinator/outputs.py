@@ -96,6 +96,8 @@ class JobOutputs:
         self._metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if torn:  # a crash cut the last line short: start a fresh line rather than extend it
             self._metrics.write("\n")
+        self._measured: dict[str, Any] = {}
+        self._memory: dict[str, Any] | None = None
 
     def append_metrics(self, record: Mapping[str, Any]) -> None:
         """One JSON line per step, flushed at once."""
@@ -105,10 +107,22 @@ class JobOutputs:
     def write_plan(self, plan: Mapping[str, Any]) -> None:
         write_json(self.dir / PLAN_FILE, plan)
 
-    def write_measured(self, measured: Mapping[str, Any]) -> None:
+    def write_measured(
+        self, measured: Mapping[str, Any] | None = None, *, memory: Mapping[str, Any] | None = None
+    ) -> None:
         """What planning measured: the topology (speeds, machines, link fits, the driver's
-        links) and the calibrated costs, so a plan can be checked against its inputs."""
-        write_json(self.dir / MEASURED_FILE, measured)
+        links) and the calibrated costs, so a plan can be checked against its inputs; and,
+        under ``memory``, each stage's measured peak against its worker's cap
+        (:class:`~fusion.coordinator.memory_ledger.MemoryLedger`). Either part may be given
+        alone: the other keeps what was last written."""
+        if measured is not None:
+            self._measured = dict(measured)
+        if memory is not None:
+            self._memory = dict(memory)
+        doc = dict(self._measured)
+        if self._memory is not None:
+            doc["memory"] = self._memory
+        write_json(self.dir / MEASURED_FILE, doc)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         write_json(self.dir / SUMMARY_FILE, summary)

@@ -568,11 +568,12 @@ def wire_bytes(t: Any) -> int:
     return int(t.numel() * t.element_size())
 
 
-def plan_job(spec: JobSpec, m: Measurements, *, strategy: str | None = None) -> Plan:
-    """Plan the job over the measured topology."""
+def plan_job(spec: JobSpec, m: Measurements, *, strategy: str | None = None, memory_scale: float = 1.0) -> Plan:
+    """Plan the job over the measured topology (predicted peaks times ``memory_scale``)."""
     request = plan_request(
         spec, m.profile, m.round_trip_s, strategy=strategy, overhead=m.overhead, target_bytes=m.target_bytes
     )
+    request = replace(request, memory_scale=memory_scale)
     return make_plan(m.dag, m.topology, request)
 
 

@@ -7,8 +7,12 @@ data from there. :class:`Recovery` is that sequence; the runner calls it and goe
 training at the step it returns:
 
 - :meth:`Recovery.recover` after a failed step: find the workers that are gone (or sent
-  poisoned tensors), drop them, let spares step in or re-plan onto the rest (waiting for a
-  worker to join when none is left), restore every stage and replay from the restore point;
+  poisoned tensors), drop them, let spares step in or re-plan onto the rest, restore every
+  stage and replay from the restore point. A step that failed because a stage outgrew its
+  worker's memory cap is re-planned with the peak measured (:mod:`~fusion.coordinator.memory_ledger`).
+  When the workers left cannot hold the model, the job waits, ``pending`` and saying how
+  much memory it needs and has, its state safe in the replicas and durable checkpoints,
+  until enough memory joins;
 - :meth:`Recovery.move` between steps, when workers leave or joiners are put to use: every
   stage snapshots the step first, so nothing is redone;
 - :meth:`Recovery.resume` after a coordinator restart, from the newest durable checkpoint.
@@ -32,6 +36,7 @@ import torch
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.driver import PipelineDriver
 from fusion.checkpoint import CheckpointDir
+from fusion.coordinator.memory_ledger import MemoryLedger
 from fusion.coordinator.restore import (
     Holdings,
     RestorePoint,
@@ -41,14 +46,24 @@ from fusion.coordinator.restore import (
     snapshot_holdings,
 )
 from fusion.coordinator.store import WorkerRow
-from fusion.errors import CheckpointError, FusionError, PoisonedInputError, RemoteError, StateError
+from fusion.errors import (
+    CheckpointError,
+    FusionError,
+    InsufficientMemoryError,
+    MemoryCapError,
+    PoisonedInputError,
+    RemoteError,
+    StateError,
+)
+from fusion.memory import shortfall_text
+from scheduler.plan import Plan
 
 logger = logging.getLogger(__name__)
 
 #: Recoveries one job may go through before it is failed (a fault that keeps coming back).
 MAX_RECOVERIES = 20
-#: How long a job with too few live workers waits for more before failing.
-WAIT_FOR_WORKERS_S = 300.0
+#: How often a job waiting for workers looks for new ones.
+WAIT_POLL_S = 0.5
 
 
 class RecoveringJob(Protocol):
@@ -60,8 +75,12 @@ class RecoveringJob(Protocol):
     job_id: str
     workers: list[WorkerRow]
     """The workers the job holds: those in the plan and its spares."""
+    memory: MemoryLedger
+    """Measured peaks against caps, and the factor on predicted peaks."""
     stage_workers: list[WorkerRow]
     """Each stage's worker, in stage order."""
+    plan: Plan
+    """The current placement's plan."""
 
     @property
     def driver(self) -> PipelineDriver:
@@ -105,6 +124,10 @@ class RecoveringJob(Protocol):
         """``(state, reason)`` once the job is being stopped, else ``None``."""
         ...
 
+    def wait_for(self, text: str | None) -> None:
+        """Wait (``pending``) saying ``text``, or with ``None`` go back to running."""
+        ...
+
 
 class Recovery:
     """Restores a job's stages to one step after the job lost, shed or gained workers.
@@ -138,7 +161,8 @@ class Recovery:
         job = self.job
         t0 = time.perf_counter()
         lost = self._find_lost(error, flagged)
-        if not lost:
+        over_cap = error if isinstance(error, MemoryCapError) and error.measured else None
+        if not lost and over_cap is None:
             raise error
         t_found = time.perf_counter()
         self.count += 1
@@ -156,12 +180,23 @@ class Recovery:
                 failed_step=failed_step,
             )
             job.drop(w, state)
+        if over_cap is not None:
+            scale = job.memory.outgrown(over_cap)
+            job.event(
+                "memory_exceeded",
+                f"{over_cap}; re-planning with predicted peaks scaled by {scale:.2f}",
+                worker=over_cap.worker,
+                stage=over_cap.stage_idx,
+                measured_peak_bytes=over_cap.needed_bytes,
+                cap_bytes=over_cap.cap_bytes,
+                failed_step=failed_step,
+            )
         old_keys = list(job.driver.stage_keys)
         # Snapshots are read before any worker is reloaded, from every worker still here and
         # from dropped ones that still answer (heart-beats late under load is not death).
         held = snapshot_holdings(job.job_id, [w.address for w in job.workers] + dropped, self.pool)
         t_held = time.perf_counter()
-        self._place(lost=set(lost))
+        self._place(lost=set(lost), replan=over_cap is not None)
         t_placed = time.perf_counter()
         point = self._restore(old_keys, held)
         t_end = time.perf_counter()
@@ -236,10 +271,14 @@ class Recovery:
                 )
         return lost
 
-    def _place(self, *, lost: set[str]) -> None:
-        """A new placement without the ``lost`` workers: spares step in, else re-plan."""
+    def _place(self, *, lost: set[str], replan: bool = False) -> None:
+        """A new placement without the ``lost`` workers: spares step in, else (or when
+        ``replan``) re-plan."""
         job = self.job
         job.claim()
+        if replan:
+            self._replan_or_wait()
+            return
         in_plan = {w.worker_id for w in job.stage_workers}
         spares = [w for w in job.workers if w.worker_id not in in_plan]
         gone = [w for w in job.stage_workers if w.worker_id in lost]
@@ -251,19 +290,53 @@ class Recovery:
             note = ", ".join(f"{w.name} → {replace[w.worker_id].name}" for w in gone) + "; "
             job.configure(job.stage_workers, why="replaced", same_stages=True, replace=replace, note=note)
             return
-        self._wait_for_workers()
-        job.configure(job.planning_set(job.workers), why="replanned", same_stages=False)
+        self._replan_or_wait()
 
-    def _wait_for_workers(self) -> None:
+    def _replan_or_wait(self) -> None:
+        """Re-plan onto the job's workers; while they cannot hold the model (or none is
+        left), wait for workers to join, ``pending`` and saying how much memory the job
+        needs and has. Nothing is lost meanwhile: the old stages' snapshots stay where they
+        are, and the durable checkpoints on disk."""
         job = self.job
-        deadline = time.monotonic() + WAIT_FOR_WORKERS_S
-        if not job.workers:
-            job.event("waiting_for_workers", "no live worker left; waiting for one to join")
-        while not job.workers:
-            if job.stopping() is not None or time.monotonic() > deadline:
-                raise StateError(f"no live worker left and none joined within {WAIT_FOR_WORKERS_S:.0f}s")
-            time.sleep(0.5)
-            job.claim(force=True)
+        waiting: str | None = None
+        needed = sum(s.peak_memory_bytes or 0 for s in job.plan.stages)
+        while True:
+            stop = job.stopping()
+            if stop is not None:
+                raise StateError(stop[1])
+            if job.workers:
+                try:
+                    job.configure(job.planning_set(job.workers), why="replanned", same_stages=False)
+                    break
+                except InsufficientMemoryError as e:
+                    needed = e.needed_bytes
+                    text = shortfall_text(e.needed_bytes, e.lent_bytes, e.num_workers)
+            else:
+                text = shortfall_text(needed, 0, 0)
+            if text != waiting:
+                job.wait_for(text)
+                waiting = text
+            while not job.claim(force=True):
+                if job.stopping() is not None:
+                    break
+                time.sleep(WAIT_POLL_S)
+            self._drop_silent()
+        if waiting is not None:
+            job.wait_for(None)
+
+    def _drop_silent(self) -> None:
+        """Let the job's workers that no longer answer go (they died while it waited)."""
+        job = self.job
+        for w, ok in zip(
+            list(job.workers), answering([w.address for w in job.workers], self.pool, (2.0, 8.0)), strict=True
+        ):
+            if not ok:
+                job.event(
+                    "worker_lost",
+                    f"worker {w.name} ({w.address}) stopped answering while the job waited",
+                    worker=w.name,
+                )
+                job.drop(w, "gone")
 
     def _restore(self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None) -> RestorePoint:
         """Bring every stage of the job's driver to the newest step they can all reach."""

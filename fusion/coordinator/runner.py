@@ -45,6 +45,7 @@ from fusion.config import JobSpec
 from fusion.coordinator.durable_writer import DurableWriter
 from fusion.coordinator.eligibility import CodeGate
 from fusion.coordinator.loss_plot import read_records
+from fusion.coordinator.memory_ledger import MemoryLedger, lent_bytes
 from fusion.coordinator.outputs import (
     METRICS_FILE,
     JobOutputs,
@@ -130,6 +131,8 @@ class JobRunner(threading.Thread):
         self._history: list[tuple[int, float]] = []
         self._durable: DurableWriter | None = None
         self.code_gate = CodeGate(self)
+        #: Each stage's measured peak against its worker's cap, and the factor on predictions.
+        self.memory = MemoryLedger()
         self.recovery = Recovery(self, pool=pool, checkpoints=self.checkpoints, initial=lambda: self.model.state_dict())
 
     # ------------------------------------------------------------- control from the coordinator
@@ -209,6 +212,7 @@ class JobRunner(threading.Thread):
         try:
             self.store.transition(self.job_id, "planning")
             self.enter_phase("tracing", f"the model {self.spec.model.name}")
+            self.store.set_waiting(self.job_id, None)  # what it waited for before a restart, if anything
             self._prepare()
             self.code_gate.place()
             step = self._resume_from_durable()
@@ -261,13 +265,15 @@ class JobRunner(threading.Thread):
             # a lost worker can take seconds.
             outputs.write_summary(self._summary(state, reason, t_start))
             try:
-                self.store.transition(self.job_id, state, reason)
+                if self.store.job(self.job_id).state != state:  # a waiting job stopped to wait on
+                    self.store.transition(self.job_id, state, reason)
             except FusionError as e2:
                 logger.error("job %s: could not record its end (%s): %s", self.job_id, reason, e2)
             if self._history:
                 self._plot(outputs)
         finally:
             self.end_phase()
+            _quiet(lambda: outputs.write_measured(memory=self.memory.to_dict()))
             with self._lock:
                 leaving = list(self._leaving.values())
             for event in leaving:
@@ -283,6 +289,7 @@ class JobRunner(threading.Thread):
         self.links.observe_step(
             stats.sent_bytes, stats.sent_s, [w.address for w in self.stage_workers], self.spec.train.micro_batches
         )
+        self.memory.observe(stats.peak_memory_bytes)
         record = self._record(stats, x)
         assert self._outputs is not None
         self._outputs.append_metrics(record)
@@ -370,7 +377,7 @@ class JobRunner(threading.Thread):
         strategy = self.spec.plan.strategy
         source = "the default [plan] strategy" if strategy == "opfence" else "the job file's [plan] strategy"
         self.enter_phase("searching", f"strategy {strategy}, {source}, over {len(workers)} workers")
-        return plan_job(self.spec, self._measurements.subset(indices))
+        return plan_job(self.spec, self._measurements.subset(indices), memory_scale=self.memory.scale)
 
     def configure(
         self,
@@ -425,6 +432,9 @@ class JobRunner(threading.Thread):
                 name="unload",
             )
         self.plan, self.stages, self.stage_workers = plan, stages, stage_workers
+        self.memory.placed(
+            [s.peak_memory_bytes for s in plan.stages], [(w.name, lent_bytes(w.resources)) for w in stage_workers]
+        )
         driver = self._make_driver(plan, stages, stage_workers)
         with self._lock:
             self._driver = driver
@@ -483,6 +493,7 @@ class JobRunner(threading.Thread):
             ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
             leaf_modules=spec.model.leaf_modules,
+            planned_peak_memory_bytes=[s.peak_memory_bytes or 0 for s in plan.stages],
         )
 
     @staticmethod
@@ -511,6 +522,19 @@ class JobRunner(threading.Thread):
             loss=self._history[-1][1] if self._history else float("nan"),
             samples_per_s=0.0,
         )
+
+    def wait_for(self, text: str | None) -> None:
+        """Wait, ``pending``, saying ``text`` (what the job needs and has), or with ``None``
+        go back to ``running``."""
+        state = self.store.job(self.job_id).state
+        self.store.set_waiting(self.job_id, text)
+        if text is not None:
+            self.event("waiting_for_workers", f"waiting for workers: the job {text}")
+            if state == "running":
+                self.store.transition(self.job_id, "pending")
+        elif state == "pending":
+            self.store.transition(self.job_id, "planning")
+            self.store.transition(self.job_id, "running")
 
     def _resume_from_durable(self) -> int:
         """After a coordinator restart: continue from the newest durable checkpoint."""

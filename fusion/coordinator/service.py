@@ -543,9 +543,12 @@ class CoordinatorService:
             r.worker_lost(worker_id, reason)
 
     def _claim_idle(self, runner: JobRunner) -> list[WorkerRow]:
-        """Idle workers for a running job (late joiners), unless a pending job waits for them."""
+        """Idle workers for a running job (late joiners), unless a pending job waits for them;
+        a job that waits for workers itself (pending, its runner alive) takes them."""
         with self._lock:
-            if self._stop.is_set() or self.store.jobs("pending"):
+            pending = self.store.jobs("pending")
+            waiting = any(j.job_id == runner.job_id for j in pending)
+            if self._stop.is_set() or (pending and not waiting):
                 return []
             idle = self.store.workers("idle")
             for w in idle:
@@ -567,6 +570,11 @@ class CoordinatorService:
         with self._lock:
             pending = self.store.jobs("pending")
             for k, job in enumerate(pending):
+                if job.job_id in self._runners:
+                    # It waits for memory in its runner (which set its ``waiting``), and goes first.
+                    for later in pending[k + 1 :]:
+                        self._say_waiting(later, f"the job ahead of it ({job.job_id}) to resume first")
+                    return
                 idle = self.store.workers("idle")
                 spec = JobSpec.from_json(job.spec_json)
                 if len(idle) < spec.cluster.min_workers:

@@ -85,7 +85,7 @@ class CutCodec(_message.Message):
     def __init__(self, src_stage_idx: _Optional[int] = ..., dst_stage_idx: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., keep_ratio: _Optional[float] = ..., activations: _Optional[bool] = ..., gradients: _Optional[bool] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth", "cut_codecs", "tied", "link_bytes_per_s")
+    __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth", "cut_codecs", "tied", "link_bytes_per_s", "planned_peak_memory_bytes")
     class StageAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class LoadStageRequest(_message.Message):
     CUT_CODECS_FIELD_NUMBER: _ClassVar[int]
     TIED_FIELD_NUMBER: _ClassVar[int]
     LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     model: ModelSpec
@@ -142,7 +143,8 @@ class LoadStageRequest(_message.Message):
     cut_codecs: _containers.RepeatedCompositeFieldContainer[CutCodec]
     tied: _containers.RepeatedCompositeFieldContainer[TiedParameter]
     link_bytes_per_s: _containers.ScalarMap[int, float]
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[StageInput, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., is_loss_stage: _Optional[bool] = ..., loss: _Optional[str] = ..., stage_addresses: _Optional[_Mapping[int, str]] = ..., depth: _Optional[int] = ..., train_json: _Optional[str] = ..., graph_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., micro_batch_weights: _Optional[_Iterable[float]] = ..., auth: _Optional[str] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ..., tied: _Optional[_Iterable[_Union[TiedParameter, _Mapping]]] = ..., link_bytes_per_s: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    planned_peak_memory_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., example_inputs: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[StageInput, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[StageOutput, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ValueSpec, _Mapping]]] = ..., is_loss_stage: _Optional[bool] = ..., loss: _Optional[str] = ..., stage_addresses: _Optional[_Mapping[int, str]] = ..., depth: _Optional[int] = ..., train_json: _Optional[str] = ..., graph_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., micro_batch_weights: _Optional[_Iterable[float]] = ..., auth: _Optional[str] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ..., tied: _Optional[_Iterable[_Union[TiedParameter, _Mapping]]] = ..., link_bytes_per_s: _Optional[_Mapping[int, float]] = ..., planned_peak_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class TiedParameter(_message.Message):
     __slots__ = ("name", "canonical", "holder_stage_idx")

@@ -10,7 +10,9 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
 - ``fusion``: a real ``fusion-coordinator`` (on the first host: the job owner sits at one
   site, and the driver's traffic crosses that host's links) and one ``fusion-worker`` per
   host, the job submitted with ``[plan] strategy = "opfence"`` and ``[compression] mode =
-  "adatopk"``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``.
+  "adatopk"``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``. Each
+  worker lends its host's ``memory_gb`` (``--memory-gb``); with ``--allow-code`` the workers
+  take the job's own ``module:factory`` model, importable with this process's path.
 - ``uniform``: the same fleet, ``strategy = "uniform"``, ``mode = "none"``: the naive
   decentralized pipeline.
 - ``ddp``: :mod:`testbeds.bench.baselines.ddp`, one rank per host.
@@ -67,11 +69,12 @@ from typing import Any
 
 from fusion.config import JobSpec, load_job
 from fusion.errors import FusionError
+from fusion.launch import child_env
 from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench.report import markdown, write_chart
 from testbeds.emulation import EMULATIONS
-from testbeds.net.launch import slowdown_args
+from testbeds.net.launch import host_memory_gb, slowdown_args, worker_command
 from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
 
 logger = logging.getLogger(__name__)
@@ -156,9 +159,13 @@ class FusionFleet:
         torch_threads: int = 1,
         slowdowns: Mapping[str, float] | None = None,
         emulation: str = "wall",
+        allow_code: bool = False,
     ) -> None:
+        """Each host's worker lends the host's ``memory_gb``; ``allow_code``: the workers take
+        job owners' own models, importable with this process's path (``child_env``)."""
         self.tb = tb
         self.workdir = workdir
+        env = child_env()
         self.token = secrets.token_hex(16)
         self.host0 = tb.hosts[0]
         #: The last job this fleet submitted (whose profile :meth:`model_profile` asks for).
@@ -187,6 +194,7 @@ class FusionFleet:
                 "--log-level",
                 "INFO",
             ],
+            env=env,
             stdout=open(log, "ab"),
             stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
         )
@@ -203,24 +211,20 @@ class FusionFleet:
                 host,
                 [
                     sys.executable,
-                    "-m",
-                    "testbeds.worker",
-                    "--coordinator",
-                    self.coordinator,
-                    "--token-file",
-                    str(workdir / "token"),
-                    "--name",
-                    host,
-                    "--listen",
-                    f"{tb.address(host)}:{wport}",
-                    "--torch-threads",
-                    str(torch_threads),
-                    "--log-level",
-                    "INFO",
-                    "--machine-flops",
-                    str(machine_flops),
-                    *slowdown_args((slowdowns or {}).get(host), emulation=emulation),
+                    *worker_command(
+                        coordinator=self.coordinator,
+                        token_file=workdir / "token",
+                        name=host,
+                        listen=f"{tb.address(host)}:{wport}",
+                        torch_threads=torch_threads,
+                        machine_flops=machine_flops,
+                        slowdown=(slowdowns or {}).get(host),
+                        emulation=emulation,
+                        memory_gb=host_memory_gb(tb.topology, host),
+                        allow_code=allow_code,
+                    ),
                 ],
+                env=env,
                 stdout=open(wlog, "ab"),
                 stderr=subprocess.STDOUT,  # noqa: SIM115
             )
@@ -259,12 +263,10 @@ class FusionFleet:
         return run
 
     def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True, module: str = "fusion.cli.main") -> str:
-        import os
-
         proc = self.tb.spawn(
             self.host0,
             [sys.executable, "-m", module, *args],
-            env={**os.environ, **env},
+            env={**child_env(), **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -585,7 +587,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     with open_testbed(args.topology, backend=args.backend) as tb:
         workdir = Path(tb.workdir)
         fleet = (
-            FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation)
+            FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation, allow_code=args.allow_code)
             if {"fusion", "uniform"} & set(systems)
             else None
         )
@@ -690,6 +692,12 @@ def main(argv: list[str] | None = None) -> int:
         help="what an emulated host's factor multiplies: each computation's wall time on this machine, or its "
         "seconds in fusion's coordinator profile, so that what this machine adds to a computation is paid once, "
         "not factor times (default: %(default)s; testbeds.emulation)",
+    )
+    p.add_argument(
+        "--allow-code",
+        action="store_true",
+        help="let fusion's workers run the job's own model (module:factory, importable with this PYTHONPATH); "
+        "each host's worker lends its memory_gb either way",
     )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")

@@ -13,7 +13,11 @@ Every worker computes at this machine's speed unless ``slowdowns`` names its hos
 host's ``slowdown``, or with ``python -m testbeds run --emulate-speeds`` the topology's speed
 ratios: :func:`testbeds.sim.topologies.emulated_slowdowns`), whose workers then run
 ``testbeds.worker --emulate-slowdown`` — emulation of a slower device. Every worker
-reports the machine's speed the launcher measured once (``--machine-flops``).
+reports the machine's speed the launcher measured once (``--machine-flops``), and lends
+its host's ``memory_gb`` (``--memory-gb``, shared by the host's workers), so that a model no
+host can hold must be split across hosts. With ``allow_code`` the workers take job owners'
+own models (``--allow-code``); every process gets this one's import path
+(:func:`fusion.launch.child_env`), so a ``module:factory`` importable here is importable there.
 """
 
 from __future__ import annotations
@@ -31,13 +35,59 @@ from typing import Any
 
 from fusion.config import load_job
 from fusion.launch import child_env
+from fusion.memory import GIB
 from fusion.profiling import measure_device
+from scheduler.topology import Topology
 from testbeds.net.testbed import Testbed, TestbedError, wait_for_line
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 180.0
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+def host_memory_gb(topology: Topology, host: str, workers_per_host: int = 1) -> float | None:
+    """What each of ``host``'s workers lends, in GB (GiB): the host's ``memory_gb`` shared by
+    its ``workers_per_host`` workers; ``None`` where the topology gives the host no cap."""
+    cap = topology.workers[topology.index(host)].memory_bytes
+    return None if cap is None else cap / GIB / workers_per_host
+
+
+def worker_command(
+    *,
+    coordinator: str,
+    token_file: Path,
+    name: str,
+    listen: str,
+    torch_threads: int,
+    machine_flops: float,
+    slowdown: float | None = None,
+    emulation: str = "wall",
+    memory_gb: float | None = None,
+    allow_code: bool = False,
+) -> list[str]:
+    """The arguments after ``python`` that start one testbed worker (``testbeds.worker``)."""
+    return [
+        "-m",
+        "testbeds.worker",
+        "--coordinator",
+        coordinator,
+        "--token-file",
+        str(token_file),
+        "--name",
+        name,
+        "--listen",
+        listen,
+        "--torch-threads",
+        str(torch_threads),
+        "--log-level",
+        "INFO",
+        "--machine-flops",
+        str(machine_flops),
+        *(["--memory-gb", repr(memory_gb)] if memory_gb is not None else []),
+        *(["--allow-code"] if allow_code else []),
+        *slowdown_args(slowdown, emulation=emulation),
+    ]
 
 
 def worker_names(tb: Testbed, workers_per_host: int) -> list[tuple[str, str]]:
@@ -59,6 +109,7 @@ class TestbedRun:
         torch_threads: int = 1,
         echo: Callable[[str], None] = print,
         slowdowns: Mapping[str, float] | None = None,
+        allow_code: bool = False,
     ) -> None:
         if workers_per_host < 1:
             raise TestbedError(f"--workers-per-host must be at least 1, got {workers_per_host}")
@@ -69,6 +120,7 @@ class TestbedRun:
         self.torch_threads = torch_threads
         self.echo = echo
         self.slowdowns = dict(slowdowns or {})
+        self.allow_code = allow_code
         self.env = child_env()
         self.token = secrets.token_urlsafe(18)
         self.token_file = self.log_dir / "token"
@@ -120,25 +172,17 @@ class TestbedRun:
             proc, log = self._spawn_logged(
                 host,
                 f"worker-{name}",
-                [
-                    "-m",
-                    "testbeds.worker",
-                    "--coordinator",
-                    self.coordinator,
-                    "--token-file",
-                    str(self.token_file),
-                    "--name",
-                    name,
-                    "--listen",
-                    f"{tb.address(host)}:{port}",
-                    "--torch-threads",
-                    str(self.torch_threads),
-                    "--log-level",
-                    "INFO",
-                    "--machine-flops",
-                    str(machine_flops),
-                    *slowdown_args(self.slowdowns.get(host)),
-                ],
+                worker_command(
+                    coordinator=self.coordinator,
+                    token_file=self.token_file,
+                    name=name,
+                    listen=f"{tb.address(host)}:{port}",
+                    torch_threads=self.torch_threads,
+                    machine_flops=machine_flops,
+                    slowdown=self.slowdowns.get(host),
+                    memory_gb=host_memory_gb(tb.topology, host, self.workers_per_host),
+                    allow_code=self.allow_code,
+                ),
             )
             started.append((name, proc, log))
         for _name, proc, log in started:
@@ -251,12 +295,16 @@ def run_job_on_testbed(
     timeout_s: float = 3600.0,
     echo: Callable[[str], None] = print,
     slowdowns: Mapping[str, float] | None = None,
+    allow_code: bool = False,
 ) -> dict[str, Any]:
-    """Start the fleet on ``tb``, run the job to its end, return its final status."""
+    """Start the fleet on ``tb``, run the job to its end, return its final status;
+    ``allow_code``: the workers take the job owner's own model (``module:factory``)."""
     job_file = Path(job_file)
     if not job_file.exists():
         raise TestbedError(f"no job file {job_file}")
-    run = TestbedRun(tb, log_dir, workers_per_host=workers_per_host, echo=echo, slowdowns=slowdowns)
+    run = TestbedRun(
+        tb, log_dir, workers_per_host=workers_per_host, echo=echo, slowdowns=slowdowns, allow_code=allow_code
+    )
     run.start()
     job_id = run.submit(job_file)
     status = run.follow(job_id, timeout_s=timeout_s)
