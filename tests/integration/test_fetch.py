@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
+from fusion.cli.env import EXIT_BAD_INPUT, EXIT_NOT_FOUND
 from fusion.cli.main import main
 from fusion.config import load_job
 from fusion.coordinator.client import CoordinatorClient
@@ -143,16 +144,16 @@ def test_checkpoint_brings_the_newest_and_a_second_fetch_overwrites(
 def test_wrong_token_is_refused(
     fleet: Fleet, finished: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert fetch(fleet, finished["id"], "--out", str(tmp_path), token="not-the-token-at-all") == 1
+    assert fetch(fleet, finished["id"], "--out", str(tmp_path), token="not-the-token-at-all") == EXIT_BAD_INPUT
     err = capsys.readouterr().err
-    assert "UNAUTHENTICATED" in err and "token" in err
+    assert "token" in err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_unknown_job_is_a_clear_error(fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert fetch(fleet, "job-00000000", "--out", str(tmp_path)) != 0
+    assert fetch(fleet, "job-00000000", "--out", str(tmp_path)) == EXIT_NOT_FOUND
     err = capsys.readouterr().err
-    assert "NOT_FOUND" in err and "no job with id 'job-00000000'" in err
+    assert "no job with id 'job-00000000'" in err
     assert list(tmp_path.iterdir()) == []
     assert fetch(fleet, "../etc", "--out", str(tmp_path)) == 2
     assert "is not a job id" in capsys.readouterr().err
@@ -201,7 +202,7 @@ def test_large_file_crosses_in_chunks_and_links_out_are_refused(
         (out / "plan.json").symlink_to(secret)
         assert main([*args[:3], str(tmp_path / "again"), *args[4:]]) == 1
         err = capsys.readouterr().err
-        assert "FAILED_PRECONDITION" in err and "plan.json" in err and "resolves outside" in err
+        assert "plan.json" in err and "resolves outside" in err
         assert not (tmp_path / "again").exists()
     finally:
         server.stop(grace=None)
