@@ -15,7 +15,7 @@ from fusion.wire import coordinator_pb2 as cpb
 #: Workers that can be given work, in the order the table lists them.
 LIVE_STATES = ("idle", "busy")
 
-COLUMNS = ("NAME", "ID", "STATE", "DEVICE", "SPEED", "MEMORY", "JOB", "HEARTBEAT", "ADDRESS")
+COLUMNS = ("NAME", "ID", "STATE", "DEVICE", "SPEED", "MEMORY", "MACHINE", "JOB", "HEARTBEAT", "ADDRESS")
 
 
 def select_workers(workers: Sequence[cpb.WorkerInfo], *, include_gone: bool = False) -> list[cpb.WorkerInfo]:
@@ -62,13 +62,16 @@ def human_age(seconds: float) -> str:
 def _cells(w: cpb.WorkerInfo) -> tuple[str, ...]:
     r = w.resources
     speed = f"{r.matmul_flops / 1e9:.1f} GFLOP/s" if r.matmul_flops else "-"
+    # Rows that show one machine share its compute (the planner keeps a model whole there).
+    machine = r.machine if len(r.machine) <= 20 else f"{r.machine[:8]}…{r.machine[-8:]}"
     return (
         w.name,
         w.worker_id,
         w.state,
         r.device or "-",
         speed,
-        human_bytes(r.memory_bytes),
+        human_bytes(r.device_memory_bytes or r.memory_bytes),  # what the worker lends its stages
+        machine or "-",
         w.job_id or "-",
         human_age(w.last_heartbeat_age_s),
         w.address,

@@ -209,13 +209,14 @@ def test_worker_sending_nan_gradients_is_excluded_and_the_job_finishes(tmp_path:
         assert sorted(losses) == list(range(16))
         assert all(math.isfinite(v) for v in losses.values()), losses
         assert states["bad"] == "excluded" and states["w0"] == "idle" and states["w2"] == "idle", states
-        # The CLI shows the same.
+        # The CLI shows the same (excluded workers with --all).
         out = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "fusion.cli.main",
                 "workers",
+                "--all",
                 "--coordinator",
                 fleet.coordinator_address,
                 "--token",
