@@ -212,7 +212,6 @@ class JobRunner(threading.Thread):
         try:
             self.store.transition(self.job_id, "planning")
             self.enter_phase("tracing", f"the model {self.spec.model.name}")
-            self.store.set_waiting(self.job_id, None)  # what it waited for before a restart, if anything
             self._prepare()
             self.code_gate.place()
             step = self._resume_from_durable()
