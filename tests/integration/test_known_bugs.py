@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from fusion.cli.env import EXIT_BAD_INPUT
 from fusion.launch import Fleet, child_env
@@ -99,3 +100,33 @@ def test_an_output_dir_gone_before_the_job_starts_fails_the_job_with_the_reason(
         assert str(job_dir) in shown.stdout, shown.stdout
     finally:
         fleet.stop(second)
+
+
+def demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fusion.cli.main", "demo", *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_demo_device_reaches_the_coordinator_and_the_workers(tmp_path: Path) -> None:
+    r = demo("--device", "cpu", "--workers", "1", "--steps", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    for log in ("coordinator.log", "worker-demo-worker-0.log"):
+        command = (tmp_path / "logs" / log).read_text().splitlines()[0]
+        assert command.startswith("$ ") and "--device cpu" in command, (log, command)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_demo_on_cuda_without_cuda_is_one_error_before_any_process(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    r = demo("--device", "cuda", "--out", str(tmp_path), timeout=60)
+    assert r.returncode == EXIT_BAD_INPUT, (r.stdout, r.stderr)
+    assert r.stderr.strip() == (
+        "error: --device cuda: CUDA is not available on this machine; "
+        "the demo runs every process here (use --device cpu)"
+    )
+    assert not (tmp_path / "logs").exists() and time.monotonic() - t0 < 30
