@@ -98,6 +98,7 @@ def demo_job(args: argparse.Namespace, out: Path) -> JobSpec:
 def run_demo(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    _check_device(args.device)
     out = Path(args.out).expanduser().resolve()
     spec = demo_job(args, out)
     token = secrets.token_urlsafe(16)
@@ -111,7 +112,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{args.workers} workers; logs in {out / 'logs'}"
     )
     with Fleet(out / "logs") as fleet:
-        address = fleet.start_coordinator(token=token, state_dir=state)
+        address = fleet.start_coordinator(token=token, state_dir=state, device=args.device)
         print(f"  coordinator on {address}")
         names = [f"demo-worker-{i}" for i in range(args.workers)]
         for name in names:
@@ -161,6 +162,18 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"  curve:   {job_dir / 'loss.png'}")
     print(f"  metrics: {job_dir / 'metrics.jsonl'}")
     return 0
+
+
+def _check_device(name: str) -> None:
+    """Refuse a device this machine lacks before any process starts: the coordinator places
+    every stage on it and each worker measures it when it joins."""
+    from executor.build import parse_device
+
+    try:
+        parse_device(name)
+    except ConfigError as e:
+        why = "CUDA is not available on this machine" if name.startswith("cuda") else str(e)
+        raise ConfigError(f"--device {name}: {why}; the demo runs every process here (use --device cpu)") from e
 
 
 def _last_losses(job_dir: Path, n: int) -> list[float]:

@@ -206,7 +206,14 @@ class JobRunner(threading.Thread):
 
     # ------------------------------------------------------------- the job
     def run(self) -> None:
-        outputs = JobOutputs(self.output_dir)
+        try:
+            outputs = JobOutputs(self.output_dir)
+        except OSError as e:  # made at submit; removed or made unwritable since
+            reason = f"cannot create the job's output directory {self.output_dir} ({e.strerror or e})"
+            logger.error("job %s failed: %s", self.job_id, reason)
+            self.store.transition(self.job_id, "failed", reason)
+            self.on_done(self)
+            return
         self._outputs = outputs
         t_start = time.time()
         try:

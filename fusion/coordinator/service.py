@@ -325,7 +325,7 @@ class CoordinatorService:
         spec = JobSpec.from_json(request.spec_json)
         validate_job(spec)
         job_id = f"job-{uuid.uuid4().hex[:8]}"
-        output_dir = str(Path(spec.output.dir).expanduser().resolve() / job_id)
+        output_dir = str(_create_output_dir(Path(spec.output.dir).expanduser().resolve() / job_id))
         self.store.add_job(
             job_id=job_id,
             name=spec.name,
@@ -638,6 +638,19 @@ def waiting_for_workers(min_workers: int, workers: list[WorkerRow]) -> str:
     if not any(w.state in ("idle", "busy") for w in workers):
         parts.append("no worker is connected")
     return f"{missing} more idle worker{'s' if missing != 1 else ''}: " + ", ".join(parts)
+
+
+def _create_output_dir(path: Path) -> Path:
+    """Create a job's output directory at submit, so a directory the coordinator cannot
+    write is refused to the submitter at once rather than found when the job starts."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"output.dir: cannot create {path} on the coordinator ({e.strerror or e}); "
+            "choose a directory the coordinator's user can write"
+        ) from e
+    return path
 
 
 def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:

@@ -52,10 +52,12 @@ class Fleet:
         port: int = 0,
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 6.0,
+        device: str = "cpu",
         extra_args: Sequence[str] = (),
         timeout_s: float = 60.0,
     ) -> str:
-        """Start ``fusion-coordinator``; returns its HOST:PORT once it listens."""
+        """Start ``fusion-coordinator``; returns its HOST:PORT once it listens. ``device``: what
+        the jobs' stages run on (``--device``)."""
         token_file = self.log_dir / "token"
         token_file.write_text(token)
         token_file.chmod(0o600)
@@ -74,6 +76,8 @@ class Fleet:
             str(heartbeat_interval_s),
             "--heartbeat-timeout",
             str(heartbeat_timeout_s),
+            "--device",
+            device,
             "--log-level",
             "INFO",
             *extra_args,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -72,10 +73,13 @@ class ProcessGroup:
         return self.log_dir / f"{name}.log"
 
     def spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
-        """Start ``python ARGS`` as process ``name``; a restart under the same name appends to its log."""
+        """Start ``python ARGS`` as process ``name``; a restart under the same name appends to its
+        log. The log starts with the command line (``$ python ARGS``), which :meth:`wait_for` skips."""
         log = self.log_path(name)
-        self._log_start[name] = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as f:
+            f.write(("$ " + shlex.join([sys.executable, *args]) + "\n").encode())
+            f.flush()
+            self._log_start[name] = f.tell()
             proc = subprocess.Popen(
                 [sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
