@@ -53,12 +53,16 @@ from fusion.auth import (
     unwrap_job_key,
     verify,
 )
-from fusion.errors import AuthError, RateLimitError, WireError
+from fusion.errors import AuthError, RateLimitError, StateError, WireError
 
 logger = logging.getLogger(__name__)
 
 #: Longest deadline a call may ask for: a transfer of the 8 GiB limit at 8 Mbps.
 MAX_CALL_S = 3 * 3600.0
+
+#: Replaced job keys remembered per job, and jobs remembered, to name a stale call as such.
+RETIRED_KEYS_PER_JOB = 4
+RETIRED_JOBS = 64
 
 #: Credentials each RPC accepts; unlisted RPCs accept the control key or the job key.
 POLICY: dict[str, frozenset[str]] = {
@@ -131,6 +135,8 @@ class ExecutorAccess:
         self.failures = RateLimiter(burst=failure_burst, per_s=failures_per_s)
         self.max_streams_per_peer = max_streams_per_peer
         self._streams: dict[tuple[str, str, str], int] = {}
+        #: Job id -> keys of its replaced placements, newest last (:meth:`_stale`).
+        self._retired: dict[str, list[bytes]] = {}
         self._lock = threading.Lock()
         self.num_refused = 0
 
@@ -153,10 +159,35 @@ class ExecutorAccess:
         existing = self.keyring.job(job_id)
         if existing is not None and existing != key:
             logger.info("job %s gets a new job key", job_id)
+            self._retire(job_id, existing)
         self.keyring.set_job(job_id, key)
 
     def drop_job(self, job_id: str) -> None:
+        existing = self.keyring.job(job_id)
+        if existing is not None:
+            self._retire(job_id, existing)
         self.keyring.drop_job(job_id)
+
+    def _retire(self, job_id: str, key: bytes) -> None:
+        """Remember a replaced job key: each placement of a job has its own (the driver's), so
+        a call signed with an old one comes from a stage of a placement that was replaced."""
+        with self._lock:
+            keys = self._retired.pop(job_id, [])
+            self._retired[job_id] = [k for k in keys if k != key][-(RETIRED_KEYS_PER_JOB - 1) :] + [key]
+            while len(self._retired) > RETIRED_JOBS:
+                self._retired.pop(next(iter(self._retired)))
+
+    def _stale(self, claim: Claim, method: str) -> bool:
+        """Whether a job credential that failed was signed with a replaced key of its job."""
+        with self._lock:
+            keys = list(self._retired.get(claim.scope, ()))
+        for key in keys:
+            try:
+                verify(claim, key, method=method, nonces=self.nonces)
+            except AuthError:
+                continue
+            return True
+        return False
 
     # ------------------------------------------------------------- checks
     def _key_for(self, claim: Claim) -> bytes:
@@ -189,7 +220,19 @@ class ExecutorAccess:
                 raise AuthError(
                     f"{method} does not accept a {claim.scheme} credential (needs {'/'.join(sorted(allowed))})"
                 )
-            verify(claim, self._key_for(claim), method=method, nonces=self.nonces)
+            try:
+                verify(claim, self._key_for(claim), method=method, nonces=self.nonces)
+            except AuthError as e:
+                if claim.scheme == SCHEME_JOB and self._stale(claim, method):
+                    # Not a forgery (not counted against the address): a stage of a replaced
+                    # placement (its worker frozen or cut off past the heartbeat timeout, or
+                    # a re-plan it missed) still sending. Refused; the current one is untouched.
+                    raise StateError(
+                        f"stale {method} for job {claim.scope!r}: it is signed with the job key of a placement "
+                        "that was replaced (the sender missed a re-plan, e.g. it was frozen or cut off past the "
+                        "heartbeat timeout); refused, the current placement is unchanged"
+                    ) from e
+                raise
         except AuthError as e:
             with self._lock:
                 self.num_refused += 1
@@ -255,6 +298,8 @@ def _abort(context: grpc.ServicerContext, error: Exception) -> None:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(error).__name__}: {error}")
     if isinstance(error, AuthError):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"AuthError: {error}")
+    if isinstance(error, StateError):  # a stale call of a replaced placement
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"StateError: {error}")
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
 
 
@@ -292,7 +337,7 @@ def guard(method: str, fn: Callable[..., Any], access: ExecutorAccess, *, client
                 principal = access.authenticate(method, context)
                 slot = access.stream_slot(peer_host(context.peer() or ""), principal)
                 slot.__enter__()
-            except (AuthError, RateLimitError, WireError) as e:
+            except (AuthError, RateLimitError, StateError, WireError) as e:
                 _abort(context, e)
             try:
                 return fn(_checked_chunks(request_iterator, principal, method), context)
@@ -307,7 +352,7 @@ def guard(method: str, fn: Callable[..., Any], access: ExecutorAccess, *, client
             if isinstance(request, Malformed):
                 raise WireError(f"malformed {method} request: {request.reason}")
             access.check_scope(principal, method, job_id_of(request))
-        except (AuthError, RateLimitError, WireError) as e:
+        except (AuthError, RateLimitError, StateError, WireError) as e:
             _abort(context, e)
         return fn(request, context)
 

@@ -2,7 +2,8 @@
 
 The worker is passive: once registered, the coordinator (and peer workers) call its
 Executor service to load stages and run steps. The worker only keeps its registration
-alive — heart-beating, re-registering if the coordinator restarted and forgot it — and
+alive — heart-beating, re-registering under its name if the coordinator restarted and
+forgot it or declared it gone (a laptop that slept, a link that dropped) — and
 deregisters when it is stopped, so a clean leave fails no job by surprise.
 """
 
@@ -142,7 +143,12 @@ class Worker:
                     raise AuthError(f"the coordinator at {self.coordinator} refused this worker: {e}") from e
                 if time.monotonic() > deadline or self._stop.is_set():
                     raise
-                logger.warning("coordinator %s not reachable yet (%s); retrying", self.coordinator, e.code)
+                if e.code == "FAILED_PRECONDITION":  # e.g. its name is still held by a live registration
+                    logger.warning(
+                        "the coordinator at %s refused this worker for now: %s; retrying", self.coordinator, e
+                    )
+                else:
+                    logger.warning("coordinator %s not reachable yet (%s); retrying", self.coordinator, e.code)
                 time.sleep(1.0)
         self.worker_id = response.worker_id
         self.heartbeat_interval_s = response.heartbeat_interval_s or 2.0
@@ -158,9 +164,16 @@ class Worker:
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
                 if not self.client.heartbeat(self.worker_id):
+                    # The coordinator restarted, or declared this worker gone (it was frozen or
+                    # cut off past the heartbeat timeout): its jobs went on without it, so its
+                    # stages are stale. They go before it registers again under its name, so a
+                    # job that takes it back loads it afresh; stale sends they still had in
+                    # flight are refused by their peers (a replaced placement's job key). Its
+                    # snapshots stay: they are true states of their steps, which a recovery
+                    # already under way may still read (the job's next unload drops them).
                     logger.warning("the coordinator no longer knows this worker; registering again")
-                    for job_id in self.service.jobs():  # its jobs were failed by the restart
-                        self.service.unload(job_id)
+                    for job_id in self.service.jobs():
+                        self.service.unload(job_id, keep_snapshots=True)
                     self.client.credential = self._token
                     self._register(wait_s=self.register_timeout_s)
             except FusionError as e:

@@ -6,6 +6,11 @@ flushed and renamed, the JSON last, so a checkpoint exists only once it is compl
 crash mid-write leaves a ``.tmp`` file that is ignored and cleaned up. Loading re-hashes the
 file and refuses it on any mismatch (a flipped byte is never loaded). The newest ``keep``
 are kept.
+
+A write that fails (a full disk: ``ENOSPC``, or any other ``OSError``) raises that error and
+leaves the directory as it found it: no partial file, and the older checkpoints all kept
+(pruning happens only after a complete write), so a later write can succeed once there is
+room again.
 """
 
 from __future__ import annotations
@@ -31,12 +36,18 @@ class CheckpointFile:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file; on any ``OSError`` the temporary
+    file is removed and the error raised (``path`` is untouched)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class CheckpointDir:
@@ -52,14 +63,21 @@ class CheckpointDir:
     def write(
         self, step: int, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
     ) -> CheckpointFile:
-        """Write the state after ``step`` optimizer steps; prune to the newest ``keep``."""
+        """Write the state after ``step`` optimizer steps; prune to the newest ``keep``.
+
+        Raises the ``OSError`` of a failed write (e.g. ``ENOSPC``) with nothing of this
+        checkpoint left behind and every older one kept."""
         self.root.mkdir(parents=True, exist_ok=True)
         data, sha = encode(state, {**(metadata or {}), "step": str(step), "format": "fusion-checkpoint-1"})
         blob, meta = self._paths(step)
         _write_atomic(blob, data)
-        _write_atomic(
-            meta, json.dumps({"step": step, "sha256": sha, "size_bytes": len(data), "file": blob.name}).encode()
-        )
+        try:
+            _write_atomic(
+                meta, json.dumps({"step": step, "sha256": sha, "size_bytes": len(data), "file": blob.name}).encode()
+            )
+        except OSError:
+            blob.unlink(missing_ok=True)  # a blob without its record is no checkpoint
+            raise
         for old in self.list()[: -self.keep]:
             for p in self._paths(old.step):
                 p.unlink(missing_ok=True)

@@ -4,7 +4,8 @@ The runner asks for one every ``checkpoint.durable_every`` steps; this fetches e
 snapshot of that step from its worker (waiting for the background copy to finish), merges
 them into the whole model's state and writes it with :class:`fusion.checkpoint.CheckpointDir`,
 recording it with the job's :class:`CheckpointRecords` (the coordinator's SQLite store is
-one). Training goes on meanwhile.
+one). Training goes on meanwhile, and when a checkpoint cannot be written (a full disk)
+the job logs a ``checkpoint_failed`` event naming the checkpoints it keeps and trains on.
 """
 
 from __future__ import annotations
@@ -98,8 +99,26 @@ class DurableWriter:
                     "step": step,
                 },
             )
-        except (FusionError, OSError) as e:
-            logger.warning("job %s: durable checkpoint at step %d failed: %s", self.job_id, step, e)
+        except OSError as e:
+            # A full disk (ENOSPC) or an unwritable directory: the job trains on, with the
+            # older checkpoints, which the failed write left in place; the next one is tried
+            # as usual, and succeeds once there is room again.
+            self._failed(step, f"{e.strerror or type(e).__name__} ({e.filename or self.checkpoints.root})")
+        except FusionError as e:
+            self._failed(step, str(e))
+
+    def _failed(self, step: int, why: str) -> None:
+        kept = [c.path.name for c in self.checkpoints.list()]
+        message = f"checkpoint at step {step} failed: {why}; " + (
+            f"keeping {', '.join(kept)}" if kept else "no earlier checkpoint to keep"
+        )
+        logger.warning("job %s: %s", self.job_id, message)
+        try:
+            self.records.log(
+                self.job_id, "event", {"event": "checkpoint_failed", "message": message, "step": step, "kept": kept}
+            )
+        except Exception:  # the job's log is on the same disk: say it here, and train on
+            logger.exception("job %s: could not record the failed checkpoint", self.job_id)
 
     def wait(self) -> None:
         """Block until the checkpoint being written (if any) is done."""

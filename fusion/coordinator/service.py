@@ -259,14 +259,68 @@ class CoordinatorService:
         from google.protobuf.json_format import MessageToDict
 
         resources = MessageToDict(request.resources, preserving_proto_field_name=True)
-        self.store.add_worker(
-            worker_id=worker_id, name=name, address=request.address, resources=resources, session_hash=_hash(session)
-        )
+        with self._lock:
+            # One live row per name: checked and written under the lock, so two processes
+            # registering one name at once cannot both get in.
+            retired = self._admit_name(name, request.address)
+            self.store.add_worker(
+                worker_id=worker_id,
+                name=name,
+                address=request.address,
+                resources=resources,
+                session_hash=_hash(session),
+            )
+        for old, why in retired:
+            self._fail_jobs_of(old.worker_id, f"worker {name} ({old.address}) {why}")
         logger.info("worker %s (%s) joined from %s", name, worker_id, request.address)
         self._wake.set()
         return cpb.RegisterResponse(
             worker_id=worker_id, session=session, heartbeat_interval_s=self.heartbeat_interval_s
         )
+
+    def _admit_name(self, name: str, address: str) -> list[tuple[WorkerRow, str]]:
+        """Make room for a registration of ``name`` from ``address``; call under ``_lock``.
+
+        A name belongs to one volunteer. Its earlier registrations that are live (``idle``
+        or ``busy``) are retired (declared ``gone``) when they are the same volunteer back,
+        which a live row cannot tell apart from a stale one: the same executor address (no
+        second live process can serve on it), or a row silent past the heartbeat timeout
+        that the background loop has not reaped yet. Any other live holder of the name is a
+        different process, and the registration is refused (``StateError``).
+
+        Returns the rows whose jobs must hear that the worker is gone, with why: the live
+        rows retired here, and the rows already ``gone`` that a running job still holds (a
+        worker frozen or cut off past the timeout, back before its job let it go). The job
+        drops the old row at its next failure or recovery; until then
+        :meth:`_claim_idle` keeps the new row from it, so no plan sees two rows of one name.
+        """
+        now = time.time()
+        retired: list[tuple[WorkerRow, str]] = []
+        for row in self.store.workers():
+            if row.name != name:
+                continue
+            silent_s = now - row.last_heartbeat
+            if row.state in ("idle", "busy"):
+                if row.address != address and silent_s <= self.heartbeat_timeout_s:
+                    raise StateError(
+                        f"worker name {name!r} is taken by a live worker at {row.address} (its last heartbeat "
+                        f"{silent_s:.1f}s ago): every worker needs a unique name; start this one with another "
+                        "--name, or stop the other one first"
+                    )
+                self.store.set_worker_state(row.worker_id, "gone")
+                logger.warning(
+                    "worker %s registered again from %s; its earlier registration %s (%s, %s, %.1fs silent) is dropped",
+                    name,
+                    address,
+                    row.worker_id,
+                    row.address,
+                    row.state,
+                    silent_s,
+                )
+                retired.append((row, f"registered again from {address}; its earlier registration is dropped"))
+            elif row.state == "gone" and any(row.worker_id in r.worker_ids for r in self._runners.values()):
+                retired.append((row, f"was declared gone and registered again from {address}"))
+        return retired
 
     @rpc_errors
     def Heartbeat(self, request: cpb.HeartbeatRequest, context: grpc.ServicerContext) -> cpb.HeartbeatResponse:
@@ -285,6 +339,13 @@ class CoordinatorService:
     def Deregister(self, request: cpb.DeregisterRequest, context: grpc.ServicerContext) -> cpb.DeregisterResponse:
         self._check_worker(context, request.worker_id)
         row = self.store.worker(request.worker_id)
+        if row.state == "gone":
+            # A stale call (a worker frozen or cut off past the timeout, stopped before it
+            # registered again): its jobs already recovered without it; nothing changes.
+            raise StateError(
+                f"worker {row.name} ({request.worker_id}) is no longer registered: it was declared gone "
+                "(no heartbeat within the timeout), so there is nothing to deregister"
+            )
         reason = request.reason or "deregistered"
         with self._lock:
             runners = [r for r in self._runners.values() if request.worker_id in r.worker_ids]
@@ -550,7 +611,10 @@ class CoordinatorService:
             waiting = any(j.job_id == runner.job_id for j in pending)
             if self._stop.is_set() or (pending and not waiting):
                 return []
-            idle = self.store.workers("idle")
+            # A worker back under a name the job still holds (its old row, gone) waits
+            # until the job has let the old row go: a plan never sees one name twice.
+            held = {w.name for w in list(runner.workers)}
+            idle = [w for w in self.store.workers("idle") if w.name not in held]
             for w in idle:
                 self.store.set_worker_state(w.worker_id, "busy", runner.job_id)
             return idle
