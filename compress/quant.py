@@ -85,26 +85,26 @@ def quantize(
     numel = x.numel()
     if numel == 0:
         return b"", b""
-    if not bool(torch.isfinite(x).all()):
+    qmax = 2 ** (bits - 1) - 1
+    nb = num_blocks(numel, block_size)
+    blocks = torch.nn.functional.pad(x, (0, nb * block_size - numel)).view(nb, block_size)  # (nb, B)
+    absmax = blocks.abs().amax(dim=1)  # (nb,); NaN and inf propagate into it
+    if not bool(torch.isfinite(absmax).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise CompressionError(
             f"{codec}: the tensor has {bad} NaN/Inf value(s) of {numel}; quantization carries finite values only "
             "(the computation that produced it diverged)"
         )
-    qmax = 2 ** (bits - 1) - 1
-    nb = num_blocks(numel, block_size)
-    blocks = torch.nn.functional.pad(x, (0, nb * block_size - numel)).view(nb, block_size)  # (nb, B)
-    scales = blocks.abs().amax(dim=1) / qmax  # (nb,)
+    scales = absmax / qmax  # (nb,)
     # Round the scale up where float division rounded it down, so |x| / s <= q_max holds.
-    low = scales * qmax < blocks.abs().amax(dim=1)
-    scales = torch.where(low, torch.nextafter(scales, torch.full_like(scales, math.inf)), scales)
-    y = blocks / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)  # (nb, B)
+    scales = torch.where(scales * qmax < absmax, torch.nextafter(scales, torch.full_like(scales, math.inf)), scales)
+    y = blocks * (1.0 / torch.where(scales > 0, scales, torch.ones_like(scales))).unsqueeze(1)  # (nb, B)
     if seed is None:
-        q = torch.round(y)
+        y.round_()
     else:
         generator = torch.Generator().manual_seed(int(seed))
-        q = torch.floor(y + torch.rand(y.shape, generator=generator))
-    q = q.clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:numel]  # (numel,)
+        y.add_(torch.rand(y.shape, generator=generator)).floor_()
+    q = y.clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:numel]  # (numel,)
     if bits == 8:
         packed = q
     else:
@@ -144,8 +144,8 @@ def dequantize(
         if bool((nibbles == 0).any()):
             raise CompressionError(f"{codec}: 4-bit code 0 (-8) is outside the symmetric range [-7, 7]")
         q = nibbles.to(torch.int8) - 8
-    per_entry = scales.repeat_interleave(block_size)[:numel]  # (numel,)
-    return q.to(torch.float32) * per_entry
+    q = torch.nn.functional.pad(q.to(torch.float32), (0, nb * block_size - numel)).view(nb, block_size)
+    return (q * scales.unsqueeze(1)).reshape(-1)[:numel]  # (numel,)
 
 
 def check_block_size(block_size: int, *, codec: str) -> None:
