@@ -9,12 +9,14 @@ Importing this package registers every codec and checks that each value of the w
 
 from __future__ import annotations
 
-from compress import dense, topk  # noqa: F401  (registers the codecs)
+from compress import dense, quant, topk, topk_quant  # noqa: F401  (registers the codecs)
 from compress.base import REGISTRY, Compressor, Encoded, check_registry, codec_value, get_compressor, register
 from compress.controller import AdaTopK
 from compress.dense import Fp16Compressor, NoneCompressor, ZstdCompressor
 from compress.feedback import ErrorFeedback
+from compress.quant import QuantCompressor
 from compress.topk import TopKCompressor, num_kept, topk_encoded_size
+from compress.topk_quant import TopKQuantCompressor
 
 check_registry()
 
@@ -26,7 +28,9 @@ __all__ = [
     "ErrorFeedback",
     "Fp16Compressor",
     "NoneCompressor",
+    "QuantCompressor",
     "TopKCompressor",
+    "TopKQuantCompressor",
     "ZstdCompressor",
     "check_registry",
     "codec_value",

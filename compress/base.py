@@ -61,22 +61,27 @@ class Compressor(abc.ABC):
     codec: ClassVar[int]
     """The wire enum value this codec is registered under."""
     name: ClassVar[str]
-    """Short name used in job files and plans (``"none"``, ``"zstd"``, ``"fp16"``, ``"topk"``)."""
+    """Short name used in plans (``"none"``, ``"zstd"``, ``"fp16"``, ``"topk"``, ``"quant"``, ``"topk-quant"``)."""
     lossless: ClassVar[bool]
     """Whether decoding gives back the input bit for bit."""
 
     @abc.abstractmethod
-    def encode(self, tensor: torch.Tensor, *, keep_ratio: float = 1.0) -> Encoded:
+    def encode(
+        self, tensor: torch.Tensor, *, keep_ratio: float = 1.0, bits: int = 8, seed: int | None = None
+    ) -> Encoded:
         """Encode ``tensor`` (any device; it is not modified).
 
         Args:
             tensor: the tensor to send.
             keep_ratio: fraction of entries to keep, in ``(0, 1]``; only sparsifying codecs
                 look at it.
+            bits: bits per value, 4 or 8; only quantizing codecs look at it.
+            seed: quantizing codecs round stochastically (unbiased) with this seed, and to
+                nearest when it is None; the same seed gives the same bytes.
 
         Raises:
-            CompressionError: the codec cannot encode this dtype.
-            ValueError: ``keep_ratio`` is out of range.
+            CompressionError: the codec cannot encode this dtype (or these values).
+            ValueError: ``keep_ratio`` or ``bits`` is out of range.
         """
 
     @abc.abstractmethod

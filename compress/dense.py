@@ -69,8 +69,10 @@ class NoneCompressor(Compressor):
     name = "none"
     lossless = True
 
-    def encode(self, tensor: torch.Tensor, *, keep_ratio: float = 1.0) -> Encoded:
-        """Raw bytes of ``tensor``; ``keep_ratio`` is ignored."""
+    def encode(
+        self, tensor: torch.Tensor, *, keep_ratio: float = 1.0, bits: int = 8, seed: int | None = None
+    ) -> Encoded:
+        """Raw bytes of ``tensor``; the options are ignored."""
         return Encoded(self.codec, flat_bytes(tensor), _dense_bytes(tensor))
 
     def decode(self, data: bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -89,8 +91,10 @@ class ZstdCompressor(Compressor):
     name = "zstd"
     lossless = True
 
-    def encode(self, tensor: torch.Tensor, *, keep_ratio: float = 1.0) -> Encoded:
-        """zstd of the raw bytes; ``keep_ratio`` is ignored."""
+    def encode(
+        self, tensor: torch.Tensor, *, keep_ratio: float = 1.0, bits: int = 8, seed: int | None = None
+    ) -> Encoded:
+        """zstd of the raw bytes; the options are ignored."""
         return Encoded(self.codec, zstd_compress(flat_bytes(tensor)), _dense_bytes(tensor))
 
     def decode(self, data: bytes | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -110,8 +114,10 @@ class Fp16Compressor(Compressor):
     name = "fp16"
     lossless = False
 
-    def encode(self, tensor: torch.Tensor, *, keep_ratio: float = 1.0) -> Encoded:
-        """float16 bytes of ``tensor`` (saturating, see :func:`to_half_saturating`); ``keep_ratio`` is ignored.
+    def encode(
+        self, tensor: torch.Tensor, *, keep_ratio: float = 1.0, bits: int = 8, seed: int | None = None
+    ) -> Encoded:
+        """float16 bytes of ``tensor`` (saturating, see :func:`to_half_saturating`); the options are ignored.
 
         Raises:
             CompressionError: ``tensor`` is not floating point.

@@ -184,6 +184,65 @@ def _bracketed_mask(mag: torch.Tensor, k: int) -> torch.Tensor | None:
     return above
 
 
+def encode_indices(idx: torch.Tensor, mask: torch.Tensor) -> tuple[IndexKind, bytes]:
+    """The smaller index section for ascending positions ``idx`` ``(k,)`` and their flat
+    bool ``mask`` ``(numel,)``: deltas in the narrowest width that holds the largest gap, or
+    a bitmap when that is no larger."""
+    numel, k = mask.numel(), idx.numel()
+    if k > 0:
+        deltas = np.diff(idx.cpu().numpy(), prepend=0)  # (k,) int64; first = first index
+        delta_kind = _delta_kind(int(deltas.max()))
+        if delta_kind is not None and k * _DELTA_DTYPES[delta_kind].itemsize < _bitmap_bytes(numel):
+            return delta_kind, deltas.astype(_DELTA_DTYPES[delta_kind]).tobytes()
+    return IndexKind.BITMAP, np.packbits(mask.cpu().numpy()).tobytes()
+
+
+def index_section_bytes(kind: IndexKind, k: int, numel: int, *, codec: str) -> int:
+    """Bytes of an index section of ``kind`` for ``k`` of ``numel`` positions.
+
+    Raises:
+        CompressionError: deltas would be larger than a bitmap (no encoder sends that).
+    """
+    bitmap_bytes = _bitmap_bytes(numel)
+    if kind is IndexKind.BITMAP:
+        return bitmap_bytes
+    index_bytes = k * _DELTA_DTYPES[kind].itemsize
+    if index_bytes > bitmap_bytes:
+        raise CompressionError(
+            f"{codec}: {kind.name} indices take {index_bytes} bytes, more than a {bitmap_bytes}-byte bitmap; "
+            "this encoder never sends that"
+        )
+    return index_bytes
+
+
+def decode_indices(raw: bytes, offset: int, kind: IndexKind, k: int, numel: int, *, codec: str) -> np.ndarray:
+    """The ``k`` ascending positions, ``(k,)`` int64, of the index section at ``offset``
+    (whose length the caller has checked).
+
+    Raises:
+        CompressionError: padding bits set, a count that is not ``k``, a repeated position
+            or one past ``numel - 1``.
+    """
+    if kind is IndexKind.BITMAP:
+        bitmap_bytes = _bitmap_bytes(numel)
+        bits = np.unpackbits(np.frombuffer(raw, np.uint8, count=bitmap_bytes, offset=offset)).view(np.bool_)
+        if bits[numel:].any():  # bits: (8 * bitmap_bytes,), as bool for numpy's fast nonzero
+            raise CompressionError(f"{codec}: bitmap has padding bits set past the last element")
+        idx = np.flatnonzero(bits[:numel])  # (popcount,) ascending
+        if idx.size != k:
+            raise CompressionError(f"{codec}: bitmap keeps {idx.size} positions, the header says k = {k}")
+        return idx
+    deltas = np.frombuffer(raw, _DELTA_DTYPES[kind], count=k, offset=offset)  # (k,)
+    if k > 1 and not deltas[1:].all():
+        raise CompressionError(f"{codec}: delta indices repeat a position (a zero gap after the first)")
+    idx = np.cumsum(deltas, dtype=np.int64)  # (k,) strictly ascending
+    if k > 0 and idx[-1] >= numel:
+        raise CompressionError(
+            f"{codec}: delta indices reach position {int(idx[-1])}, past the last element {numel - 1}"
+        )
+    return idx
+
+
 @register
 class TopKCompressor(Compressor):
     """Keep the ``k`` largest-magnitude entries of a float tensor, in float16."""
@@ -192,7 +251,9 @@ class TopKCompressor(Compressor):
     name = "topk"
     lossless = False
 
-    def encode(self, tensor: torch.Tensor, *, keep_ratio: float = 1.0) -> Encoded:
+    def encode(
+        self, tensor: torch.Tensor, *, keep_ratio: float = 1.0, bits: int = 8, seed: int | None = None
+    ) -> Encoded:
         """Sparsify ``tensor`` to ``num_kept(numel, keep_ratio)`` entries.
 
         ``Encoded.mask`` is the kept positions, a flat bool ``(numel,)`` on ``tensor``'s device.
@@ -211,15 +272,7 @@ class TopKCompressor(Compressor):
         idx, mask = select_topk(flat, k)
         values = to_half_saturating(flat[idx]).cpu().numpy().astype("<f2", copy=False)  # (k,)
 
-        bitmap_bytes = _bitmap_bytes(numel)
-        kind, index_section = IndexKind.BITMAP, None
-        if k > 0:
-            deltas = np.diff(idx.cpu().numpy(), prepend=0)  # (k,) int64; first = first index
-            delta_kind = _delta_kind(int(deltas.max()))
-            if delta_kind is not None and k * _DELTA_DTYPES[delta_kind].itemsize < bitmap_bytes:
-                kind, index_section = delta_kind, deltas.astype(_DELTA_DTYPES[delta_kind]).tobytes()
-        if index_section is None:
-            index_section = np.packbits(mask.cpu().numpy()).tobytes()
+        kind, index_section = encode_indices(idx, mask)
         payload = b"".join((HEADER.pack(MAGIC, FORMAT_VERSION, kind, k, numel), index_section, values.tobytes()))
         return Encoded(self.codec, zstd_compress(payload), numel * tensor.element_size(), mask)
 
@@ -255,15 +308,7 @@ class TopKCompressor(Compressor):
         if k > numel or (k == 0 and numel > 0):
             raise CompressionError(f"topk: k = {k} is not in [1, {numel}]")
 
-        if kind is IndexKind.BITMAP:
-            index_bytes = bitmap_bytes
-        else:
-            index_bytes = k * _DELTA_DTYPES[kind].itemsize
-            if index_bytes > bitmap_bytes:
-                raise CompressionError(
-                    f"topk: {kind.name} indices take {index_bytes} bytes, more than a {bitmap_bytes}-byte bitmap; "
-                    "this encoder never sends that"
-                )
+        index_bytes = index_section_bytes(kind, k, numel, codec=self.name)
         expected = HEADER.size + index_bytes + VALUE_BYTES * k
         if len(raw) != expected:
             raise CompressionError(
@@ -271,22 +316,7 @@ class TopKCompressor(Compressor):
             )
 
         offset = HEADER.size
-        if kind is IndexKind.BITMAP:
-            bits = np.unpackbits(np.frombuffer(raw, np.uint8, count=bitmap_bytes, offset=offset)).view(np.bool_)
-            if bits[numel:].any():  # bits: (8 * bitmap_bytes,), as bool for numpy's fast nonzero
-                raise CompressionError("topk: bitmap has padding bits set past the last element")
-            idx = np.flatnonzero(bits[:numel])  # (popcount,) ascending
-            if idx.size != k:
-                raise CompressionError(f"topk: bitmap keeps {idx.size} positions, the header says k = {k}")
-        else:
-            deltas = np.frombuffer(raw, _DELTA_DTYPES[kind], count=k, offset=offset)  # (k,)
-            if k > 1 and not deltas[1:].all():
-                raise CompressionError("topk: delta indices repeat a position (a zero gap after the first)")
-            idx = np.cumsum(deltas, dtype=np.int64)  # (k,) strictly ascending
-            if k > 0 and idx[-1] >= numel:
-                raise CompressionError(
-                    f"topk: delta indices reach position {int(idx[-1])}, past the last element {numel - 1}"
-                )
+        idx = decode_indices(raw, offset, kind, k, numel, codec=self.name)
         values = np.frombuffer(raw, "<f2", count=k, offset=offset + index_bytes).astype(np.float16)  # (k,) own copy
 
         out = torch.zeros(numel, dtype=dtype)

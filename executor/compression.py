@@ -8,9 +8,12 @@ codecs themselves live in :mod:`compress`. On a compressed cut:
   kept positions per (consumer, micro-batch, value), and when that consumer's gradient
   comes back it passes gradient only where values were kept — the exact gradient of the
   sparsified forward.
-- **Backward gradients** are sparsified by the consumer before it sends them upstream, with
-  error feedback: the part top-k dropped is kept per (cut, value, micro-batch slot) and
-  added to the next gradient for that slot, so over steps nothing is lost for good.
+  ``topk-quant`` keeps a mask the same way. A quantized activation (``quant``) keeps every
+  position, so backward passes the full gradient (straight-through).
+- **Backward gradients** are compressed by the consumer before it sends them upstream, with
+  error feedback: what the codec lost (top-k's dropped entries, quantization's rounding)
+  is kept per (cut, value, micro-batch slot) and added to the next gradient for that slot,
+  so over steps nothing is lost for good.
 
 Integer tensors and non-tensor values always travel dense. Lossy dense codecs (``fp16``)
 pass gradients straight through. The residuals are stage state (``state_dict``).
@@ -19,13 +22,14 @@ pass gradients straight through. The residuals are stage state (``state_dict``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from compress import AdaTopK, ErrorFeedback, get_compressor
+from compress import REGISTRY, AdaTopK, ErrorFeedback, get_compressor
+from executor.guard import CodecSetting
 from executor.transport import dtype_to_wire
 from fusion.errors import CompressionError
 from fusion.wire import tensor_pb2 as pb
@@ -33,8 +37,10 @@ from fusion.wire import tensor_pb2 as pb
 logger = logging.getLogger(__name__)
 
 #: Wire codec enum → codec name, for the plan's codec names.
-CODEC_NAMES = {pb.CODEC_NONE: "none", pb.CODEC_ZSTD: "zstd", pb.CODEC_FP16: "fp16", pb.CODEC_TOPK: "topk"}
+CODEC_NAMES = {c.codec: c.name for c in REGISTRY.values()}
 CODEC_VALUES = {v: k for k, v in CODEC_NAMES.items()}
+#: Codecs that keep a top-k mask: backward through their activations is masked.
+SPARSE_CODECS = (pb.CODEC_TOPK, pb.CODEC_TOPK_QUANT)
 
 
 @dataclass
@@ -46,11 +52,13 @@ class CutSetting:
     keep_ratio: float = 1.0
     activations: bool = True
     gradients: bool = True
+    bits: int = 8
+    """Bits per value of ``quant`` and ``topk-quant`` (4 or 8)."""
 
     @property
     def active(self) -> bool:
         """Whether tensors on the cut are encoded now (top-k at ratio 1 sends them dense)."""
-        if self.codec == pb.CODEC_TOPK and self.keep_ratio >= 1.0:
+        if self.codec == pb.CODEC_TOPK and self.keep_ratio >= 1.0:  # topk-quant still quantizes
             return False
         return self.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
 
@@ -87,7 +95,7 @@ class CutCompression:
         """Encode one tensor; returns its header entry, bytes, mask and the decoded value
         (what the receiver will compute with)."""
         codec = get_compressor(setting.codec)
-        enc = codec.encode(t.detach(), keep_ratio=setting.keep_ratio)
+        enc = codec.encode(t.detach(), keep_ratio=min(1.0, setting.keep_ratio), bits=setting.bits)
         meta = pb.TensorMeta(
             name=name, dtype=dtype_to_wire(t.dtype), shape=list(t.shape), size_bytes=len(enc.data), codec=setting.codec
         )
@@ -105,7 +113,7 @@ class CutCompression:
         raw: dict[str, torch.Tensor] = {}
         encoded: Encoded = {}
         for name, t in tensors.items():
-            if not t.is_floating_point() or t.numel() == 0 or (setting.codec == pb.CODEC_TOPK and t.numel() < 2):
+            if not t.is_floating_point() or t.numel() == 0 or (setting.codec in SPARSE_CODECS and t.numel() < 2):
                 raw[name] = t
                 continue
             meta, data, mask, _ = self._encode(setting, name, t)
@@ -118,6 +126,25 @@ class CutCompression:
         """Gradient of a sparsified activation: only where the value was kept."""
         mask = self._masks.pop((dst, m, name), None)
         return grad if mask is None else grad * mask.to(grad.device, grad.dtype)
+
+    def guard_settings(self, kind: int, src: int, metas: Iterable[pb.TensorMeta]) -> dict[str, CodecSetting]:
+        """What the guard needs to know of each received tensor's codec (:mod:`executor.guard`).
+
+        ``src`` sent the tensors; activations arrive on cut ``(src, self)``, gradients on
+        ``(self, src)``.
+        """
+        cut = (src, self.stage_idx) if kind == pb.TRANSFER_KIND_ACTIVATION else (self.stage_idx, src)
+        setting = self.settings.get(cut)
+        out = {}
+        for meta in metas:
+            if meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) or meta.codec not in CODEC_NAMES:
+                continue
+            out[meta.name] = CodecSetting(
+                codec=CODEC_NAMES[meta.codec],
+                bits=setting.bits if setting is not None else 8,
+                keep_ratio=setting.keep_ratio if setting is not None else 1.0,
+            )
+        return out
 
     def encode_gradients(
         self, src: int, m: int, tensors: Mapping[str, torch.Tensor]
@@ -160,11 +187,11 @@ def decode_tensor(meta: pb.TensorMeta, raw: memoryview) -> torch.Tensor:
 
 
 def cut_settings(
-    cuts: list[tuple[int, int, str, float]], *, directions: tuple[str, ...]
+    cuts: list[tuple[int, int, str, float] | tuple[int, int, str, float, int]], *, directions: tuple[str, ...]
 ) -> dict[tuple[int, int], CutSetting]:
-    """Settings from a plan's cuts ``(src, dst, codec name, keep ratio)`` and the job's directions."""
+    """Settings from a plan's cuts ``(src, dst, codec name, keep ratio[, bits])`` and the job's directions."""
     out = {}
-    for src, dst, codec, ratio in cuts:
+    for src, dst, codec, ratio, *rest in cuts:
         if codec == "none":
             continue
         if codec not in CODEC_VALUES:
@@ -174,6 +201,7 @@ def cut_settings(
             keep_ratio=ratio,
             activations="activations" in directions,
             gradients="gradients" in directions,
+            bits=int(rest[0]) if rest and rest[0] else 8,
         )
     return out
 

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -155,9 +155,7 @@ class PipelineDriver:
         self._state_names: list[set[str]] = [set() for _ in self.stages]
         #: Canonical name -> (stage, local name) of each holder, for parameters several stages hold.
         self._tied = tied_holders(self.stages, self.dag.tied_params)
-        self.cut_settings = {
-            k: CutSetting(v.codec, v.keep_ratio, v.activations, v.gradients) for k, v in (cut_settings or {}).items()
-        }
+        self.cut_settings = {k: replace(v) for k, v in (cut_settings or {}).items()}
         self.ratio_controller = ratio_controller
         #: Each stage's predicted peak memory as planned (``LoadStage`` checks it against the
         #: worker's cap); empty when not planned.
@@ -229,6 +227,7 @@ class PipelineDriver:
                 keep_ratio=c.keep_ratio,
                 activations=c.activations,
                 gradients=c.gradients,
+                bits=c.bits,
             )
             for (a, b), c in sorted(self.cut_settings.items())
             if stage_idx is None or stage_idx in (a, b)

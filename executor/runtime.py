@@ -198,7 +198,12 @@ class StageRuntime:
         h = transfer.header
         if h.src_stage_idx != DRIVER and h.kind in (pb.TRANSFER_KIND_ACTIVATION, pb.TRANSFER_KIND_GRADIENT):
             try:
-                self.input_guard.check(h.kind, h.src_stage_idx, tensors)
+                self.input_guard.check(
+                    h.kind,
+                    h.src_stage_idx,
+                    tensors,
+                    self.compression.guard_settings(h.kind, h.src_stage_idx, h.tensors),
+                )
             except PoisonedInputError as e:
                 step = self._step
                 if step is not None and step.step == h.step and step.poisoned is None:

@@ -222,7 +222,11 @@ class ExecutorService:
             request.stage_idx,
             {
                 (c.src_stage_idx, c.dst_stage_idx): CutSetting(
-                    codec=c.codec, keep_ratio=c.keep_ratio or 1.0, activations=c.activations, gradients=c.gradients
+                    codec=c.codec,
+                    keep_ratio=c.keep_ratio or 1.0,
+                    activations=c.activations,
+                    gradients=c.gradients,
+                    bits=c.bits or 8,
                 )
                 for c in request.cut_codecs
                 if request.stage_idx in (c.src_stage_idx, c.dst_stage_idx)

@@ -32,7 +32,9 @@ BUILTIN_MODELS: tuple[str, ...] = ("gpt2", "resnet")
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 PLAN_STRATEGIES: tuple[str, ...] = ("opfence", "uniform", "compute", "exhaustive")
-COMPRESSION_MODES: tuple[str, ...] = ("none", "topk", "adatopk")
+COMPRESSION_MODES: tuple[str, ...] = ("none", "topk", "adatopk", "quant", "topk-quant")
+COMPRESSION_CUTS: tuple[str, ...] = ("slow", "all")
+COMPRESSION_BITS: tuple[int, ...] = (4, 8)
 USE_JOINERS: tuple[str, ...] = ("if_faster", "always", "never")
 COMPRESSION_DIRECTIONS: tuple[str, ...] = ("activations", "gradients")
 
@@ -334,12 +336,14 @@ class PlanSpec(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionSpec(Section):
-    """``[compression]``: sparsification of tensors on the cuts the plan marks as slow."""
+    """``[compression]``: compression of the tensors crossing the plan's slow (or all) cuts."""
 
     section: ClassVar[str] = "compression"
 
     mode: str = "none"
-    """``"none"`` (dense), ``"topk"`` (fixed ratio) or ``"adatopk"`` (ratio adapts per link)."""
+    """``"none"`` (dense), ``"topk"`` (fixed ratio), ``"adatopk"`` (ratio adapts per link),
+    ``"quant"`` (every entry in ``bits`` bits, a scale per block) or ``"topk-quant"`` (top-k
+    at ``keep_ratio`` with ``bits``-bit values)."""
 
     keep_ratio: float = 0.1
     """Fraction of entries kept, in (0, 1]: the fixed ratio of ``topk``, the starting ratio
@@ -348,12 +352,22 @@ class CompressionSpec(Section):
     min_keep_ratio: float = 0.01
     """Lowest fraction ``adatopk`` may go down to, in (0, 1]."""
 
+    bits: int = 8
+    """Bits per value of ``quant`` and ``topk-quant``: 8 or 4."""
+
+    cuts: str = "slow"
+    """Which cuts a fixed mode (``topk``, ``quant``, ``topk-quant``) compresses: ``"slow"``
+    (those whose transfer outlasts the slowest stage's compute) or ``"all"``."""
+
     directions: tuple[str, ...] = COMPRESSION_DIRECTIONS
     """Which tensors are compressed: a non-empty subset of ``"activations"`` (forward) and
     ``"gradients"`` (backward), stored in that order."""
 
     def __post_init__(self) -> None:
         check_choice("compression.mode", self.mode, COMPRESSION_MODES)
+        check_choice("compression.cuts", self.cuts, COMPRESSION_CUTS)
+        if isinstance(self.bits, bool) or self.bits not in COMPRESSION_BITS:
+            raise ConfigError(f"compression.bits must be 4 or 8, got {kind_of(self.bits)}")
         object.__setattr__(
             self,
             "keep_ratio",

@@ -18,7 +18,10 @@ from fusion.graph.ir import OpDag
 from fusion.graph.split import StageSpec
 
 #: Wire codecs a cut may use (see compress/).
-CODECS = ("none", "zstd", "fp16", "topk")
+CODECS = ("none", "zstd", "fp16", "topk", "quant", "topk-quant")
+#: Codecs that quantize, and the bits they may use.
+QUANTIZED = ("quant", "topk-quant")
+BITS = (4, 8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +51,11 @@ class CutPlan:
     bytes: int
     """Bytes per micro-batch in the forward direction (the same crosses back as gradients)."""
     codec: str = "none"
-    """Wire codec: ``none``, ``zstd``, ``fp16`` or ``topk``."""
+    """Wire codec: one of :data:`CODECS`."""
     keep_ratio: float = 1.0
-    """Fraction of entries kept by ``topk`` (1.0 = dense)."""
+    """Fraction of entries kept by ``topk`` and ``topk-quant`` (1.0 = all)."""
+    bits: int = 0
+    """Bits per value of ``quant`` and ``topk-quant`` (4 or 8); 0 for the other codecs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,11 +132,15 @@ class Plan:
         if self.extra.get("why"):
             lines.append(f"why: {self.extra['why']}")
         if self.cuts:
-            lines.append(f"{'cut':>9}  {'MB/mb':>8} {'codec':<6} {'keep':>5}")
+            lines.append(f"{'cut':>9}  {'MB/mb':>8} {'codec':<10} {'keep':>5} {'bits':>4}")
             for c in self.cuts:
+                bits = str(c.bits) if c.bits else "-"
                 lines.append(
-                    f"{c.src_stage:>3} -> {c.dst_stage:<3} {c.bytes / 1e6:>8.3f} {c.codec:<6} {c.keep_ratio:>5.2f}"
+                    f"{c.src_stage:>3} -> {c.dst_stage:<3} {c.bytes / 1e6:>8.3f} {c.codec:<10} {c.keep_ratio:>5.2f} "
+                    f"{bits:>4}"
                 )
+        if self.extra.get("compression_note"):
+            lines.append(str(self.extra["compression_note"]))
         return "\n".join(lines)
 
 
@@ -147,7 +156,7 @@ def plan_from_stages(
     predicted_step_s: float | None = None,
     compute_s: Sequence[float] | None = None,
     peak_memory_bytes: Sequence[int] | None = None,
-    codecs: Mapping[tuple[int, int], tuple[str, float]] | None = None,
+    codecs: Mapping[tuple[int, int], tuple[str, float] | tuple[str, float, int]] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Describe split stages as a :class:`Plan` (FLOPs, parameter bytes, cut bytes).
@@ -155,7 +164,7 @@ def plan_from_stages(
     Args:
         compute_s: predicted compute seconds per micro-batch, per stage.
         peak_memory_bytes: predicted peak memory per stage.
-        codecs: (src stage, dst stage) → (codec, keep ratio) for cuts to compress.
+        codecs: (src stage, dst stage) → (codec, keep ratio[, bits]) for cuts to compress.
     """
     if len(workers) != len(stages):
         raise PlanError(f"{len(stages)} stages but {len(workers)} workers")
@@ -187,6 +196,7 @@ def plan_from_stages(
             bytes=b,
             codec=codecs.get((s, d), ("none", 1.0))[0],
             keep_ratio=codecs.get((s, d), ("none", 1.0))[1],
+            bits=int((*codecs.get((s, d), ("none", 1.0)), 0)[2]),
         )
         for (s, d), b in sorted(cut_bytes.items())
     )
@@ -229,5 +239,10 @@ def validate_plan(plan: Plan, dag: OpDag) -> None:
             raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has unknown codec {c.codec!r}; use one of {CODECS}")
         if not 0.0 < c.keep_ratio <= 1.0:
             raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has keep_ratio {c.keep_ratio}; it must be in (0, 1]")
+        if (c.codec in QUANTIZED) != (c.bits in BITS) or not (c.bits in BITS or c.bits == 0):
+            raise PlanError(
+                f"cut {c.src_stage}->{c.dst_stage} has codec {c.codec!r} with bits {c.bits}; "
+                f"{' and '.join(QUANTIZED)} need bits in {BITS}, the other codecs 0"
+            )
     if plan.micro_batches < 1:
         raise PlanError("micro_batches must be >= 1")

@@ -22,6 +22,7 @@ from fusion.graph.ir import OpDag
 from fusion.graph.split import normalize_assignment, split_stages
 from fusion.memory import format_bytes
 from scheduler.baselines import uniform_assignment
+from scheduler.compression import compression_marks, compression_note
 from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
 from scheduler.explain import why_left_out
 from scheduler.partition import Placement, compute_placement, exhaustive_placement, opfence_placement
@@ -44,11 +45,15 @@ class PlanRequest:
     optimizer: str = "adamw"
     momentum: float = 0.0
     compression: str = "none"
-    """Job compression mode: ``none``, ``topk`` or ``adatopk``."""
+    """Job compression mode: ``none``, ``topk``, ``adatopk``, ``quant`` or ``topk-quant``."""
     keep_ratio: float = 0.1
     """Fixed keep ratio for ``topk``."""
     min_keep_ratio: float = 0.01
     """Lower bound of AdaTopK's ratio."""
+    bits: int = 8
+    """Bits per value of ``quant`` and ``topk-quant``."""
+    compression_cuts: str = "slow"
+    """``slow`` or ``all``: which cuts the mode compresses (:mod:`scheduler.compression`)."""
     step_costs: StepCosts = field(default_factory=StepCosts)
     max_units: int = 256
     """Coarsen the DAG to at most this many units before searching."""
@@ -80,6 +85,8 @@ def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: S
         compression=spec.compression.mode,
         keep_ratio=spec.compression.keep_ratio,
         min_keep_ratio=spec.compression.min_keep_ratio,
+        bits=spec.compression.bits,
+        compression_cuts=spec.compression.cuts,
         step_costs=step_costs or StepCosts(),
     )
 
@@ -119,6 +126,9 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         search_scale *= overshoot * 1.01
     check_caps(peaks, lent, dag, request)
     codecs = compression_marks(est, request)
+    note = compression_note(est, request, codecs)
+    if note:
+        extra["compression_note"] = note
     wider = extra.pop("wider", None)
     if len(stage_workers) < len(topology):
         extra["why"] = _why(dag, coarse, topology, request, est, stage_workers, wider)
@@ -270,24 +280,3 @@ def price(dag: OpDag, stages: list, stage_workers: list[int], topology: Topology
     return estimate(
         wl, unit_stage, stage_workers, topology, micro_batches=request.micro_batches, schedule=request.schedule
     )
-
-
-def compression_marks(est: Estimate, request: PlanRequest) -> dict[tuple[int, int], tuple[str, float]]:
-    """Cuts whose transfer is slower than the slowest stage's compute get top-k.
-
-    AdaTopK's starting ratio makes the transfer take about as long as that compute
-    (bytes scale with the kept fraction), clamped to ``[min_keep_ratio, 1]``.
-    """
-    if request.compression == "none" or not est.stage_compute_s:
-        return {}
-    compute = max(est.stage_compute_s)
-    marks = {}
-    for cut, link_s in est.link_s.items():
-        if link_s > compute:
-            ratio = (
-                request.keep_ratio
-                if request.compression == "topk"
-                else min(1.0, max(request.min_keep_ratio, compute / link_s))
-            )
-            marks[cut] = ("topk", float(ratio))
-    return marks

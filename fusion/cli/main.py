@@ -75,6 +75,8 @@ def _format_status(s: dict[str, Any]) -> str:
         lines.append(f"  plan: {plan['strategy']}: {stages}")
         if plan.get("why"):
             lines.append(f"  why: {plan['why']}")
+    if s.get("compression_note"):
+        lines.append(f"  {s['compression_note']}")
     for e in s.get("events", [])[-5:]:
         lines.append(
             f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e.get('event')}: {e.get('message', '')}"

@@ -45,8 +45,10 @@ def job_summary(
     wall_s: float,
     workers: Sequence[str],
     recoveries: int,
+    compression_note: str | None = None,
 ) -> dict[str, Any]:
-    """``summary.json``: how the job ended, its losses' ends and what it ran on."""
+    """``summary.json``: how the job ended, its losses' ends and what it ran on (and, when
+    its compression settings compress no cut, why: ``compression_note``)."""
     return {
         "job_id": job_id,
         "name": spec.name,
@@ -59,6 +61,7 @@ def job_summary(
         "wall_s": round(wall_s, 3),
         "workers": list(workers),
         "recoveries": recoveries,
+        "compression_note": compression_note,
         "spec": spec.to_dict(),
     }
 

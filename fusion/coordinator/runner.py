@@ -422,6 +422,8 @@ class JobRunner(threading.Thread):
             stages = split_stages(self.captured.dag, plan.assignment())
             if plan.extra.get("why"):
                 self.event("left_out", str(plan.extra["why"]), to_metrics=why != "planned")
+            if plan.extra.get("compression_note"):
+                self.event("compression", str(plan.extra["compression_note"]))
         where = ", ".join(w.name for w in stage_workers)
         self.enter_phase("loading stages", f"{len(stages)} stage{'s' if len(stages) != 1 else ''} on {where}")
         old = self._driver
@@ -475,7 +477,7 @@ class JobRunner(threading.Thread):
     ) -> PipelineDriver:
         spec = self.spec
         settings = cut_settings(
-            [(c.src_stage, c.dst_stage, c.codec, c.keep_ratio) for c in plan.cuts],
+            [(c.src_stage, c.dst_stage, c.codec, c.keep_ratio, c.bits) for c in plan.cuts],
             directions=spec.compression.directions,
         )
         addresses = [w.address for w in stage_workers]
@@ -644,7 +646,13 @@ class JobRunner(threading.Thread):
             wall_s=time.time() - t_start,
             workers=[w.name for w in self.workers],
             recoveries=self.recovery.count,
+            compression_note=_compression_note(getattr(self, "plan", None)),
         )
+
+
+def _compression_note(plan: Plan | None) -> str | None:
+    """The plan's note that its compression settings compress no cut, if any."""
+    return None if plan is None else plan.extra.get("compression_note")
 
 
 def _quiet(call: Callable[[], Any]) -> None:

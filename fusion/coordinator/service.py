@@ -564,6 +564,7 @@ class CoordinatorService:
                 "stages": [{"worker": s["worker"], "nodes": len(s["nodes"])} for s in plan["stages"]],
                 "why": plan.get("extra", {}).get("why"),
             }
+            doc["compression_note"] = plan.get("extra", {}).get("compression_note")
         if events:
             records = self.store.log_records(job.job_id, kind="event")
             doc["events"] = [{"time": ts, **rec} for _, ts, _, rec in records[-STATUS_EVENTS:]]

@@ -69,20 +69,22 @@ class ValueSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CutCodec(_message.Message):
-    __slots__ = ("src_stage_idx", "dst_stage_idx", "codec", "keep_ratio", "activations", "gradients")
+    __slots__ = ("src_stage_idx", "dst_stage_idx", "codec", "keep_ratio", "activations", "gradients", "bits")
     SRC_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     DST_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     KEEP_RATIO_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
     src_stage_idx: int
     dst_stage_idx: int
     codec: _tensor_pb2.Codec
     keep_ratio: float
     activations: bool
     gradients: bool
-    def __init__(self, src_stage_idx: _Optional[int] = ..., dst_stage_idx: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., keep_ratio: _Optional[float] = ..., activations: _Optional[bool] = ..., gradients: _Optional[bool] = ...) -> None: ...
+    bits: int
+    def __init__(self, src_stage_idx: _Optional[int] = ..., dst_stage_idx: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., keep_ratio: _Optional[float] = ..., activations: _Optional[bool] = ..., gradients: _Optional[bool] = ..., bits: _Optional[int] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
     __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth", "cut_codecs", "tied", "link_bytes_per_s", "planned_peak_memory_bytes")

@@ -28,6 +28,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_ZSTD: _ClassVar[Codec]
     CODEC_FP16: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
+    CODEC_QUANT: _ClassVar[Codec]
+    CODEC_TOPK_QUANT: _ClassVar[Codec]
 
 class TransferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +57,8 @@ CODEC_NONE: Codec
 CODEC_ZSTD: Codec
 CODEC_FP16: Codec
 CODEC_TOPK: Codec
+CODEC_QUANT: Codec
+CODEC_TOPK_QUANT: Codec
 TRANSFER_KIND_UNSPECIFIED: TransferKind
 TRANSFER_KIND_ACTIVATION: TransferKind
 TRANSFER_KIND_GRADIENT: TransferKind

@@ -204,7 +204,7 @@ def _compression_factors(
     grad: dict[tuple[int, int], float] = {}
     ratios: dict[tuple[int, int], float] = {}
     target = max(est.stage_compute_s) if est.stage_compute_s else 0.0
-    for (a, c), (_, start_ratio) in marks.items():
+    for (a, c), (_, start_ratio, *_) in marks.items():
         dense = est.link_bytes[(a, c)]
         numel = max(1, dense // 4)  # fp32 activations
         wa, wc = stage_workers[a], stage_workers[c]

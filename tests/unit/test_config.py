@@ -70,6 +70,8 @@ mode = "adatopk"
 keep_ratio = 0.2
 min_keep_ratio = 0.005
 directions = ["gradients"]
+bits = 4
+cuts = "all"
 
 [checkpoint]
 replicate_every = 5
@@ -152,7 +154,7 @@ def test_full_job_parses_every_section(tmp_path: Path) -> None:
     assert spec.cluster == ClusterSpec(min_workers=3, spares=1, use_joiners="always")
     assert spec.plan == PlanSpec(strategy="opfence")
     assert spec.compression == CompressionSpec(
-        mode="adatopk", keep_ratio=0.2, min_keep_ratio=0.005, directions=("gradients",)
+        mode="adatopk", keep_ratio=0.2, min_keep_ratio=0.005, directions=("gradients",), bits=4, cuts="all"
     )
     assert spec.checkpoint == CheckpointSpec(replicate_every=5, durable_every=20, keep=2, replicate_share=0.25)
     assert spec.output == OutputSpec(dir="out/full")
