@@ -51,6 +51,18 @@ def summarise(doc: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def reaction_summary(reactions: list[dict[str, Any]]) -> str:
+    """The job events after an injection in one line: runs of one event counted, state changes spelled out."""
+    parts: list[list[Any]] = []
+    for r in reactions:
+        name = r["event"] if r["event"] != "state" else f"state ({str(r.get('message'))[:90]})"
+        if parts and parts[-1][0] == name:
+            parts[-1][1] += 1
+        else:
+            parts.append([name, 1])
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in parts) or "nothing"
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -113,7 +125,7 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
         f"max latency {_fmt(live.get('max_latency_s'))} s"
     )
     for e in chaos.get("events") or []:
-        seen = ", ".join(r["event"] for r in e.get("reactions") or []) or "nothing"
+        seen = reaction_summary(e.get("reactions") or [])
         what = f"{e['kind']} {e.get('target') or ''}".strip()
         if e["injected"]:
             lines.append(f"    #{e['idx']} {e['started_s']:7.1f}s {what}: job -> {seen}")

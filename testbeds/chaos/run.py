@@ -36,6 +36,8 @@ from testbeds.net.testbed import TestbedError
 logger = logging.getLogger(__name__)
 
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+#: Job events of routine work: kept in the report, not printed as they happen.
+QUIET_EVENTS = ("checkpoint", "measured")
 #: A checkpoint the coordinator could not write (``fusion.coordinator.durable_writer`` logs it).
 CHECKPOINT_FAILED = re.compile(r"durable checkpoint at step \d+ failed: .*")
 
@@ -89,7 +91,7 @@ class Poller:
             for e in rec.get("events") or []:
                 item = {"time": float(e.get("time", rec["t"])), "event": e.get("event"), "message": e.get("message")}
                 self.job_events.append(item)
-                if self.live:
+                if self.live and item["event"] not in QUIET_EVENTS:
                     self.echo(f"      {item['time'] - self.t0:7.1f}s  job: {item['event']}: {item['message']}")
 
     def last_ok(self) -> dict[str, Any] | None:
