@@ -170,8 +170,14 @@ class ChaosFleet:
         os.kill(w.proc.pid, sig)
 
     def kill_coordinator(self) -> None:
-        if self.coordinator_proc is not None:
-            stop_process_group(self.coordinator_proc, grace_s=0.0)
+        """SIGKILL the coordinator (no SIGTERM first: it gets no chance to shut down cleanly)."""
+        proc = self.coordinator_proc
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10.0)
 
     # ------------------------------------------------------------- the fusion CLI
     def fusion(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:

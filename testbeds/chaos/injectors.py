@@ -120,7 +120,12 @@ def _run(argv: list[str]) -> None:
 
 
 class LinkCut(Injector):
-    """Take a worker's host off the network (``ip link set eth0 down`` in its namespace), then back up."""
+    """Take a worker's host off the network (``ip link set eth0 down`` in its namespace), then back up.
+
+    Taking a device down drops the routes through it that the kernel did not make itself
+    (the delay line's table, :mod:`testbeds.net.netns`); they are read before the cut and put
+    back after it, so that the link heals as a real one would.
+    """
 
     def start(self) -> str:
         if self.tb.backend != "netns":
@@ -128,12 +133,24 @@ class LinkCut(Injector):
         w = self._pick_worker()
         self.ns = self.tb.namespace(w.host)  # type: ignore[attr-defined]
         self.target = w.host
+        r = subprocess.run(["ip", "-n", self.ns, "route", "show", "table", "all"], capture_output=True, text=True)
+        self.routes = [
+            line.split()
+            for line in r.stdout.splitlines()
+            if " dev eth0" in line and "proto kernel" not in line and line.split()[0] not in _KERNEL_ROUTE_TYPES
+        ]
         _run(["ip", "-n", self.ns, "link", "set", "eth0", "down"])
         return f"eth0 of {w.host} down (worker {w.name}) for {self.event.duration_s:.1f}s"
 
     def end(self) -> str:
         _run(["ip", "-n", self.ns, "link", "set", "eth0", "up"])
-        return f"eth0 of {self.target} up"
+        for route in self.routes:
+            _run(["ip", "-n", self.ns, "route", "replace", *route])
+        return f"eth0 of {self.target} up ({len(self.routes)} route(s) put back)"
+
+
+#: Route types the kernel keeps for itself (``ip route show table all``).
+_KERNEL_ROUTE_TYPES = ("local", "broadcast", "multicast", "anycast")
 
 
 class BandwidthCollapse(Injector):

@@ -270,7 +270,7 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
         before=before,
         after=after,
         coordinator_starts=fleet.coordinator_starts,
-        liveness=_liveness(poller.records, records),
+        liveness=_liveness(poller.records, records, poller.t0),
         events_before_first=attribute_reactions(poller.job_events, records, poller.t0),
     )
     status = fleet.fusion("status", job_id, "--json") if fleet.coordinator_proc else None
@@ -281,12 +281,11 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
     return out
 
 
-def _liveness(polls: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
+def _liveness(polls: list[dict[str, Any]], events: list[dict[str, Any]], t0: float) -> dict[str, Any]:
     """Status polls: how many, how many failed (apart from while the harness had the coordinator
     down, and 5 s after its restart), the longest answer."""
     down = [(e["started_s"], e.get("ended_s", e["started_s"]) + 5.0) for e in events
             if e["kind"] == "coordinator_restart" and e["injected"]]  # fmt: skip
-    t0 = polls[0]["t"] if polls else 0.0
     failed = [p for p in polls if not p.get("ok")]
     expected = [p for p in failed if any(a <= p["t"] - t0 + 1.0 and p["t"] - t0 <= b + 1.0 for a, b in down)]
     ok = [p["latency_s"] for p in polls if p.get("ok")]
