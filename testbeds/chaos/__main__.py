@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto", choices=("auto", "netns", "proxy"))
     p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="the coordinator's (seconds)")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated event kinds to draw from")
+    p.add_argument(
+        "--job-timeout", type=float, default=900.0, help="seconds to wait for the job's end after the events"
+    )
     p.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run (no model comparison)")
     p.add_argument("--disk-mb", type=int, default=64, help="size of the tmpfs under the output directory")
     p.add_argument("--log-dir", type=Path, default=None, help="logs and outputs (default: /tmp/fusion-chaos-SEED-TIME)")
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         reference=not args.no_reference,
         log_dir=args.log_dir or Path(f"/tmp/fusion-chaos-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"),
         disk_mb=args.disk_mb,
+        job_timeout_s=args.job_timeout,
         kinds=kinds,
     )
     if args.schedule_only:

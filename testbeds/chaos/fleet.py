@@ -11,7 +11,6 @@ reaps whatever the fleet leaves.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -250,12 +249,3 @@ class ChaosFleet:
             t.start()
         for t in threads:
             t.join(15.0)
-
-
-def parse_poll_line(line: str) -> dict | None:
-    """One poller record, or None for a line that is not one."""
-    try:
-        doc = json.loads(line)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and "t" in doc else None

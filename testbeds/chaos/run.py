@@ -16,19 +16,19 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusion.config import load_job
 from testbeds.chaos import leaks
 from testbeds.chaos.compare import compare_models
-from testbeds.chaos.fleet import ChaosFleet, parse_poll_line
+from testbeds.chaos.fleet import ChaosFleet
 from testbeds.chaos.injectors import INJECTORS, NotInjected
+from testbeds.chaos.observe import Poller, attribute_reactions, liveness
 from testbeds.chaos.schedule import KINDS, Event, ScheduleConfig, make_schedule
 from testbeds.net.backend import open_testbed
 from testbeds.net.testbed import TestbedError
@@ -36,8 +36,6 @@ from testbeds.net.testbed import TestbedError
 logger = logging.getLogger(__name__)
 
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
-#: Job events of routine work: kept in the report, not printed as they happen.
-QUIET_EVENTS = ("checkpoint", "measured")
 #: A checkpoint the coordinator could not write (``fusion.coordinator.durable_writer`` logs it).
 CHECKPOINT_FAILED = re.compile(r"durable checkpoint at step \d+ failed: .*")
 
@@ -60,63 +58,8 @@ class ChaosOptions:
     log_dir: Path = Path("/tmp/fusion-chaos")
     disk_mb: int = 64
     kinds: tuple[str, ...] = KINDS
-    job_timeout_s: float = 1800.0
+    job_timeout_s: float = 900.0
     """How long the job may run after the injection window before the run gives up."""
-
-
-@dataclass
-class Poller:
-    """Reads the status poller's lines: liveness figures and the job's events as they come."""
-
-    proc: subprocess.Popen
-    t0: float
-    echo: Callable[[str], None]
-    records: list[dict[str, Any]] = field(default_factory=list)
-    job_events: list[dict[str, Any]] = field(default_factory=list)
-    """Every job event seen, ``t_s`` from :attr:`t0`."""
-    live: bool = False
-    """Print job events as they arrive (once the events start)."""
-
-    def __post_init__(self) -> None:
-        self.thread = threading.Thread(target=self._read, name="chaos-poller", daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            rec = parse_poll_line(line)
-            if rec is None:
-                continue
-            self.records.append(rec)
-            for e in rec.get("events") or []:
-                item = {"time": float(e.get("time", rec["t"])), "event": e.get("event"), "message": e.get("message")}
-                self.job_events.append(item)
-                if self.live and item["event"] not in QUIET_EVENTS:
-                    self.echo(f"      {item['time'] - self.t0:7.1f}s  job: {item['event']}: {item['message']}")
-
-    def last_ok(self) -> dict[str, Any] | None:
-        return next((r for r in reversed(self.records) if r.get("ok")), None)
-
-    def state(self) -> str | None:
-        r = self.last_ok()
-        return r["state"] if r else None
-
-
-def attribute_reactions(job_events: list[dict[str, Any]], records: list[dict[str, Any]], t0: float) -> list[dict]:
-    """Give each injected record the job events from its start to the next injected one's;
-    return the job events before the first."""
-    starts = [r for r in records if r["injected"]]
-    before: list[dict[str, Any]] = []
-    for r in records:
-        r["reactions"] = []
-    for e in sorted(job_events, key=lambda e: e["time"]):
-        item = {"t_s": round(e["time"] - t0, 1), "event": e["event"], "message": e["message"]}
-        owner = None
-        for r in starts:
-            if r["started_s"] <= item["t_s"] + 0.05:
-                owner = r
-        (owner["reactions"] if owner else before).append(item)
-    return before
 
 
 def _job_file(src: Path, dst: Path, out_dir: Path, steps: int | None) -> Path:
@@ -260,17 +203,20 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
     time.sleep(3.0)  # the coordinator settles after the job's end (threads exit, files close)
     after = leaks.snapshot(fleet.alive_started(), fleet.coordinator_proc.pid if fleet.coordinator_proc else None)
     last = poller.last_ok() or {}
+    reason = last.get("reason")
+    if final not in TERMINAL_STATES:
+        reason = f"still {final} {opts.job_timeout_s:.0f}s after the events ended: the harness stopped waiting"
     out.update(
         state=final,
         finished=final == "succeeded",
-        reason=last.get("reason"),
+        reason=reason,
         step=last.get("step"),
         loss=last.get("loss"),
         events=records,
         before=before,
         after=after,
         coordinator_starts=fleet.coordinator_starts,
-        liveness=_liveness(poller.records, records, poller.t0),
+        liveness=liveness(poller.records, records, poller.t0),
         events_before_first=attribute_reactions(poller.job_events, records, poller.t0),
     )
     status = fleet.fusion("status", job_id, "--json") if fleet.coordinator_proc else None
@@ -279,24 +225,6 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
     fleet.stop()
     out["alive_after_stop"] = fleet.alive_started()
     return out
-
-
-def _liveness(polls: list[dict[str, Any]], events: list[dict[str, Any]], t0: float) -> dict[str, Any]:
-    """Status polls: how many, how many failed (apart from while the harness had the coordinator
-    down, and 5 s after its restart), the longest answer."""
-    down = [(e["started_s"], e.get("ended_s", e["started_s"]) + 5.0) for e in events
-            if e["kind"] == "coordinator_restart" and e["injected"]]  # fmt: skip
-    failed = [p for p in polls if not p.get("ok")]
-    expected = [p for p in failed if any(a <= p["t"] - t0 + 1.0 and p["t"] - t0 <= b + 1.0 for a, b in down)]
-    ok = [p["latency_s"] for p in polls if p.get("ok")]
-    return {
-        "polls": len(polls),
-        "failed": len(failed),
-        "failed_while_coordinator_down": len(expected),
-        "failed_otherwise": len(failed) - len(expected),
-        "max_latency_s": max(ok) if ok else None,
-        "errors": sorted({p.get("error", "") for p in failed})[:10],
-    }
 
 
 def run_chaos(opts: ChaosOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -352,6 +280,9 @@ def run_chaos(opts: ChaosOptions, echo: Callable[[str], None] = print) -> dict[s
             ref = ChaosFleet(tb, log_dir / "reference", heartbeat_timeout_s=opts.heartbeat_timeout_s, echo=echo)
             try:
                 doc["reference"] = _run_job(ref, ref_job, echo, None, opts, None)
+            except (TestbedError, OSError) as e:  # the chaos run's findings stand; say why there is no reference
+                doc["reference"] = {"error": f"{type(e).__name__}: {e}"}
+                echo(f"reference run failed: {doc['reference']['error']}")
             finally:
                 ref.stop()
             ref_dir = doc["reference"].get("output_dir")

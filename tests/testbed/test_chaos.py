@@ -43,7 +43,7 @@ def test_short_chaos_run_reports_and_reaps(tmp_path: Path, capsys: pytest.Captur
     out = tmp_path / "chaos.json"
     argv = ["--topology", "two-sites", "--job", str(JOB), "--minutes", str(MINUTES), "--seed", str(SEED),
             "--events-per-minute", str(RATE), "--steps", "300", "--json", str(out),
-            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+            "--log-dir", str(tmp_path / "logs"), "--job-timeout", "420"]  # fmt: skip
     rc = main(argv)
     printed = capsys.readouterr().out
     doc = json.loads(out.read_text())
