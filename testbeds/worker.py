@@ -11,9 +11,10 @@ the executor's seams (:mod:`executor.hooks`) so that the product carries none of
   stage is loaded (``GetProfile``, with the worker's token) and sums over the stage's nodes
   as the planner costs them (:func:`stage_seconds`).
 - ``--dilate D`` (:mod:`testbeds.dilation`): time dilation, a device ``D`` times slower
-  again on top of ``--emulate-slowdown``, each computation measured by the CPU time it used
-  (with one torch thread; otherwise its wall time), so that waiting for a core shared with
-  other hosts is absorbed. The reported speed is divided by ``D`` too.
+  again on top of ``--emulate-slowdown``. A computation's own time is the CPU time the
+  stage's computations of its kind typically use (with one torch thread; otherwise the
+  wall time), so that waiting for a core shared with other hosts is absorbed. The reported
+  speed is divided by ``D`` too.
 - ``--machine-flops F``: the speed the worker reports, before the slowdown, instead of its
   own start-up measurement; a launcher measures the machine once and passes it to every
   worker, so that workers started one after another report one speed.
@@ -34,9 +35,11 @@ A worker with factor 1 reports the machine's speed under the plain device name.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import logging
 import math
+import statistics
 import sys
 import threading
 import time
@@ -61,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 #: Most seconds one stage's forward or backward may take in a profile (a sanity bound).
 MAX_STAGE_S = 3600.0
+
+#: Computations of one kind on one stage whose median CPU time is a dilated device's own time.
+CPU_WINDOW = 15
 
 #: A stage's (forward, backward) seconds per micro-batch, looked up when it is loaded.
 StageSecondsFn = Callable[[StageInfo], tuple[float, float]]
@@ -98,8 +104,10 @@ def coordinator_stage_seconds(coordinator: str, token: str) -> StageSecondsFn:
 class EmulatedDevice(StageHooks):
     """Compute hooks that make every stage of this worker compute as a device ``factor``
     times slower (:class:`testbeds.emulation.Slowdown`; factor 1: no change), and ``dilation``
-    times slower again (time dilation: each computation measured by the CPU time its thread
-    used, when torch computes on that one thread).
+    times slower again (time dilation). A dilated computation's own time is the median CPU
+    time of the stage's last :data:`CPU_WINDOW` computations of its kind (forward or
+    backward), measured on the computing thread when torch computes on it alone (one torch
+    thread; otherwise the wall time stands in).
 
     ``emulation="profile"`` needs ``seconds``: it is called when a stage is loaded and gives
     the stage's (forward, backward) seconds per micro-batch to stretch by; a stage whose
@@ -114,6 +122,7 @@ class EmulatedDevice(StageHooks):
             raise ConfigError("profile emulation needs a source of the stages' profiled seconds")
         self._seconds = seconds
         self._profiled: dict[tuple[str, int], tuple[float, float]] = {}
+        self._cpu_s: dict[tuple[str, int, str], collections.deque[float]] = {}
         self._lock = threading.Lock()
 
     def stage_loaded(self, stage: StageInfo) -> None:
@@ -142,17 +151,28 @@ class EmulatedDevice(StageHooks):
             with self._lock:
                 fwd, bwd = self._profiled[(stage.job_id, stage.stage_idx)]
             reference = fwd if kind == FORWARD else bwd
-        return self._stretched(reference)
+        return self._stretched(reference, (stage.job_id, stage.stage_idx, kind))
 
     @contextlib.contextmanager
-    def _stretched(self, reference_s: float | None) -> Iterator[None]:
+    def _stretched(self, reference_s: float | None, key: tuple[str, int, str]) -> Iterator[None]:
         # The thread's CPU time is the computation's own only when torch computes on it alone.
         by_cpu = self.slowdown.dilation > 1.0 and torch.get_num_threads() == 1
         c0 = time.thread_time() if by_cpu else 0.0
         t0 = time.perf_counter()
         yield
         seconds = time.perf_counter() - t0
-        self.slowdown.stretch(seconds, reference_s, time.thread_time() - c0 if by_cpu else None)
+        own = self._typical_cpu_s(key, time.thread_time() - c0) if by_cpu else None
+        self.slowdown.stretch(seconds, reference_s, own)
+
+    def _typical_cpu_s(self, key: tuple[str, int, str], cpu_s: float) -> float:
+        """The median CPU time of the stage's last :data:`CPU_WINDOW` computations of this
+        kind, this one included: every micro-batch of a stage computes the same, and a
+        computation that another process disturbed (its caches, the VM's core) then does not
+        make its device slower."""
+        with self._lock:
+            window = self._cpu_s.setdefault(key, collections.deque(maxlen=CPU_WINDOW))
+            window.append(cpu_s)
+            return statistics.median(window)
 
 
 def emulated_profile(

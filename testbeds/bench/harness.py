@@ -577,7 +577,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     topology, label = resolve_topology(args.topology)
     dilation = check_dilation(args.dilate)
     slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
-    rank_slowdowns = dilated_slowdowns(slowdowns, topology.names, dilation)
+    rank_slowdowns = dilated_slowdowns(slowdowns, topology.names(), dilation)
     emulation = args.emulation
     if slowdowns:
         print(f"emulating slower devices ({emulation}): {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
