@@ -39,7 +39,6 @@ import collections
 import contextlib
 import logging
 import math
-import statistics
 import sys
 import threading
 import time
@@ -65,8 +64,10 @@ logger = logging.getLogger(__name__)
 #: Most seconds one stage's forward or backward may take in a profile (a sanity bound).
 MAX_STAGE_S = 3600.0
 
-#: Computations of one kind on one stage whose median CPU time is a dilated device's own time.
-CPU_WINDOW = 15
+#: Computations of one kind on one stage whose CPU times give a dilated device's own time.
+CPU_WINDOW = 20
+#: Which quantile of them: the computations least disturbed (:meth:`EmulatedDevice._typical_cpu_s`).
+CPU_QUANTILE = 0.25
 
 #: A stage's (forward, backward) seconds per micro-batch, looked up when it is loaded.
 StageSecondsFn = Callable[[StageInfo], tuple[float, float]]
@@ -104,10 +105,10 @@ def coordinator_stage_seconds(coordinator: str, token: str) -> StageSecondsFn:
 class EmulatedDevice(StageHooks):
     """Compute hooks that make every stage of this worker compute as a device ``factor``
     times slower (:class:`testbeds.emulation.Slowdown`; factor 1: no change), and ``dilation``
-    times slower again (time dilation). A dilated computation's own time is the median CPU
-    time of the stage's last :data:`CPU_WINDOW` computations of its kind (forward or
-    backward), measured on the computing thread when torch computes on it alone (one torch
-    thread; otherwise the wall time stands in).
+    times slower again (time dilation). A dilated computation's own time is a low quantile
+    (:data:`CPU_QUANTILE`) of the CPU times of the stage's last :data:`CPU_WINDOW`
+    computations of its kind (forward or backward), measured on the computing thread when
+    torch computes on it alone (one torch thread; otherwise the wall time stands in).
 
     ``emulation="profile"`` needs ``seconds``: it is called when a stage is loaded and gives
     the stage's (forward, backward) seconds per micro-batch to stretch by; a stage whose
@@ -165,14 +166,15 @@ class EmulatedDevice(StageHooks):
         self.slowdown.stretch(seconds, reference_s, own)
 
     def _typical_cpu_s(self, key: tuple[str, int, str], cpu_s: float) -> float:
-        """The median CPU time of the stage's last :data:`CPU_WINDOW` computations of this
-        kind, this one included: every micro-batch of a stage computes the same, and a
-        computation that another process disturbed (its caches, the VM's core) then does not
-        make its device slower."""
+        """The :data:`CPU_QUANTILE` of the CPU times of the stage's last :data:`CPU_WINDOW`
+        computations of this kind, this one included: every micro-batch of a stage computes
+        the same, and disturbances only add CPU time (another process's use of the caches,
+        a core woken from a sleep), so a low quantile is the device's undisturbed time."""
         with self._lock:
             window = self._cpu_s.setdefault(key, collections.deque(maxlen=CPU_WINDOW))
             window.append(cpu_s)
-            return statistics.median(window)
+            ordered = sorted(window)
+        return ordered[int(CPU_QUANTILE * (len(ordered) - 1))]
 
 
 def emulated_profile(
