@@ -8,8 +8,9 @@ the emulated world ``D`` times slower than real time, so that the hosts rarely n
 at the same moment:
 
 - **compute**: every host computes ``D`` times slower than this machine, on top of its own
-  ``slowdown`` (:class:`testbeds.emulation.Slowdown` with ``dilation=D``). A computation that
-  used ``t`` seconds of CPU ends ``D * slowdown * t`` seconds after it began: the sleep that
+  ``slowdown`` (:class:`testbeds.emulation.Slowdown` with ``dilation=D``). A computation whose
+  own time is ``t`` seconds of CPU (``testbeds.worker``: what the stage's computations of its
+  kind typically use) ends ``D * slowdown * t`` seconds after it began: the sleep that
   fills the rest absorbs the time it waited for a core, as long as that is less than ``D``
   times its own (``D`` at least the number of hosts computing at once over the cores).
 - **links**: every link carries ``D`` times less bandwidth with ``D`` times the latency
