@@ -3,9 +3,12 @@
     python -m testbeds up TOPOLOGY [--backend netns|proxy|auto] [--expose HOST:PORT ...]
     python -m testbeds down [--all] [--dry-run]
     python -m testbeds run TOPOLOGY --job JOB.toml [--backend ...] [--workers-per-host 1] [--allow-code]
+        [--dilate D]
 
 TOPOLOGY is a path or the name of a shipped file in ``testbeds/topologies``. Each host's
-workers lend its ``memory_gb`` (``fusion-worker --memory-gb``).
+workers lend its ``memory_gb`` (``fusion-worker --memory-gb``). ``--dilate D`` runs the
+testbed in dilated time (:mod:`testbeds.dilation`): compute and links ``D`` times slower,
+the times reported divided by ``D`` and labelled ``dilated xD``.
 """
 
 from __future__ import annotations
@@ -102,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the workers run the job's own model (module:factory, importable with this PYTHONPATH); "
         "each host's workers lend its memory_gb either way",
     )
+    run.add_argument(
+        "--dilate",
+        type=float,
+        default=1.0,
+        metavar="D",
+        help="time dilation: every host computes and every link carries D times slower, so that the hosts "
+        "rarely compete for this machine's cores; reported times are divided by D (default: %(default)s, none)",
+    )
     add_log_arg(run)
     return p
 
@@ -161,17 +172,21 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from testbeds.dilation import check_dilation, dilation_label
     from testbeds.net.launch import run_job_on_testbed
     from testbeds.sim.topologies import emulated_slowdowns, slowdowns_label
 
+    dilation = check_dilation(args.dilate)
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fusion-testbed-logs-"))
     _interrupt_the_build()
-    with open_testbed(args.topology, backend=args.backend) as tb:
+    with open_testbed(args.topology, backend=args.backend, dilation=dilation) as tb:
         print(tb.describe(), flush=True)
         print(f"logs in {log_dir}", flush=True)
         slowdowns = emulated_slowdowns(tb.topology, speeds=args.emulate_speeds)
         if slowdowns:
             print(f"emulating slower devices: {slowdowns_label(slowdowns)}", flush=True)
+        if dilation != 1.0:
+            print(f"{dilation_label(dilation)}: compute and links {dilation:g}x slower, times divided by {dilation:g}")
         status = run_job_on_testbed(
             tb,
             args.job,
@@ -181,6 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             echo=lambda s: print(s, flush=True),
             slowdowns=slowdowns,
             allow_code=args.allow_code,
+            dilation=dilation,
         )
     print("testbed removed", flush=True)
     return 0 if status["state"] == "succeeded" else 1

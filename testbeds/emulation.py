@@ -31,6 +31,13 @@ This is emulation and is labelled as such wherever it is used (``python -m testb
 it has no place on a real deployment, and the product does not know of it: it reaches
 fusion's executor through its compute hook (:mod:`executor.hooks`).
 
+**Dilation** (:mod:`testbeds.dilation`): ``dilation=D`` makes the device ``D`` times slower
+again, on top of ``factor``, and measures what the computation itself took by the CPU time
+it used when the caller gives it (``cpu_s``): the computation ends ``D * factor * cpu_s``
+after it began (``profile``: ``D * (cpu_s + (factor - 1) * reference_s)``), whatever it
+waited for a core meanwhile, as long as that wait is less than the dilated time. Without
+``cpu_s`` (the baselines' hooks) the wall time stands in for it.
+
 Forward and backward computations are stretched; the optimizer step is not (it is a small
 share of a step, and the simulator prices it so: ``testbeds/replay.py``).
 
@@ -57,6 +64,7 @@ from typing import Any
 import torch
 
 from fusion.errors import ConfigError
+from testbeds.dilation import check_dilation
 
 #: Shortest backward piece stretched on its own (seconds of this machine's compute): each
 #: stretch is a sleep, and the piece after a sleep computes slower on a cold core (the
@@ -90,9 +98,13 @@ class Slowdown:
     "profile"``) to their wall time plus ``factor - 1`` times their reference seconds
     (1: leave them alone)."""
 
-    def __init__(self, factor: float = 1.0, *, min_piece_s: float = MIN_PIECE_S, emulation: str = "wall") -> None:
+    def __init__(
+        self, factor: float = 1.0, *, min_piece_s: float = MIN_PIECE_S, emulation: str = "wall", dilation: float = 1.0
+    ) -> None:
         self.factor = check_factor(factor)
         self.emulation = check_emulation(emulation)
+        #: The common time dilation ``D`` on top of ``factor`` (module docstring; 1: none).
+        self.dilation = check_dilation(dilation)
         #: :meth:`attach`'s shortest backward piece (:data:`MIN_PIECE_S`; 0: every gradient).
         self.min_piece_s = min_piece_s
         self._lock = threading.Lock()
@@ -105,22 +117,30 @@ class Slowdown:
 
     @property
     def active(self) -> bool:
-        return self.factor > 1.0
+        return self.factor > 1.0 or self.dilation > 1.0
 
     @property
     def by_profile(self) -> bool:
         """Whether stretches are ``factor - 1`` times reference seconds (``profile``)."""
-        return self.active and self.emulation == "profile"
+        return self.factor > 1.0 and self.emulation == "profile"
 
-    def stretch(self, seconds: float, reference_s: float | None = None) -> float:
-        """Sleep for the rest of a computation that took ``seconds`` on this machine and
-        ``reference_s`` in the profile (``profile`` emulation, where it is required); the
-        seconds slept."""
+    def extra_s(self, seconds: float, reference_s: float | None = None, cpu_s: float | None = None) -> float:
+        """What :meth:`stretch` sleeps after a computation that took ``seconds`` of wall time
+        here, ``reference_s`` in the profile (``profile`` emulation, where it is required) and
+        ``cpu_s`` of CPU time (dilation only; ``None``: the wall time stands in)."""
+        seconds = max(0.0, seconds)
         if self.by_profile:
             if reference_s is None or not math.isfinite(reference_s) or reference_s < 0:
                 raise ConfigError(f"profile emulation needs the computation's profiled seconds, got {reference_s!r}")
-            seconds = reference_s
-        extra = (self.factor - 1.0) * max(0.0, seconds)
+        if self.dilation == 1.0:
+            return (self.factor - 1.0) * (reference_s if self.by_profile else seconds)
+        own = seconds if cpu_s is None else min(seconds, max(0.0, cpu_s))
+        device = own + (self.factor - 1.0) * reference_s if self.by_profile else own * self.factor
+        return max(0.0, self.dilation * device - seconds)
+
+    def stretch(self, seconds: float, reference_s: float | None = None, cpu_s: float | None = None) -> float:
+        """Sleep for the rest of a computation (:meth:`extra_s`); the seconds slept."""
+        extra = self.extra_s(seconds, reference_s, cpu_s)
         if extra > 0.0:
             time.sleep(extra)
         return extra

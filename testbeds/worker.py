@@ -10,6 +10,11 @@ the executor's seams (:mod:`executor.hooks`) so that the product carries none of
   the profile the job was planned with, which the worker asks the coordinator for when a
   stage is loaded (``GetProfile``, with the worker's token) and sums over the stage's nodes
   as the planner costs them (:func:`stage_seconds`).
+- ``--dilate D`` (:mod:`testbeds.dilation`): time dilation, a device ``D`` times slower
+  again on top of ``--emulate-slowdown``. A computation's own time is the CPU time the
+  stage's computations of its kind typically use (with one torch thread; otherwise the
+  wall time), so that waiting for a core shared with other hosts is absorbed. The reported
+  speed is divided by ``D`` too.
 - ``--machine-flops F``: the speed the worker reports, before the slowdown, instead of its
   own start-up measurement; a launcher measures the machine once and passes it to every
   worker, so that workers started one after another report one speed.
@@ -30,6 +35,7 @@ A worker with factor 1 reports the machine's speed under the plain device name.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import logging
 import math
@@ -40,6 +46,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 
+import torch
+
 from executor.hooks import FORWARD, StageHooks, StageInfo
 from fusion.cli.env import resolve_token
 from fusion.cli.worker import build_parser, run_worker
@@ -47,6 +55,7 @@ from fusion.coordinator.client import CoordinatorClient
 from fusion.errors import ConfigError, FusionError
 from fusion.profiling import DeviceProfile
 from fusion.wire import coordinator_pb2 as cpb
+from testbeds.dilation import check_dilation, dilation_label
 from testbeds.emulation import EMULATIONS, Slowdown, check_factor
 from testbeds.peer_map import PeerMap, add_peer_map_arg, peer_map_channels
 
@@ -54,6 +63,11 @@ logger = logging.getLogger(__name__)
 
 #: Most seconds one stage's forward or backward may take in a profile (a sanity bound).
 MAX_STAGE_S = 3600.0
+
+#: Computations of one kind on one stage whose CPU times give a dilated device's own time.
+CPU_WINDOW = 20
+#: Which quantile of them: the computations least disturbed (:meth:`EmulatedDevice._typical_cpu_s`).
+CPU_QUANTILE = 0.25
 
 #: A stage's (forward, backward) seconds per micro-batch, looked up when it is loaded.
 StageSecondsFn = Callable[[StageInfo], tuple[float, float]]
@@ -90,19 +104,26 @@ def coordinator_stage_seconds(coordinator: str, token: str) -> StageSecondsFn:
 
 class EmulatedDevice(StageHooks):
     """Compute hooks that make every stage of this worker compute as a device ``factor``
-    times slower (:class:`testbeds.emulation.Slowdown`; factor 1: no change).
+    times slower (:class:`testbeds.emulation.Slowdown`; factor 1: no change), and ``dilation``
+    times slower again (time dilation). A dilated computation's own time is a low quantile
+    (:data:`CPU_QUANTILE`) of the CPU times of the stage's last :data:`CPU_WINDOW`
+    computations of its kind (forward or backward), measured on the computing thread when
+    torch computes on it alone (one torch thread; otherwise the wall time stands in).
 
     ``emulation="profile"`` needs ``seconds``: it is called when a stage is loaded and gives
     the stage's (forward, backward) seconds per micro-batch to stretch by; a stage whose
     seconds are missing (all zero) or not finite numbers in ``[0, 3600]`` is refused.
     """
 
-    def __init__(self, factor: float, *, emulation: str = "wall", seconds: StageSecondsFn | None = None) -> None:
-        self.slowdown = Slowdown(factor, emulation=emulation)
+    def __init__(
+        self, factor: float, *, emulation: str = "wall", seconds: StageSecondsFn | None = None, dilation: float = 1.0
+    ) -> None:
+        self.slowdown = Slowdown(factor, emulation=emulation, dilation=dilation)
         if self.slowdown.by_profile and seconds is None:
             raise ConfigError("profile emulation needs a source of the stages' profiled seconds")
         self._seconds = seconds
         self._profiled: dict[tuple[str, int], tuple[float, float]] = {}
+        self._cpu_s: dict[tuple[str, int, str], collections.deque[float]] = {}
         self._lock = threading.Lock()
 
     def stage_loaded(self, stage: StageInfo) -> None:
@@ -131,21 +152,45 @@ class EmulatedDevice(StageHooks):
             with self._lock:
                 fwd, bwd = self._profiled[(stage.job_id, stage.stage_idx)]
             reference = fwd if kind == FORWARD else bwd
-        return self._stretched(reference)
+        return self._stretched(reference, (stage.job_id, stage.stage_idx, kind))
 
     @contextlib.contextmanager
-    def _stretched(self, reference_s: float | None) -> Iterator[None]:
+    def _stretched(self, reference_s: float | None, key: tuple[str, int, str]) -> Iterator[None]:
+        # The thread's CPU time is the computation's own only when torch computes on it alone.
+        by_cpu = self.slowdown.dilation > 1.0 and torch.get_num_threads() == 1
+        c0 = time.thread_time() if by_cpu else 0.0
         t0 = time.perf_counter()
         yield
-        self.slowdown.stretch(time.perf_counter() - t0, reference_s)
+        seconds = time.perf_counter() - t0
+        own = self._typical_cpu_s(key, time.thread_time() - c0) if by_cpu else None
+        self.slowdown.stretch(seconds, reference_s, own)
+
+    def _typical_cpu_s(self, key: tuple[str, int, str], cpu_s: float) -> float:
+        """The :data:`CPU_QUANTILE` of the CPU times of the stage's last :data:`CPU_WINDOW`
+        computations of this kind, this one included: every micro-batch of a stage computes
+        the same, and disturbances only add CPU time (another process's use of the caches,
+        a core woken from a sleep), so a low quantile is the device's undisturbed time."""
+        with self._lock:
+            window = self._cpu_s.setdefault(key, collections.deque(maxlen=CPU_WINDOW))
+            window.append(cpu_s)
+            ordered = sorted(window)
+        return ordered[int(CPU_QUANTILE * (len(ordered) - 1))]
 
 
-def emulated_profile(profile: DeviceProfile, factor: float, machine_flops: float | None) -> DeviceProfile:
-    """What a worker emulating a device ``factor`` times slower reports (module docstring)."""
+def emulated_profile(
+    profile: DeviceProfile, factor: float, machine_flops: float | None, dilation: float = 1.0
+) -> DeviceProfile:
+    """What a worker emulating a device ``factor`` times slower, dilated ``dilation`` times,
+    reports (module docstring)."""
     flops = machine_flops if machine_flops is not None else profile.matmul_flops
-    if factor == 1.0:
+    if factor == 1.0 and dilation == 1.0:
         return replace(profile, matmul_flops=flops)
-    return replace(profile, matmul_flops=flops / factor, device_name=f"{profile.device_name}, {factor:g}x slower")
+    name = profile.device_name
+    if factor != 1.0:
+        name = f"{name}, {factor:g}x slower"
+    if dilation != 1.0:
+        name = f"{name}, {dilation_label(dilation)}"
+    return replace(profile, matmul_flops=flops / (factor * dilation), device_name=name)
 
 
 def add_emulation_args(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +212,15 @@ def add_emulation_args(parser: argparse.ArgumentParser) -> None:
         "the coordinator planned the job with (default: %(default)s)",
     )
     g.add_argument(
+        "--dilate",
+        type=float,
+        default=1.0,
+        metavar="D",
+        help="time dilation: compute D times slower again on top of --emulate-slowdown, each computation "
+        "measured by the CPU time it used, and report a speed D times lower; the testbed dilates the links "
+        "and divides the times it reports by D (default: %(default)s, none)",
+    )
+    g.add_argument(
         "--machine-flops",
         type=float,
         default=None,
@@ -185,21 +239,25 @@ def main(argv: list[str] | None = None) -> int:
         factor = check_factor(args.emulate_slowdown)
     except ConfigError as e:
         parser.error(f"--emulate-slowdown: {e}")
+    try:
+        dilation = check_dilation(args.dilate)
+    except ConfigError as e:
+        parser.error(f"--dilate: {e}")
     if args.machine_flops is not None and not (math.isfinite(args.machine_flops) and args.machine_flops > 0):
         parser.error(f"--machine-flops must be a positive number, got {args.machine_flops}")
     hooks = None
-    if factor > 1.0:
+    if factor > 1.0 or dilation > 1.0:
         seconds = None
-        if args.emulation == "profile":
+        if args.emulation == "profile" and factor > 1.0:
             token = resolve_token(args.token, args.token_file, required=False) or ""
             seconds = coordinator_stage_seconds(args.coordinator, token)
-        hooks = EmulatedDevice(factor, emulation=args.emulation, seconds=seconds)
+        hooks = EmulatedDevice(factor, emulation=args.emulation, seconds=seconds, dilation=dilation)
     channels = peer_map_channels(PeerMap(args.peer_map)) if args.peer_map else None
     return run_worker(
         args,
         hooks=hooks,
         channel_factory=channels,
-        report=lambda p: emulated_profile(p, factor, args.machine_flops),
+        report=lambda p: emulated_profile(p, factor, args.machine_flops, dilation),
     )
 
 

@@ -73,6 +73,7 @@ from fusion.launch import child_env
 from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench.report import markdown, write_chart
+from testbeds.dilation import check_dilation, dilated_slowdowns, dilated_timeout_s, dilation_label, undilate_row
 from testbeds.emulation import EMULATIONS
 from testbeds.net.launch import host_memory_gb, slowdown_args, worker_command
 from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
@@ -160,9 +161,11 @@ class FusionFleet:
         slowdowns: Mapping[str, float] | None = None,
         emulation: str = "wall",
         allow_code: bool = False,
+        dilation: float = 1.0,
     ) -> None:
         """Each host's worker lends the host's ``memory_gb``; ``allow_code``: the workers take
-        job owners' own models, importable with this process's path (``child_env``)."""
+        job owners' own models, importable with this process's path (``child_env``);
+        ``dilation``: the testbed's time dilation (workers ``--dilate``, heartbeats waited for longer)."""
         self.tb = tb
         self.workdir = workdir
         env = child_env()
@@ -193,6 +196,7 @@ class FusionFleet:
                 str(workdir / "state"),
                 "--log-level",
                 "INFO",
+                *(["--heartbeat-timeout", repr(dilated_timeout_s(10.0, dilation))] if dilation != 1.0 else []),
             ],
             env=env,
             stdout=open(log, "ab"),
@@ -222,6 +226,7 @@ class FusionFleet:
                         emulation=emulation,
                         memory_gb=host_memory_gb(tb.topology, host),
                         allow_code=allow_code,
+                        dilation=dilation,
                     ),
                 ],
                 env=env,
@@ -570,7 +575,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     topology, label = resolve_topology(args.topology)
+    dilation = check_dilation(args.dilate)
     slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
+    rank_slowdowns = dilated_slowdowns(slowdowns, topology.names(), dilation)
     emulation = args.emulation
     if slowdowns:
         print(f"emulating slower devices ({emulation}): {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
@@ -584,10 +591,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
-    with open_testbed(args.topology, backend=args.backend) as tb:
+    with open_testbed(args.topology, backend=args.backend, dilation=dilation) as tb:
         workdir = Path(tb.workdir)
         fleet = (
-            FusionFleet(tb, workdir, slowdowns=slowdowns, emulation=emulation, allow_code=args.allow_code)
+            FusionFleet(
+                tb, workdir, slowdowns=slowdowns, emulation=emulation, allow_code=args.allow_code, dilation=dilation
+            )
             if {"fusion", "uniform"} & set(systems)
             else None
         )
@@ -601,7 +610,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     run = fleet.run(job, system, timeout_s=args.timeout)
                 else:
                     job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
-                    if slowdowns and emulation == "profile" and profiled is None:
+                    if rank_slowdowns and emulation == "profile" and profiled is None:
                         assert fleet is not None
                         profiled = write_profiled(fleet, spec, len(tb.hosts), workdir / "profiled.json")
                     run = run_baseline(
@@ -611,7 +620,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         steps=steps,
                         workdir=workdir,
                         timeout_s=args.timeout,
-                        slowdowns=slowdowns,
+                        slowdowns=rank_slowdowns,
                         emulation=emulation,
                         profiled=profiled,
                     )
@@ -626,8 +635,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fleet_costs = fleet.step_costs()
             fleet_profile = fleet.model_profile()
         backend, latency_mode = tb.backend, tb.latency_mode
-    rows = {s: summarize(runs[s], topology, warmup=args.warmup) for s in systems}
+    rows = {s: undilate_row(summarize(runs[s], topology, warmup=args.warmup), dilation) for s in systems}
     meta = {
+        "dilation": dilation,
         "topology": label,
         "job_name": spec.name or Path(args.job).stem,
         "num_hosts": len(topology),
@@ -699,6 +709,14 @@ def main(argv: list[str] | None = None) -> int:
         help="let fusion's workers run the job's own model (module:factory, importable with this PYTHONPATH); "
         "each host's worker lends its memory_gb either way",
     )
+    p.add_argument(
+        "--dilate",
+        type=float,
+        default=1.0,
+        metavar="D",
+        help="time dilation: every host computes and every link carries D times slower; times reported are "
+        "divided by D and labelled 'dilated xD' (default: %(default)s, none; testbeds.dilation)",
+    )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png")
@@ -726,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = markdown(doc)
+    if doc.get("dilation", 1.0) != 1.0:
+        d = doc["dilation"]
+        text = f"Times {dilation_label(d)}: measured on a testbed {d:g}x slower, divided by {d:g}.\n\n{text}"
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

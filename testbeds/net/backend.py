@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fusion.errors import ConfigError
 from scheduler.topology import Topology
+from testbeds.dilation import check_dilation, dilate_topology, dilation_label
 from testbeds.net.netns import NetnsTestbed
 from testbeds.net.proxy import ProxyTestbed
 from testbeds.net.testbed import BACKENDS, Testbed, netns_available, new_prefix, resolve_topology
@@ -21,7 +22,9 @@ from testbeds.net.testbed import BACKENDS, Testbed, netns_available, new_prefix,
 logger = logging.getLogger(__name__)
 
 
-def open_testbed(topology: str | Path | Topology, *, backend: str = "auto", prefix: str | None = None) -> Testbed:
+def open_testbed(
+    topology: str | Path | Topology, *, backend: str = "auto", prefix: str | None = None, dilation: float = 1.0
+) -> Testbed:
     """Build a testbed for ``topology`` (a Topology, a TOML path or a shipped file's name).
 
     ``backend`` is ``"netns"``, ``"proxy"`` or ``"auto"`` (netns when root with iproute2,
@@ -29,8 +32,14 @@ def open_testbed(topology: str | Path | Topology, *, backend: str = "auto", pref
     process's pid. The caller owns the result: ``with open_testbed(...) as tb:`` (it is also
     closed at interpreter exit, and SIGTERM is turned into ``SystemExit`` if it had no
     handler, so the ``with`` block unwinds).
+
+    ``dilation`` ``D`` > 1 (time dilation, :mod:`testbeds.dilation`): every link is built
+    ``D`` times slower (bandwidth over ``D``, latency times ``D``); ``tb.topology`` is the
+    dilated one, and the label says ``dilated xD``.
     """
     topo, label = resolve_topology(topology)
+    if check_dilation(dilation) != 1.0:
+        topo, label = dilate_topology(topo, dilation), f"{label}, {dilation_label(dilation)}"
     if backend not in (*BACKENDS, "auto"):
         raise ConfigError(f"unknown testbed backend {backend!r}; use netns, proxy or auto")
     if backend == "auto":

@@ -18,6 +18,11 @@ its host's ``memory_gb`` (``--memory-gb``, shared by the host's workers), so tha
 host can hold must be split across hosts. With ``allow_code`` the workers take job owners'
 own models (``--allow-code``); every process gets this one's import path
 (:func:`fusion.launch.child_env`), so a ``module:factory`` importable here is importable there.
+
+With ``dilation`` ``D`` > 1 (time dilation, :mod:`testbeds.dilation`; the testbed must be
+opened with the same ``D``, which dilates its links), every worker runs ``--dilate D`` and
+the coordinator's heartbeat timeout is ``D`` times longer; the summary divides the times it
+reports by ``D`` and says ``dilated xD``.
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ from fusion.launch import child_env
 from fusion.memory import GIB
 from fusion.profiling import measure_device
 from scheduler.topology import Topology
+from testbeds.dilation import check_dilation, dilated_timeout_s, dilation_label
 from testbeds.net.testbed import Testbed, TestbedError, wait_for_line
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 180.0
+#: The coordinator's heartbeat timeout on a testbed (seconds; times the dilation).
+HEARTBEAT_TIMEOUT_S = 20.0
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 
 
@@ -65,6 +73,7 @@ def worker_command(
     emulation: str = "wall",
     memory_gb: float | None = None,
     allow_code: bool = False,
+    dilation: float = 1.0,
 ) -> list[str]:
     """The arguments after ``python`` that start one testbed worker (``testbeds.worker``)."""
     return [
@@ -87,6 +96,7 @@ def worker_command(
         *(["--memory-gb", repr(memory_gb)] if memory_gb is not None else []),
         *(["--allow-code"] if allow_code else []),
         *slowdown_args(slowdown, emulation=emulation),
+        *(["--dilate", repr(dilation)] if dilation != 1.0 else []),
     ]
 
 
@@ -110,6 +120,7 @@ class TestbedRun:
         echo: Callable[[str], None] = print,
         slowdowns: Mapping[str, float] | None = None,
         allow_code: bool = False,
+        dilation: float = 1.0,
     ) -> None:
         if workers_per_host < 1:
             raise TestbedError(f"--workers-per-host must be at least 1, got {workers_per_host}")
@@ -121,6 +132,7 @@ class TestbedRun:
         self.echo = echo
         self.slowdowns = dict(slowdowns or {})
         self.allow_code = allow_code
+        self.dilation = check_dilation(dilation)
         self.env = child_env()
         self.token = secrets.token_urlsafe(18)
         self.token_file = self.log_dir / "token"
@@ -156,7 +168,7 @@ class TestbedRun:
                 "--heartbeat-interval",
                 "1",
                 "--heartbeat-timeout",
-                "20",
+                repr(dilated_timeout_s(HEARTBEAT_TIMEOUT_S, self.dilation)),
                 "--log-level",
                 "INFO",
             ],
@@ -182,6 +194,7 @@ class TestbedRun:
                     slowdown=self.slowdowns.get(host),
                     memory_gb=host_memory_gb(tb.topology, host, self.workers_per_host),
                     allow_code=self.allow_code,
+                    dilation=self.dilation,
                 ),
             )
             started.append((name, proc, log))
@@ -267,10 +280,12 @@ def slowdown_args(factor: float | None, flag: str = "--emulate-slowdown", emulat
     return [flag, str(factor), *(["--emulation", emulation] if emulation != "wall" else [])]
 
 
-def summary_lines(status: dict[str, Any]) -> list[str]:
-    """The end-of-run summary a user reads."""
+def summary_lines(status: dict[str, Any], dilation: float = 1.0) -> list[str]:
+    """The end-of-run summary a user reads; on a testbed dilated ``dilation`` times, its rate
+    in the emulated world's time, labelled so."""
     loss = f"{status['loss']:.4f}" if status.get("loss") is not None else "-"
-    rate = f", {status['samples_per_s']:.1f} samples/s" if status.get("samples_per_s") else ""
+    label = f" ({dilation_label(dilation)})" if dilation != 1.0 else ""
+    rate = f", {status['samples_per_s'] * dilation:.1f} samples/s{label}" if status.get("samples_per_s") else ""
     lines = [
         f"job {status['id']}: {status['state']}" + (f" ({status['reason']})" if status.get("reason") else ""),
         f"  steps {status['step']}/{status['steps']}, final loss {loss}{rate}",
@@ -296,19 +311,27 @@ def run_job_on_testbed(
     echo: Callable[[str], None] = print,
     slowdowns: Mapping[str, float] | None = None,
     allow_code: bool = False,
+    dilation: float = 1.0,
 ) -> dict[str, Any]:
     """Start the fleet on ``tb``, run the job to its end, return its final status;
-    ``allow_code``: the workers take the job owner's own model (``module:factory``)."""
+    ``allow_code``: the workers take the job owner's own model (``module:factory``);
+    ``dilation``: the testbed's time dilation (``tb`` opened with it)."""
     job_file = Path(job_file)
     if not job_file.exists():
         raise TestbedError(f"no job file {job_file}")
     run = TestbedRun(
-        tb, log_dir, workers_per_host=workers_per_host, echo=echo, slowdowns=slowdowns, allow_code=allow_code
+        tb,
+        log_dir,
+        workers_per_host=workers_per_host,
+        echo=echo,
+        slowdowns=slowdowns,
+        allow_code=allow_code,
+        dilation=dilation,
     )
     run.start()
     job_id = run.submit(job_file)
     status = run.follow(job_id, timeout_s=timeout_s)
-    for line in summary_lines(status):
+    for line in summary_lines(status, dilation):
         echo(line)
     carried = {k: v for k, v in tb.link_bytes().items() if v}
     if carried:
