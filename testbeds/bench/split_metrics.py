@@ -83,3 +83,29 @@ def add_split_metrics(rows: dict[str, dict[str, Any]], caps: Mapping[str, int | 
             if caps.get(host) is not None:
                 lent.setdefault(host, caps[host])
     return target
+
+
+def split_lines(doc: Mapping[str, Any]) -> list[str]:
+    """The table of time to target and peak memory against caps (empty for a result without them)."""
+    rows = doc.get("systems", {})
+    if not any("time_to_target_s" in r for r in rows.values()):
+        return []
+    from fusion.memory import format_bytes
+
+    target = doc.get("target_loss")
+    lines = [
+        "",
+        f"target loss: {'-' if target is None else f'{target:.4f}'} ({TARGET_SYSTEM}'s final loss)",
+        "",
+        "| system | time to target s | peak memory / cap per host |",
+        "|---|---:|---|",
+    ]
+    for name, r in rows.items():
+        caps = r.get("memory_cap_bytes") or {}
+        mem = ", ".join(
+            f"{h} {format_bytes(b)}" + (f" / {format_bytes(caps[h])}" if caps.get(h) else "")
+            for h, b in (r.get("peak_memory_bytes") or {}).items()
+        )
+        ttt = r.get("time_to_target_s")
+        lines.append(f"| {name} | {'-' if ttt is None else f'{ttt:.4g}'} | {mem or '-'} |")
+    return lines
