@@ -449,10 +449,11 @@ def run_baseline(
     if system in ("ddp", "fsdp"):
         if spec.data.batch_size < len(hosts):
             return Run(system=system, note=f"n/a: batch {spec.data.batch_size} < {len(hosts)} ranks")
-        infeasible = ddp_infeasible(needed, tb.topology) if system == "ddp" else None
+        topology = getattr(tb, "topology", None)  # a testbed without one: no caps to check
+        infeasible = ddp_infeasible(needed, topology) if system == "ddp" and topology is not None else None
         if infeasible:
             run = Run(system=system, note=infeasible, hosts_used=hosts)
-            run.memory_cap_bytes = {h: c for h, c in _caps(tb.topology).items() if c is not None}
+            run.memory_cap_bytes = {h: c for h, c in _caps(topology).items() if c is not None}
             run.peak_memory_bytes = {h: needed for h in hosts}  # what each host would need
             return run
         try:
