@@ -19,7 +19,9 @@ the chain crosses each slow link it needs once and takes the slowest ones last o
 Each cluster's hosts follow one another in file order. The pipeline takes the first ``k``
 hosts of that chain, ``k`` the fewest (at least 2) whose smallest ``memory_gb`` holds an
 even share of the model's training state with :data:`STAGE_HEADROOM` for activations; a
-topology without caps gets every host the model has blocks for.
+topology without caps gets every host the model has blocks for. The estimate leaves out
+GPipe's stash of every micro-batch's activations, so the benchmark, as a user would, runs
+it again on one more host of the chain while a rank's measured peak exceeds its host's cap.
 
 ``ddp`` keeps a whole replica on every host: when the model's parameters, gradients and
 optimizer state (:func:`state_bytes`) exceed the smallest cap, it does not run and says
@@ -136,14 +138,15 @@ def cluster_chain(topology: Topology) -> list[str]:
     return [names[i] for label in order for i in clusters[label]]
 
 
-def best_pipeline_hosts(topology: Topology, needed_bytes: int, max_stages: int) -> list[str]:
+def best_pipeline_hosts(topology: Topology, needed_bytes: int, max_stages: int, *, min_stages: int = 2) -> list[str]:
     """``pipelining-best``'s hosts, stage 0 first: the fewest hosts of :func:`cluster_chain`
-    (2 to ``max_stages``) whose smallest cap holds an even share of ``needed_bytes`` with
-    :data:`STAGE_HEADROOM`; all ``max_stages`` when none does or no host is capped."""
+    (``min_stages`` to ``max_stages``) whose smallest cap holds an even share of
+    ``needed_bytes`` with :data:`STAGE_HEADROOM`; all ``max_stages`` when none does or no
+    host is capped."""
     chain = cluster_chain(topology)
     caps = host_caps(topology)
     top = max(2, min(max_stages, len(chain)))
-    for k in range(2, top + 1):
+    for k in range(max(2, min_stages), top + 1):
         lent = [caps[h] for h in chain[:k]]
         if all(c is not None for c in lent) and math.ceil(needed_bytes * STAGE_HEADROOM / k) <= min(lent):
             return chain[:k]
