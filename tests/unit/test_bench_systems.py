@@ -49,6 +49,7 @@ def test_pipelining_best_takes_the_fewest_hosts_that_hold_the_model() -> None:
     assert best_pipeline_hosts(t, 4 * MIB, 4) == ["a-1", "a-2"]
     assert best_pipeline_hosts(t, 20 * MIB, 4) == ["a-1", "a-2", "b-1"]
     assert best_pipeline_hosts(t, 1000 * MIB, 4) == ["a-1", "a-2", "b-1", "b-2"]
+    assert best_pipeline_hosts(t, 4 * MIB, 4, min_stages=3) == ["a-1", "a-2", "b-1"]
 
 
 def test_time_to_target_is_the_first_step_reaching_it_times_the_step() -> None:
