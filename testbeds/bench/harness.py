@@ -9,15 +9,21 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
 
 - ``fusion``: a real ``fusion-coordinator`` (on the first host: the job owner sits at one
   site, and the driver's traffic crosses that host's links) and one ``fusion-worker`` per
-  host, the job submitted with ``[plan] strategy = "opfence"`` and ``[compression] mode =
-  "adatopk"``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``. Each
+  host, the job submitted with ``[plan] strategy = "opfence"`` and the job's own
+  ``[compression]``; numbers come from the job's ``metrics.jsonl`` and ``summary.json``. Each
   worker lends its host's ``memory_gb`` (``--memory-gb``); with ``--allow-code`` the workers
   take the job's own ``module:factory`` model, importable with this process's path.
-- ``uniform``: the same fleet, ``strategy = "uniform"``, ``mode = "none"``: the naive
-  decentralized pipeline.
-- ``ddp``: :mod:`testbeds.bench.baselines.ddp`, one rank per host.
+- ``fusion-dense``, ``uniform``, ``compute``: the same fleet, OP-Fence without compression,
+  the naive even split in join order, and the compute-balanced split blind to links.
+- ``ddp``: :mod:`testbeds.bench.baselines.ddp`, one rank per host; reported infeasible
+  (with the bytes it needs per host) when a whole replica exceeds a host's ``memory_gb``.
 - ``pipelining``: :mod:`testbeds.bench.baselines.pipelining`, GPipe over the first ``min(N,
-  blocks)`` hosts.
+  blocks)`` hosts; ``pipelining-best``: the same over the hosts a skilled user picks
+  (:func:`testbeds.bench.systems.best_pipeline_hosts`).
+- ``fsdp``: :mod:`testbeds.bench.baselines.fsdp`, FSDP2 with one rank per host.
+
+:mod:`testbeds.bench.systems` defines them; :mod:`testbeds.bench.split_metrics` adds each
+system's time to the target loss and its hosts' peak memory against their caps.
 
 Per system: the step seconds of each round, a mean over its timed steps with the extremes
 trimmed (the first ``--warmup`` steps of a run are left out; this VM switches between
@@ -73,6 +79,8 @@ from fusion.launch import child_env
 from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench.report import markdown, write_chart
+from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, rank_peak_memory
+from testbeds.bench.systems import FLEET_SYSTEMS, RANK_MODULES, SYSTEMS, system_job
 from testbeds.dilation import check_dilation, dilated_slowdowns, dilated_timeout_s, dilation_label, undilate_row
 from testbeds.emulation import EMULATIONS
 from testbeds.net.launch import host_memory_gb, slowdown_args, worker_command
@@ -80,7 +88,6 @@ from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_l
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("fusion", "uniform", "ddp", "pipelining")
 MBPS = 1e6 / 8
 
 
@@ -111,20 +118,6 @@ def job_toml(spec: JobSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def system_job(spec: JobSpec, system: str, *, steps: int, num_hosts: int, out_dir: Path) -> JobSpec:
-    """The job as ``system`` runs it (fusion: OP-Fence + AdaTopK; uniform: even split, dense)."""
-    plan, compression = {"fusion": ("opfence", "adatopk"), "uniform": ("uniform", "none")}.get(
-        system, ("opfence", "none")
-    )
-    return spec.replace(
-        train={"steps": steps},
-        plan={"strategy": plan},
-        compression={"mode": compression},
-        cluster={"min_workers": num_hosts},
-        output={"dir": str(out_dir)},
-    )
-
-
 # ---------------------------------------------------------------- runs
 @dataclass
 class Run:
@@ -141,6 +134,10 @@ class Run:
     wall_s: float = 0.0
     measured: dict[str, Any] | None = None
     """fusion/uniform: the job's ``measured.json`` (what its coordinator planned from)."""
+    peak_memory_bytes: dict[str, int] = field(default_factory=dict)
+    """Each host's measured peak (:mod:`testbeds.bench.split_metrics`)."""
+    memory_cap_bytes: dict[str, int] = field(default_factory=dict)
+    """What each host lent, where the run reported it."""
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -259,6 +256,7 @@ class FusionFleet:
         measured_path = job_dir / "measured.json"
         if measured_path.exists():
             run.measured = json.loads(measured_path.read_text())
+            run.peak_memory_bytes, run.memory_cap_bytes = fleet_peak_memory(run.measured)
         plan_path = job_dir / "plan.json"
         if plan_path.exists():
             plan = json.loads(plan_path.read_text())
@@ -433,8 +431,12 @@ def run_baseline(
     emulation: str = "wall",
     profiled: Path | None = None,
 ) -> Run:
-    """``ddp`` or ``pipelining`` on the testbed (a :class:`Run` with a note when it does not
-    apply, or when a crashed rank made it run again)."""
+    """A rank system (:data:`~testbeds.bench.systems.RANK_MODULES`) on the testbed (a
+    :class:`Run` with a note when it does not apply, or when a crashed rank made it run again)."""
+    from fusion.training import build_job_model
+    from testbeds.bench.systems import best_pipeline_hosts, ddp_infeasible, state_bytes
+    from testbeds.sim.block_split import num_pipeline_stages
+
     spec_file = workdir / f"{system}.toml"
     spec_file.write_text(job_toml(spec))
     hosts = list(tb.hosts)
@@ -447,22 +449,38 @@ def run_baseline(
         "emulation": emulation,
         "profiled": profiled,
     }
-    if system == "ddp":
+    model = build_job_model(spec)
+    needed = state_bytes(spec, model)
+    if system in ("ddp", "fsdp"):
         if spec.data.batch_size < len(hosts):
             return Run(system=system, note=f"n/a: batch {spec.data.batch_size} < {len(hosts)} ranks")
-        records, note = _run_ranks_retrying(tb, "testbeds.bench.baselines.ddp", spec_file, hosts, **rank_args)
+        topology = getattr(tb, "topology", None)  # a testbed without one: no caps to check
+        infeasible = ddp_infeasible(needed, topology) if system == "ddp" and topology is not None else None
+        if infeasible:
+            run = Run(system=system, note=infeasible, hosts_used=hosts)
+            run.memory_cap_bytes = {h: c for h, c in _caps(topology).items() if c is not None}
+            run.peak_memory_bytes = {h: needed for h in hosts}  # what each host would need
+            return run
+        try:
+            records, note = _run_ranks_retrying(tb, RANK_MODULES[system], spec_file, hosts, **rank_args)
+        except FusionError as e:
+            if system == "ddp":
+                raise
+            return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
     else:
-        from fusion.training import build_job_model
-        from testbeds.sim.block_split import num_pipeline_stages
-
-        num_stages = num_pipeline_stages(build_job_model(spec), len(hosts))
+        num_stages = num_pipeline_stages(model, len(hosts))
         if num_stages < 2:
             return Run(system=system, note="n/a: the model has fewer than 2 blocks to split")
-        hosts = hosts[:num_stages]
+        if system == "pipelining-best":
+            hosts = best_pipeline_hosts(tb.topology, needed, num_stages)
+        else:
+            hosts = hosts[:num_stages]
         try:
-            records, note = _run_ranks_retrying(
-                tb, "testbeds.bench.baselines.pipelining", spec_file, hosts, **rank_args
-            )
+            records, note = _run_ranks_retrying(tb, RANK_MODULES[system], spec_file, hosts, **rank_args)
+            while system == "pipelining-best" and len(hosts) < num_stages and _over_cap(tb, records, hosts):
+                # As a user would: a stage peaked over its host's cap, so take one more host of the chain.
+                hosts = best_pipeline_hosts(tb.topology, needed, num_stages, min_stages=len(hosts) + 1)
+                records, note = _run_ranks_retrying(tb, RANK_MODULES[system], spec_file, hosts, **rank_args)
         except FusionError as e:
             return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
     # Ranks name links by rank; the table names hosts.
@@ -478,7 +496,19 @@ def run_baseline(
         hosts_used=hosts,
         wall_s=time.monotonic() - t0,
         note=note,
+        peak_memory_bytes=rank_peak_memory(records, hosts),
     )
+
+
+def _over_cap(tb: Any, records: list[dict[str, Any]], hosts: list[str]) -> bool:
+    """Whether a rank's measured peak exceeded its host's ``memory_gb``."""
+    caps = _caps(tb.topology)
+    peaks = rank_peak_memory(records, hosts)
+    return any(caps.get(h) is not None and peak > caps[h] for h, peak in peaks.items())
+
+
+def _caps(topology: Topology) -> dict[str, int | None]:
+    return {w.name: w.memory_bytes for w in topology.workers}
 
 
 # ---------------------------------------------------------------- summary
@@ -514,9 +544,11 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
         "note": next((r.note for r in runs if r.note), ""),
         "rounds": len(per_round),
         "hosts_used": last.hosts_used,
+        "peak_memory_bytes": {h: max(r.peak_memory_bytes.get(h, 0) for r in runs) for h in last.peak_memory_bytes},
+        "memory_cap_bytes": dict(last.memory_cap_bytes),
     }
     if not per_round:
-        row.update(samples_per_s=None, step_s=None, slowest_link_bytes=None, final_loss=None)
+        row.update(samples_per_s=None, step_s=None, slowest_link_bytes=None, final_loss=None, losses=[])
         return row
     step_s = statistics.median(per_round)
     batch = last.records[0]["samples_per_s"] * last.records[0]["step_s"]
@@ -582,8 +614,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if slowdowns:
         print(f"emulating slower devices ({emulation}): {slowdowns_label(slowdowns)}", file=sys.stderr, flush=True)
     if slowdowns and emulation == "profile":
-        fleet_at = min((i for i, s in enumerate(systems) if s in ("fusion", "uniform")), default=len(systems))
-        if any(s in ("ddp", "pipelining") for s in systems[:fleet_at]):
+        fleet_at = min((i for i, s in enumerate(systems) if s in FLEET_SYSTEMS), default=len(systems))
+        if any(s in RANK_MODULES for s in systems[:fleet_at]):
             raise FusionError(
                 "--emulation profile prices the emulated computations from fusion's coordinator profile: "
                 "list fusion or uniform before ddp and pipelining in --systems"
@@ -597,7 +629,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             FusionFleet(
                 tb, workdir, slowdowns=slowdowns, emulation=emulation, allow_code=args.allow_code, dilation=dilation
             )
-            if {"fusion", "uniform"} & set(systems)
+            if set(FLEET_SYSTEMS) & set(systems)
             else None
         )
         profiled: Path | None = None
@@ -605,11 +637,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for system in systems:
                 logger.info("round %d: %s", round_idx + 1, system)
                 t0 = time.monotonic()
-                if system in ("fusion", "uniform"):
-                    job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
+                job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
+                if system in FLEET_SYSTEMS:
                     run = fleet.run(job, system, timeout_s=args.timeout)
                 else:
-                    job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
                     if rank_slowdowns and emulation == "profile" and profiled is None:
                         assert fleet is not None
                         profiled = write_profiled(fleet, spec, len(tb.hosts), workdir / "profiled.json")
@@ -636,6 +667,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fleet_profile = fleet.model_profile()
         backend, latency_mode = tb.backend, tb.latency_mode
     rows = {s: undilate_row(summarize(runs[s], topology, warmup=args.warmup), dilation) for s in systems}
+    target_loss = add_split_metrics(rows, _caps(topology))
     meta = {
         "dilation": dilation,
         "topology": label,
@@ -650,6 +682,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "emulate_speeds": bool(args.emulate_speeds),
         "steps": steps,
         "warmup": args.warmup,
+        "target_loss": target_loss,
         "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]),
         "step_costs": fleet_costs,

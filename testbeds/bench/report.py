@@ -64,6 +64,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{'-' if eff is None else f'{eff:.2f}'}; fusion ran on {', '.join(fusion.get('hosts_used', [])) or '-'}"
         + (f"; AdaTopK keep ratios {fusion['keep_ratios']}" if fusion.get("keep_ratios") else "")
     )
+    from testbeds.bench.split_metrics import split_lines
+
+    lines.extend(split_lines(doc))
     if "compute_factor" in doc:
         costs = "the node costs the coordinator profiled in this run" if doc.get("profile") else "this machine profile"
         lines.append(

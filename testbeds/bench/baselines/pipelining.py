@@ -14,7 +14,12 @@ step, as Megatron does; ``pipeline()`` alone would let the copies drift apart.
 Rank 0 (which finishes last: backward ends there) records each step's wall seconds; the
 last rank's loss, and the activation bytes each rank receives per step (its inbound cut,
 whose gradients go back the same size), are all-reduced to rank 0 once after the last
-step, outside any step's timing.
+step, outside any step's timing, with each rank's peak memory
+(:mod:`testbeds.bench.baselines.memory`).
+
+The ranks are the hosts the benchmark lists, stage 0 on the first: ``pipelining`` gives
+the first hosts in join order, ``pipelining-best`` the cluster chain of
+:func:`testbeds.bench.systems.best_pipeline_hosts`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from fusion.training import (
     example_micro_batch,
     job_batch,
 )
+from testbeds.bench.baselines.memory import PeakMemory
 from testbeds.bench.baselines.profiled import gpipe_attach_args
 from testbeds.bench.baselines.rank import (
     MetricsWriter,
@@ -104,6 +110,8 @@ def run(argv: list[str] | None = None) -> int:
         schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=True)
         params = dict(module.named_parameters())
         optimizer = build_optimizer(job.train, module.parameters())
+        peak = PeakMemory(module, optimizer)
+        peaks = torch.zeros(num_stages, dtype=torch.float64)
         metrics = MetricsWriter(args.metrics if args.rank == 0 else None)
         last = num_stages - 1
         # Per step: the last rank's mean loss and each rank's inbound bytes, summed over the
@@ -118,24 +126,28 @@ def run(argv: list[str] | None = None) -> int:
             received[0] = 0
             with StepTimer() as timer:
                 optimizer.zero_grad(set_to_none=True)
-                if args.rank == 0:
-                    schedule.step(x)
-                elif args.rank == last:
-                    schedule.step(target=y, losses=losses)
-                else:
-                    schedule.step()
+                with peak.step():
+                    if args.rank == 0:
+                        schedule.step(x)
+                    elif args.rank == last:
+                        schedule.step(target=y, losses=losses)
+                    else:
+                        schedule.step()
                 for pg, names in sync:  # tied weights: sum the copies' gradients
                     for name in names:
                         grad = params[name].grad
                         if grad is not None:
                             dist.all_reduce(grad, group=pg)
                 optimizer.step()
+            peak.after_step()
             if args.rank == last:
                 stats[step, 0] = float(torch.stack([loss.detach() for loss in losses]).mean())
             stats[step, 2 + args.rank] = received[0]
             seconds.append(timer.seconds)
             tokens = token_count(x)
+        peaks[args.rank] = peak.bytes
         dist.all_reduce(stats)
+        dist.all_reduce(peaks)
         for step, step_s in enumerate(seconds):
             metrics.write_step(
                 step=step,
@@ -145,6 +157,7 @@ def run(argv: list[str] | None = None) -> int:
                 tokens=tokens,
                 # activations in, and their gradients back, over each cut (k-1 -> k)
                 bytes_per_link={f"{k - 1}->{k}": 2 * int(stats[step, 2 + k]) for k in range(1, num_stages)},
+                peak_memory_bytes={str(r): int(peaks[r]) for r in range(num_stages)},
             )
     finally:
         dist.destroy_process_group()

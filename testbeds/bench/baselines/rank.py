@@ -172,8 +172,10 @@ class MetricsWriter:
         samples: int,
         tokens: int | None,
         bytes_per_link: dict[str, int],
+        peak_memory_bytes: dict[str, int] | None = None,
     ) -> None:
-        """One step's record; ``tokens_per_s`` only for token batches (:func:`token_count`)."""
+        """One step's record; ``tokens_per_s`` only for token batches (:func:`token_count`);
+        ``peak_memory_bytes``: each rank's peak so far (:mod:`testbeds.bench.baselines.memory`)."""
         record: dict[str, Any] = {
             "step": step,
             "loss": loss,
@@ -183,6 +185,8 @@ class MetricsWriter:
         }
         if tokens is not None:
             record["tokens_per_s"] = tokens / step_s
+        if peak_memory_bytes is not None:
+            record["peak_memory_bytes"] = peak_memory_bytes
         self.write(record)
 
 

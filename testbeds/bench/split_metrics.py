@@ -1,0 +1,111 @@
+"""The split regime's metrics per system: time to a target loss and each host's peak memory.
+
+- ``time_to_target_s``: the target is the final loss of the dense ``pipelining-best`` run
+  over the same steps (:data:`testbeds.bench.systems.TARGET_SYSTEM`). A system reaches it at
+  the first step whose raw loss, or whose loss smoothed over the last :data:`SMOOTHING`
+  steps, is at or below it; its time to target is that step's count (``step + 1``) times
+  the system's measured step seconds (the row's ``step_s``, trimmed and warm). ``None`` when
+  it never does, or when there is no target.
+- ``peak_memory_bytes``: ``{host: bytes}``, the most any step measured on that host, and
+  ``memory_cap_bytes``: ``{host: bytes}``, what the host lends (its ``memory_gb``). Fleet
+  systems read both from ``measured.json``'s ``memory`` section (each stage's
+  ``measured_peak_bytes``, summed per worker); rank systems from the ranks' own
+  measurement (:mod:`testbeds.bench.baselines.memory`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from testbeds.bench.systems import TARGET_SYSTEM
+
+logger = logging.getLogger(__name__)
+
+#: Steps in the moving average a loss is smoothed over.
+SMOOTHING = 3
+
+
+def steps_to_target(losses: Sequence[float], target: float) -> int | None:
+    """The first step (0-based) whose raw or smoothed loss is at or below ``target``."""
+    for i, loss in enumerate(losses):
+        window = losses[max(0, i + 1 - SMOOTHING) : i + 1]
+        if loss <= target or sum(window) / len(window) <= target:
+            return i
+    return None
+
+
+def time_to_target(losses: Sequence[float], step_s: float | None, target: float | None) -> float | None:
+    """Seconds to reach ``target`` at ``step_s`` a step (module docstring)."""
+    if target is None or step_s is None or not losses:
+        return None
+    step = steps_to_target(losses, target)
+    return None if step is None else (step + 1) * step_s
+
+
+def fleet_peak_memory(measured: Mapping[str, Any] | None) -> tuple[dict[str, int], dict[str, int]]:
+    """``({worker: measured peak bytes}, {worker: cap bytes})`` from a fleet job's ``measured.json``."""
+    peaks: dict[str, int] = {}
+    caps: dict[str, int] = {}
+    for stage in ((measured or {}).get("memory") or {}).get("stages", []):
+        worker = stage.get("worker")
+        if worker is None:
+            continue
+        if stage.get("measured_peak_bytes") is not None:
+            peaks[worker] = peaks.get(worker, 0) + int(stage["measured_peak_bytes"])
+        if stage.get("cap_bytes") is not None:
+            caps[worker] = int(stage["cap_bytes"])
+    return peaks, caps
+
+
+def rank_peak_memory(records: Sequence[Mapping[str, Any]], hosts: Sequence[str]) -> dict[str, int]:
+    """``{host: peak bytes}`` from rank records (``peak_memory_bytes`` by rank)."""
+    out: dict[str, int] = {}
+    for record in records:
+        for rank, size in (record.get("peak_memory_bytes") or {}).items():
+            host = hosts[int(rank)]
+            out[host] = max(out.get(host, 0), int(size))
+    return out
+
+
+def add_split_metrics(rows: dict[str, dict[str, Any]], caps: Mapping[str, int | None]) -> float | None:
+    """Add ``time_to_target_s`` to every row, and fill each row's ``memory_cap_bytes`` from
+    ``caps`` (the topology's, ``{host: bytes}``) for the hosts it used; returns the target."""
+    target_row = rows.get(TARGET_SYSTEM) or {}
+    target = target_row.get("final_loss")
+    for row in rows.values():
+        row["target_loss"] = target
+        row["time_to_target_s"] = time_to_target(row.get("losses") or [], row.get("step_s"), target)
+        row.setdefault("peak_memory_bytes", {})
+        lent = row.setdefault("memory_cap_bytes", {})
+        for host in row.get("hosts_used") or []:
+            if caps.get(host) is not None:
+                lent.setdefault(host, caps[host])
+    return target
+
+
+def split_lines(doc: Mapping[str, Any]) -> list[str]:
+    """The table of time to target and peak memory against caps (empty for a result without them)."""
+    rows = doc.get("systems", {})
+    if not any("time_to_target_s" in r for r in rows.values()):
+        return []
+    from fusion.memory import format_bytes
+
+    target = doc.get("target_loss")
+    lines = [
+        "",
+        f"target loss: {'-' if target is None else f'{target:.4f}'} ({TARGET_SYSTEM}'s final loss)",
+        "",
+        "| system | time to target s | peak memory / cap per host |",
+        "|---|---:|---|",
+    ]
+    for name, r in rows.items():
+        caps = r.get("memory_cap_bytes") or {}
+        mem = ", ".join(
+            f"{h} {format_bytes(b)}" + (f" / {format_bytes(caps[h])}" if caps.get(h) else "")
+            for h, b in (r.get("peak_memory_bytes") or {}).items()
+        )
+        ttt = r.get("time_to_target_s")
+        lines.append(f"| {name} | {'-' if ttt is None else f'{ttt:.4g}'} | {mem or '-'} |")
+    return lines

@@ -1,0 +1,103 @@
+"""The split regime's systems and metrics: pipelining-best's placement, time to target,
+ddp's infeasible note and the ``--json`` row keys (:mod:`testbeds.bench.systems`,
+:mod:`testbeds.bench.split_metrics`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from scheduler.topology import Topology
+from testbeds.bench.harness import summarize
+from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, time_to_target
+from testbeds.bench.systems import SYSTEMS, best_pipeline_hosts, cluster_chain, ddp_infeasible
+from testbeds.net.testbed import TOPOLOGY_DIR
+
+MIB = 1 << 20
+
+
+def _slow_crossings(topology: Topology, hosts: list[str]) -> dict[frozenset[str], int]:
+    """How often a chain of hosts crosses each pair of clusters."""
+    cluster = {w.name: w.cluster for w in topology.workers}
+    out: dict[frozenset[str], int] = {}
+    for a, b in itertools.pairwise(hosts):
+        if cluster[a] != cluster[b]:
+            key = frozenset((cluster[a], cluster[b]))
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("name", ["two-sites-split", "three-continents-split"])
+def test_pipelining_best_crosses_each_slow_link_once(name: str) -> None:
+    t = Topology.load(TOPOLOGY_DIR / f"{name}.toml")
+    chain = cluster_chain(t)
+    assert sorted(chain) == sorted(t.names()) and chain[0] == t.names()[0]
+    crossings = _slow_crossings(t, chain)
+    assert crossings and all(n == 1 for n in crossings.values()), crossings
+    assert len(crossings) == len(t.clusters()) - 1
+
+
+def test_three_continents_chain_avoids_the_slowest_links() -> None:
+    t = Topology.load(TOPOLOGY_DIR / "three-continents-split.toml")
+    # us-eu is 100 Mbps, eu-asia and us-asia 8 Mbps: asia comes last, after eu.
+    assert [n.split("-")[0] for n in cluster_chain(t)] == ["us", "us", "eu", "eu", "asia", "asia"]
+
+
+def test_pipelining_best_takes_the_fewest_hosts_that_hold_the_model() -> None:
+    t = Topology.load(TOPOLOGY_DIR / "two-sites-split.toml")  # 12 MiB-ish a host
+    assert best_pipeline_hosts(t, 4 * MIB, 4) == ["a-1", "a-2"]
+    assert best_pipeline_hosts(t, 20 * MIB, 4) == ["a-1", "a-2", "b-1"]
+    assert best_pipeline_hosts(t, 1000 * MIB, 4) == ["a-1", "a-2", "b-1", "b-2"]
+    assert best_pipeline_hosts(t, 4 * MIB, 4, min_stages=3) == ["a-1", "a-2", "b-1"]
+
+
+def test_time_to_target_is_the_first_step_reaching_it_times_the_step() -> None:
+    assert time_to_target([3.0, 2.5, 2.0, 1.5], 0.5, 2.0) == pytest.approx(1.5)
+    assert time_to_target([3.0, 1.0, 3.0], 2.0, 1.0) == pytest.approx(4.0)  # raw loss reaches it
+    assert time_to_target([3.0, 2.6, 2.5], 1.0, 2.4) is None
+    assert time_to_target([1.0], None, 2.0) is None and time_to_target([1.0], 1.0, None) is None
+
+
+def test_ddp_is_infeasible_when_a_replica_exceeds_a_hosts_cap() -> None:
+    t = Topology.load(TOPOLOGY_DIR / "two-sites-split.toml")
+    note = ddp_infeasible(40 * MIB, t)
+    assert note is not None and note.startswith("infeasible: needs 40.00 MiB per host") and "hosts lend" in note
+    assert ddp_infeasible(1 * MIB, t) is None
+
+
+def test_fleet_peak_memory_sums_a_workers_stages() -> None:
+    measured = {
+        "memory": {
+            "stages": [
+                {"stage": 0, "worker": "a", "cap_bytes": 100, "measured_peak_bytes": 40},
+                {"stage": 1, "worker": "b", "cap_bytes": 100, "measured_peak_bytes": None},
+                {"stage": 2, "worker": "a", "cap_bytes": 100, "measured_peak_bytes": 30},
+            ]
+        }
+    }
+    assert fleet_peak_memory(measured) == ({"a": 70}, {"a": 100, "b": 100})
+    assert fleet_peak_memory(None) == ({}, {})
+
+
+def test_the_json_rows_carry_the_contract_keys() -> None:
+    from testbeds.bench.harness import Run
+
+    t = Topology.load(TOPOLOGY_DIR / "two-sites-split.toml")
+    records = [
+        {"step": i, "loss": 3.0 - i, "step_s": 0.5, "samples_per_s": 32.0, "bytes_per_link": {"a-1->b-1": 100}}
+        for i in range(3)
+    ]
+    runs = {
+        "pipelining-best": [Run(system="pipelining-best", records=records, final_loss=1.0, hosts_used=["a-1", "b-1"])],
+        "ddp": [Run(system="ddp", note="infeasible: needs ...", hosts_used=["a-1"], peak_memory_bytes={"a-1": 9})],
+    }
+    rows = {s: summarize(r, t, warmup=0) for s, r in runs.items()}
+    assert add_split_metrics(rows, {w.name: w.memory_bytes for w in t.workers}) == 1.0
+    for row in rows.values():
+        for key in ("samples_per_s", "step_s", "final_loss", "losses", "hosts_used", "slowest_link_bytes", "note"):
+            assert key in row
+        assert "time_to_target_s" in row and "peak_memory_bytes" in row and "memory_cap_bytes" in row
+    assert rows["pipelining-best"]["time_to_target_s"] == pytest.approx(1.5)
+    assert rows["ddp"]["time_to_target_s"] is None and rows["ddp"]["peak_memory_bytes"] == {"a-1": 9}
+    assert set(SYSTEMS) >= {"fusion", "fusion-dense", "uniform", "compute", "pipelining", "pipelining-best", "fsdp"}
