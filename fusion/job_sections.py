@@ -212,6 +212,11 @@ class DataSpec(Section):
             check_str("data.name", self.name, what="a non-empty string or left out")
         check_int("data.batch_size", self.batch_size, minimum=1)
         check_bool("data.shuffle", self.shuffle)
+        if "seed" in self.kwargs:
+            raise ConfigError(
+                "[data] seed is not a key: the data set and its shuffle order are seeded by [train] seed; "
+                "move the value there"
+            )
         object.__setattr__(self, "kwargs", check_kwargs("data", self.kwargs, ("name", "batch_size", "shuffle")))
 
 

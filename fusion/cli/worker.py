@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+from executor.build import parse_device
 from executor.hooks import ChannelFactory, StageHooks
 from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_cli, setup_logging
-from fusion.errors import AuthError
+from fusion.errors import AuthError, ConfigError
 from fusion.memory import format_bytes, gb_to_bytes
 from fusion.profiling import DeviceProfile
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
@@ -112,6 +113,10 @@ def run_worker(
         assert token is not None
         if args.torch_threads > 0:
             torch.set_num_threads(args.torch_threads)
+        try:
+            parse_device(args.device)
+        except ConfigError as e:
+            raise ConfigError(f"--device {args.device}: {e}") from e
         tls = ServerTls.from_files(args.tls_cert, args.tls_key)
         if args.tls_ca:
             set_client_ca(args.tls_ca)

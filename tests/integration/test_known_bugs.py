@@ -130,3 +130,17 @@ def test_demo_on_cuda_without_cuda_is_one_error_before_any_process(tmp_path: Pat
         "the demo runs every process here (use --device cpu)"
     )
     assert not (tmp_path / "logs").exists() and time.monotonic() - t0 < 30
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_worker_on_cuda_without_cuda_is_one_error_not_a_traceback() -> None:
+    env = {**child_env(), "FUSION_TOKEN": TOKEN}
+    r = subprocess.run(
+        [sys.executable, "-m", "fusion.cli.worker", "--coordinator", "127.0.0.1:1", "--device", "cuda"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == EXIT_BAD_INPUT, (r.stdout, r.stderr)
+    assert r.stderr.strip() == "error: --device cuda: device 'cuda' requested but CUDA is not available on this worker"

@@ -291,6 +291,11 @@ def test_kwargs_cannot_shadow_fields() -> None:
         DataSpec(kwargs={"batch_size": 3})
 
 
+def test_data_seed_points_to_train_seed() -> None:
+    message = _error('[model]\nname = "gpt2"\n[data]\nseed = 3\n')
+    assert "[data] seed" in message and "[train] seed" in message
+
+
 # --------------------------------------------------------------------------------------
 # Validation messages name section.key and the allowed values.
 
