@@ -8,14 +8,11 @@ over more than one rank, and ddp is reported infeasible with the memory it needs
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench import run_bench
 
 TOPOLOGY = """[[hosts]]
 name = "a-1"
@@ -71,37 +68,14 @@ SYSTEMS = ("fusion", "fusion-dense", "pipelining-best", "fsdp", "ddp")
 
 @pytest.mark.timeout(420)
 def test_the_split_bench_runs_every_system(tmp_path: Path) -> None:
-    (tmp_path / "topology.toml").write_text(TOPOLOGY)
-    (tmp_path / "job.toml").write_text(JOB)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "testbeds.bench",
-            "--backend",
-            "proxy",
-            "--topology",
-            str(tmp_path / "topology.toml"),
-            "--job",
-            str(tmp_path / "job.toml"),
-            "--systems",
-            ",".join(SYSTEMS),
-            "--steps",
-            "3",
-            "--warmup",
-            "0",
-            "--timeout",
-            "180",
-            "--json",
-        ],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    proc = run_bench(
+        tmp_path,
+        topology=TOPOLOGY,
+        job=JOB,
+        systems=SYSTEMS,
+        extra=["--steps", "3", "--warmup", "0", "--timeout", "180", "--json"],
+        timeout_s=400,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     systems = doc["systems"]
     assert set(systems) == set(SYSTEMS)

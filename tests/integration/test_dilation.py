@@ -13,9 +13,6 @@ backend), dilated ``D`` times, with a real coordinator and real worker processes
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +20,10 @@ import pytest
 from scheduler.topology import Topology
 from testbeds.net.backend import open_testbed
 from testbeds.net.launch import TestbedRun, summary_lines
+from tests.support.bench import run_bench
 
 pytestmark = pytest.mark.timeout(400)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MBPS = 1e6 / 8
 
 TOPOLOGY = """
@@ -96,42 +93,11 @@ def test_a_dilated_testbed_slows_links_and_compute_and_reports_emulated_time(tmp
 
 
 def test_the_bench_reports_dilated_step_times(tmp_path: Path) -> None:
-    (tmp_path / "topology.toml").write_text(TOPOLOGY)
-    (tmp_path / "job.toml").write_text(JOB.format(out=tmp_path / "unused"))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = tmp_path / "bench"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "testbeds.bench",
-            "--backend",
-            "proxy",
-            "--topology",
-            str(tmp_path / "topology.toml"),
-            "--job",
-            str(tmp_path / "job.toml"),
-            "--systems",
-            "uniform",
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-            "--allow-code",
-            "--dilate",
-            "2",
-            "--timeout",
-            "240",
-            "--out",
-            str(out),
-        ],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=380,
+    extra = ["--steps", "3", "--warmup", "1", "--allow-code", "--dilate", "2", "--timeout", "240", "--out", str(out)]
+    proc = run_bench(
+        tmp_path, topology=TOPOLOGY, job=JOB.format(out=tmp_path / "unused"), systems=["uniform"], extra=extra
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dilated x2" in proc.stdout and "dilated x2" in Path(f"{out}.md").read_text()
     doc = json.loads(Path(f"{out}.json").read_text())
     assert doc["dilation"] == 2.0

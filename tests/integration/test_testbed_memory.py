@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -25,8 +23,7 @@ from scheduler.topology import Topology
 from testbeds.net.launch import host_memory_gb, worker_command
 from testbeds.net.testbed import TOPOLOGY_DIR
 from testbeds.worker import add_emulation_args
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench import run_bench
 
 OWNER_MODEL = """
 import torch.nn as nn
@@ -113,38 +110,14 @@ def test_bench_runs_an_owners_model_split_by_the_hosts_memory(tmp_path: Path) ->
     owner = tmp_path / "owner"
     owner.mkdir()
     (owner / f"owner_mlp_{tag}.py").write_text(textwrap.dedent(OWNER_MODEL))
-    (tmp_path / "topology.toml").write_text(TOPOLOGY)
-    (tmp_path / "job.toml").write_text(JOB.format(tag=tag))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(owner)])}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "testbeds.bench",
-            "--backend",
-            "proxy",
-            "--topology",
-            str(tmp_path / "topology.toml"),
-            "--job",
-            str(tmp_path / "job.toml"),
-            "--systems",
-            "fusion",
-            "--steps",
-            "3",
-            "--warmup",
-            "0",
-            "--allow-code",
-            "--timeout",
-            "240",
-            "--json",
-        ],
-        env=env,
-        cwd=tmp_path,  # the owner's module is found through PYTHONPATH only
-        capture_output=True,
-        text=True,
-        timeout=380,
+    proc = run_bench(  # the owner's module is found through PYTHONPATH only
+        tmp_path,
+        topology=TOPOLOGY,
+        job=JOB.format(tag=tag),
+        systems=["fusion"],
+        extra=["--steps", "3", "--warmup", "0", "--allow-code", "--timeout", "240", "--json"],
+        python_path=[owner],
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     fusion = json.loads(proc.stdout)["systems"]["fusion"]
     print(json.dumps({k: fusion[k] for k in ("hosts_used", "losses", "note")}))
     assert fusion["note"] == "", fusion["note"]

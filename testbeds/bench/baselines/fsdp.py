@@ -11,12 +11,8 @@ and its optimizer state, all-gathers a unit's parameters for its forward and bac
 reduce-scatters its gradients (averaged over the ranks). A block holding a tied parameter
 (GPT-2's embedding and head) is left to the root unit, which then owns the tied tensor once.
 
-The data are split as :mod:`testbeds.bench.baselines.ddp` splits them (each rank its slice
-of the batch, its loss weighted by its share), so the update is that of the mean loss over
-the whole batch. Rank 0 records per step: the global mean loss, the step's wall seconds,
-the bytes each rank's namespace sent (counted on the link to its ring successor, as gloo's
-ring collectives send), and every rank's peak memory (:mod:`testbeds.bench.baselines.memory`),
-all-reduced once after the last step, outside any step's timing.
+The data are split and the rows written as for DDP (:mod:`testbeds.bench.baselines.data_parallel`),
+with every rank's peak memory (:mod:`testbeds.bench.baselines.memory`) added to the rows.
 """
 
 from __future__ import annotations
@@ -30,12 +26,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fusion.errors import ConfigError
-from fusion.losses import get_loss
-from fusion.optim import build_optimizer
-from fusion.training import build_job_dataset, build_job_model, job_batch
-from testbeds.bench.baselines.memory import PeakMemory
+from fusion.training import build_job_model
+from testbeds.bench.baselines.data_parallel import rank_samples, train_data_parallel
 from testbeds.bench.baselines.pipelining import tied_groups
-from testbeds.bench.baselines.rank import MetricsWriter, StepTimer, bytes_sent, init_gloo, parse_args, token_count
+from testbeds.bench.baselines.rank import init_gloo, parse_args
 from testbeds.sim.block_split import block_names
 
 logger = logging.getLogger(__name__)
@@ -58,57 +52,17 @@ def shard(model: torch.nn.Module, mesh: object) -> list[str]:
 
 def run(argv: list[str] | None = None) -> int:
     args = parse_args("python -m testbeds.bench.baselines.fsdp", "FSDP2 over gloo, one rank of N", argv)
-    job = args.job
-    batch, n = job.data.batch_size, args.world_size
-    if batch < n:
-        raise ConfigError(f"FSDP needs a sample per rank: batch_size {batch} < {n} ranks")
+    samples = rank_samples(args, "FSDP")
+    if args.slowdown > 1.0 and args.emulation == "profile":
+        raise ConfigError("the fsdp baseline emulates slower devices by wall time only (--emulation wall)")
     init_gloo(args)
     try:
-        mesh = init_device_mesh("cpu", (n,))
-        model = build_job_model(job)
-        samples = len(torch.tensor_split(torch.arange(batch), n)[args.rank])
-        if args.slowdown > 1.0 and args.emulation == "profile":
-            raise ConfigError("the fsdp baseline emulates slower devices by wall time only (--emulation wall)")
+        mesh = init_device_mesh("cpu", (args.world_size,))
+        model = build_job_model(args.job)
         args.emulate(model, lambda doc: {"samples": samples})
         units = shard(model, mesh)
         logger.info("rank %d: %d block units and the root", args.rank, len(units))
-        dataset = build_job_dataset(job)
-        loss_fn = get_loss(job.train.loss)
-        optimizer = build_optimizer(job.train, model.parameters())
-        peak = PeakMemory(model, optimizer)
-        metrics = MetricsWriter(args.metrics if args.rank == 0 else None)
-        stats = torch.zeros(args.steps, 1 + n, dtype=torch.float64)
-        peaks = torch.zeros(n, dtype=torch.float64)
-        seconds: list[float] = []
-        tokens: int | None = None
-        for step in range(args.steps):
-            x, y = job_batch(job, dataset, step)
-            xr, yr = torch.tensor_split(x, n)[args.rank], torch.tensor_split(y, n)[args.rank]
-            weight = len(xr) * n / batch
-            sent0 = bytes_sent()
-            with StepTimer() as timer:
-                optimizer.zero_grad(set_to_none=True)
-                with peak.step():
-                    loss = loss_fn(model(xr), yr)
-                    (loss * weight).backward()  # FSDP reduce-scatters (averages) the gradients
-                optimizer.step()
-            peak.after_step()
-            stats[step, 0], stats[step, 1 + args.rank] = float(loss.detach()) * weight, bytes_sent() - sent0
-            seconds.append(timer.seconds)
-            tokens = token_count(x)
-        peaks[args.rank] = peak.bytes
-        dist.all_reduce(stats)
-        dist.all_reduce(peaks)
-        for step, step_s in enumerate(seconds):
-            metrics.write_step(
-                step=step,
-                loss=float(stats[step, 0]) / n,
-                step_s=step_s,
-                samples=batch,
-                tokens=tokens,
-                bytes_per_link={f"{r}->{(r + 1) % n}": int(stats[step, 1 + r]) for r in range(n)},
-                peak_memory_bytes={str(r): int(peaks[r]) for r in range(n)},
-            )
+        train_data_parallel(args, model, peak_of=model)
     finally:
         dist.destroy_process_group()
     return 0
