@@ -1,6 +1,6 @@
 """The benchmark's systems: what each one is, the job it runs, the hosts it runs on.
 
-- Fleet systems run a real coordinator and workers (:class:`testbeds.bench.harness.FusionFleet`),
+- Fleet systems run a real coordinator and workers (:class:`testbeds.bench.fusion_fleet.FusionFleet`),
   with the job's ``[plan]`` and ``[compression]`` set by :func:`system_job`:
   ``fusion`` (OP-Fence + the job's own compression), ``fusion-dense`` (OP-Fence, no
   compression), ``uniform`` (even split in join order, dense) and ``compute``

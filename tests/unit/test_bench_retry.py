@@ -11,7 +11,7 @@ import pytest
 
 from fusion.config import JobSpec
 from fusion.errors import FusionError
-from testbeds.bench import harness as bench
+from testbeds.bench import rank_runs as bench
 
 JOB = JobSpec.from_toml(
     'name = "retry"\n[model]\nname = "gpt2"\npreset = "tiny"\n'

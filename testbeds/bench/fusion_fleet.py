@@ -1,0 +1,202 @@
+"""fusion's side of the side-by-side benchmark (:mod:`testbeds.bench.harness`): a real
+``fusion-coordinator`` on the testbed's first host and one ``fusion-worker`` per host, each
+lending its host's ``memory_gb``; a system's job is submitted to it and its outputs read back
+as a :class:`~testbeds.bench.runs.Run`."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fusion.config import JobSpec
+from fusion.errors import FusionError
+from fusion.launch import child_env
+from fusion.profiling import measure_device
+from testbeds.bench.runs import Run, job_toml, read_jsonl
+from testbeds.bench.split_metrics import fleet_peak_memory
+from testbeds.dilation import dilated_timeout_s
+from testbeds.net.launch import host_memory_gb, worker_command
+
+
+class FusionFleet:
+    """A coordinator on the first host and a worker on every host of a testbed."""
+
+    def __init__(
+        self,
+        tb: Any,
+        workdir: Path,
+        *,
+        torch_threads: int = 1,
+        slowdowns: Mapping[str, float] | None = None,
+        emulation: str = "wall",
+        allow_code: bool = False,
+        dilation: float = 1.0,
+    ) -> None:
+        """Each host's worker lends the host's ``memory_gb``; ``allow_code``: the workers take
+        job owners' own models, importable with this process's path (``child_env``);
+        ``dilation``: the testbed's time dilation (workers ``--dilate``, heartbeats waited for longer)."""
+        self.tb = tb
+        self.workdir = workdir
+        env = child_env()
+        self.token = secrets.token_hex(16)
+        self.host0 = tb.hosts[0]
+        #: The last job this fleet submitted (whose profile :meth:`model_profile` asks for).
+        self.last_job_id: str | None = None
+        from testbeds.net.testbed import wait_for_line
+
+        port = tb.free_port(self.host0)
+        tb.expose(self.host0, port)
+        self.coordinator = f"{tb.address(self.host0)}:{port}"
+        (workdir / "token").write_text(self.token)
+        log = workdir / "coordinator.log"
+        proc = tb.spawn(
+            self.host0,
+            [
+                sys.executable,
+                "-m",
+                "testbeds.coordinator",
+                "--host",
+                tb.address(self.host0),
+                "--port",
+                str(port),
+                "--token-file",
+                str(workdir / "token"),
+                "--state-dir",
+                str(workdir / "state"),
+                "--log-level",
+                "INFO",
+                *(["--heartbeat-timeout", repr(dilated_timeout_s(10.0, dilation))] if dilation != 1.0 else []),
+            ],
+            env=env,
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
+        )
+        wait_for_line(log, r"listening on", proc, 60.0)
+        # One worker at a time: each measures its matmul speed at start-up, and workers that
+        # start together on one machine's cores would each measure a random share of it; and
+        # each reports the machine's speed measured once here (testbeds.worker --machine-flops).
+        machine_flops = measure_device("cpu").matmul_flops
+        for host in tb.hosts:
+            wport = tb.free_port(host)
+            tb.expose(host, wport)
+            wlog = workdir / f"worker-{host}.log"
+            p = tb.spawn(
+                host,
+                [
+                    sys.executable,
+                    *worker_command(
+                        coordinator=self.coordinator,
+                        token_file=workdir / "token",
+                        name=host,
+                        listen=f"{tb.address(host)}:{wport}",
+                        torch_threads=torch_threads,
+                        machine_flops=machine_flops,
+                        slowdown=(slowdowns or {}).get(host),
+                        emulation=emulation,
+                        memory_gb=host_memory_gb(tb.topology, host),
+                        allow_code=allow_code,
+                        dilation=dilation,
+                    ),
+                ],
+                env=env,
+                stdout=open(wlog, "ab"),
+                stderr=subprocess.STDOUT,  # noqa: SIM115
+            )
+            wait_for_line(wlog, r"fusion-worker ready", p, 120.0)
+
+    def run(self, spec: JobSpec, system: str, *, timeout_s: float) -> Run:
+        """Submit the job from the first host, wait for its summary, read its metrics."""
+        job_file = self.workdir / f"{system}-{time.monotonic_ns()}.toml"
+        job_file.write_text(job_toml(spec))
+        env = {"FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        t0 = time.monotonic()
+        out = self._cli(["submit", str(job_file)], env)
+        job_id = out.split()[-1]
+        self.last_job_id = job_id
+        job_dir = Path(spec.output.dir) / job_id
+        summary_path = job_dir / "summary.json"
+        while not summary_path.exists():
+            if time.monotonic() - t0 > timeout_s:
+                self._cli(["cancel", job_id], env, check=False)
+                raise FusionError(f"{system} job {job_id} did not finish within {timeout_s:.0f}s")
+            time.sleep(0.5)
+        summary = json.loads(summary_path.read_text())
+        run = Run(system=system, records=read_jsonl(job_dir / "metrics.jsonl"), wall_s=time.monotonic() - t0)
+        if summary.get("state") != "succeeded":
+            run.note = f"{summary.get('state')}: {summary.get('reason')}"
+        run.final_loss = summary.get("final_loss")
+        measured_path = job_dir / "measured.json"
+        if measured_path.exists():
+            run.measured = json.loads(measured_path.read_text())
+            run.peak_memory_bytes, run.memory_cap_bytes = fleet_peak_memory(run.measured)
+        plan_path = job_dir / "plan.json"
+        if plan_path.exists():
+            plan = json.loads(plan_path.read_text())
+            run.predicted_step_s = plan.get("predicted_step_s")
+            run.hosts_used = [s["worker"] for s in plan.get("stages", [])]
+            run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
+        return run
+
+    def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True, module: str = "fusion.cli.main") -> str:
+        proc = self.tb.spawn(
+            self.host0,
+            [sys.executable, "-m", module, *args],
+            env={**child_env(), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        out, _ = proc.communicate(timeout=120)
+        if check and proc.returncode != 0:
+            raise FusionError(f"fusion {' '.join(args)} failed: {out.strip()[-1000:]}")
+        return out
+
+    def model_profile(self) -> dict[str, Any] | None:
+        """The calibrated model profile the coordinator planned this fleet's last job with
+        (its ``GetProfile``, asked from the first host: :mod:`testbeds.job_profile`)."""
+        if self.last_job_id is None:
+            return None
+        env = {"FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
+        out = self._cli([self.last_job_id], env, check=False, module="testbeds.job_profile")
+        lines = out.strip().splitlines()
+        p = json.loads(lines[-1]) if lines else None
+        if p is None or p.get("overhead_step_s") is None:
+            return None
+        return p
+
+    def step_costs(self) -> dict[str, float] | None:
+        """The executor overheads the coordinator calibrated."""
+        p = self.model_profile()
+        if p is None:
+            return None
+        return {
+            "control_s": p["overhead_step_s"],
+            "micro_batch_s": p["overhead_micro_batch_s"],
+            "optimizer_s_per_byte": p["optimizer_s_per_byte"],
+        }
+
+
+def write_profiled(fleet: FusionFleet, spec: JobSpec, num_hosts: int, path: Path) -> Path:
+    """The baselines' profiled seconds (:mod:`testbeds.bench.baselines.profiled`) from the profile
+    the fleet's coordinator measured, written to ``path``."""
+    from fusion.training import build_job_model
+    from scheduler.estimator import StepCosts
+    from testbeds.bench.baselines.profiled import reference_document
+    from testbeds.sim.block_split import num_pipeline_stages
+    from testbeds.sim.costs import job_costs
+
+    profile, costs = fleet.model_profile(), fleet.step_costs()
+    if profile is None or costs is None:
+        raise FusionError("profile emulation: fusion's coordinator has no profile yet for the baselines to stretch by")
+    job = job_costs(spec, step=StepCosts(**costs), profile=profile)
+    doc = reference_document(job, num_pipeline_stages(build_job_model(spec), num_hosts))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+    return path
