@@ -153,14 +153,14 @@ class Plan:
                 lines.append(
                     f"{c.src_stage:>3} -> {c.dst_stage:<3} {c.bytes / 1e6:>8.3f} {c.codec:<10} {c.keep_ratio:>5.2f} "
                     f"{c.bits or '-':>4}  {grad[0]:<10} {grad[1]:>5.2f} {grad[2] or '-':>4} "
-                    f"{c.convergence_cost:>6.3f} {c.time_to_loss_vs_dense:>7.3f}"
+                    f"{c.convergence_cost:>6.4f} {c.time_to_loss_vs_dense:>7.3f}"
                 )
         summary = self.extra.get("compression")
         if isinstance(summary, dict) and summary.get("dense_step_s"):
             source = "errors calibrated on the job" if summary.get("calibrated") else "prior errors, not calibrated"
             lines.append(
                 f"compression: step {summary['step_s']:.4g}s (dense {summary['dense_step_s']:.4g}s), "
-                f"convergence cost m = {summary['convergence_cost']:.3f}, "
+                f"convergence cost m = {summary['convergence_cost']:.4f}, "
                 f"predicted time to loss {summary['time_to_loss_vs_dense']:.3f}x dense ({source})"
             )
         if self.extra.get("compression_note"):
