@@ -156,7 +156,10 @@ def compression_marks(
     directions = [d for d in DIRECTIONS if d in request.compression_directions]
     step_s_of = step_s_of or approximate_step_time(est, request.micro_batches)
     if request.compression == "adatopk":
-        chosen = choose(cuts, directions, costs, step_s_of)
+        allowed = [
+            s for s in costs.errors.settings if s[0] not in ("topk", "topk-quant") or s[1] >= request.min_keep_ratio
+        ]
+        chosen = choose(cuts, directions, costs, step_s_of, allowed)
     else:
         fixed = owner_setting(request)
         chosen = {(cut, d): fixed for cut in cuts for d in directions}
@@ -183,9 +186,14 @@ def compression_marks(
 
 
 def choose(
-    cuts: Sequence[tuple[int, int]], directions: Sequence[str], costs: _Costs, step_s_of: StepTime
+    cuts: Sequence[tuple[int, int]],
+    directions: Sequence[str],
+    costs: _Costs,
+    step_s_of: StepTime,
+    settings: Sequence[Setting],
 ) -> dict[tuple[tuple[int, int], str], Setting]:
-    """Coordinate descent on the predicted time to loss (module docstring), from dense."""
+    """Coordinate descent on the predicted time to loss (module docstring), from dense,
+    over ``settings`` (those keeping at least ``min_keep_ratio``)."""
     chosen = {(cut, d): DENSE for cut in cuts for d in directions}
     best = costs.time_to_loss(chosen, step_s_of)
     for _ in range(MAX_PASSES):
@@ -193,8 +201,8 @@ def choose(
         for cut in cuts:
             # Both directions at once first: a cut is busy for its slower direction, so
             # compressing one alone may not shorten the step at all.
-            moves = [dict.fromkeys([(cut, d) for d in directions], s) for s in costs.errors.settings]
-            moves += [{(cut, d): s} for d in directions for s in costs.errors.settings]
+            moves = [dict.fromkeys([(cut, d) for d in directions], s) for s in settings]
+            moves += [{(cut, d): s} for d in directions for s in settings]
             for move in moves:
                 trial = {**chosen, **move}
                 if trial == chosen:

@@ -153,3 +153,12 @@ def test_the_owners_fixed_choice_holds_whatever_it_costs() -> None:
     assert choice.convergence_cost == pytest.approx(1 + COST_PER_ERROR2 * 2 * 0.99**2)
     quant = compression_marks(slow, request(compression="quant", bits=4, calibration=LOW), values=VALUES)
     assert quant[(0, 1)][:3] == ("quant", 1.0, 4)
+
+
+def test_adatopk_keeps_at_least_min_keep_ratio() -> None:
+    # Only top-k is cheap in error here, and the link is very slow: it keeps as little as allowed.
+    topk_only = calibration([0.0, 0.05, 0.99, 0.99], [0.0, 0.05, 0.99, 0.99])
+    slow = estimate(link_s=50.0)
+    assert compression_marks(slow, request(calibration=topk_only), values=VALUES)[(0, 1)][:3] == ("topk", 0.1, 0)
+    held = compression_marks(slow, request(calibration=topk_only, min_keep_ratio=0.2), values=VALUES)
+    assert all(c.setting(d)[0] != "topk" for c in held.values() for d in ("activations", "gradients")), held
