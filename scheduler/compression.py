@@ -275,11 +275,14 @@ def step_time_model(
     again per call)."""
     import numpy as np
 
-    wl = workload_from_dag(dag, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
-    stage_of = {n: s.stage_idx for s in stages for n in s.nodes}
-    unit_stage = np.array([stage_of[name] for name in wl.names], dtype=np.int64)
+    built: list[Any] = []  # the workload, built on the first call (jobs without compression never call)
 
     def step_s(scales: Mapping[tuple[int, int], tuple[float, float]]) -> float:
+        if not built:
+            wl = workload_from_dag(dag, optimizer=request.optimizer, momentum=request.momentum, step=request.step_costs)
+            stage_of = {n: s.stage_idx for s in stages for n in s.nodes}
+            built.extend([wl, np.array([stage_of[name] for name in wl.names], dtype=np.int64)])
+        wl, unit_stage = built
         return estimate(
             wl,
             unit_stage,
