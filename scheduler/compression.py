@@ -172,10 +172,12 @@ def compression_marks(
             continue
         ea2, _ = costs(cut, "activations", act)
         eg2, _ = costs(cut, "gradients", grad)
-        fixed_mode = request.compression != "adatopk"
         without = {**chosen, **{(cut, d): DENSE for d in directions}}
+        # A fixed setting is the cut's for both directions; [compression] directions (the
+        # executor's flags) say which use it.
+        fixed_mode = request.compression != "adatopk"
         marks[cut] = CutChoice(
-            *act,
+            *(owner_setting(request) if fixed_mode else act),
             *((None, None, None) if fixed_mode or grad == act else grad),
             convergence_cost=1.0 + COST_PER_ERROR2 * (ea2 + eg2),
             activation_error=ea2**0.5,

@@ -162,3 +162,10 @@ def test_adatopk_keeps_at_least_min_keep_ratio() -> None:
     assert compression_marks(slow, request(calibration=topk_only), values=VALUES)[(0, 1)][:3] == ("topk", 0.1, 0)
     held = compression_marks(slow, request(calibration=topk_only, min_keep_ratio=0.2), values=VALUES)
     assert all(c.setting(d)[0] != "topk" for c in held.values() for d in ("activations", "gradients")), held
+
+
+def test_a_fixed_setting_on_gradients_only_stays_the_cuts_codec() -> None:
+    only = request(compression="quant", bits=4, calibration=LOW, compression_directions=("gradients",))
+    choice = compression_marks(estimate(link_s=1.0), only, values=VALUES)[(0, 1)]
+    assert choice[:3] == ("quant", 1.0, 4) and choice.gradient_codec is None  # the executor's flags pick the direction
+    assert choice.activation_error == 0.0 and choice.gradient_error == pytest.approx(0.12)
