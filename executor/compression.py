@@ -22,7 +22,8 @@ pass gradients straight through. The residuals are stage state (``state_dict``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from compress import REGISTRY, AdaTopK, ErrorFeedback, get_compressor
 from executor.guard import CodecSetting
 from executor.transport import dtype_to_wire
 from fusion.errors import CompressionError
+from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,10 @@ class CutSetting:
     gradients: bool = True
     bits: int = 8
     """Bits per value of ``quant`` and ``topk-quant`` (4 or 8)."""
+    gradient_codec: int | None = None
+    """The gradients' codec when it differs from the activations'; None: the same setting."""
+    gradient_keep_ratio: float = 1.0
+    gradient_bits: int = 8
 
     @property
     def active(self) -> bool:
@@ -61,6 +67,68 @@ class CutSetting:
         if self.codec == pb.CODEC_TOPK and self.keep_ratio >= 1.0:  # topk-quant still quantizes
             return False
         return self.codec not in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
+
+    def for_gradients(self) -> CutSetting:
+        """The setting the gradients use (this one unless the gradients have their own)."""
+        if self.gradient_codec is None:
+            return self
+        return CutSetting(
+            codec=self.gradient_codec,
+            keep_ratio=self.gradient_keep_ratio,
+            activations=self.activations,
+            gradients=self.gradients,
+            bits=self.gradient_bits,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """``{"codec", "keep_ratio", "bits"}`` for metrics (bits 0 when not quantized)."""
+        name = CODEC_NAMES.get(self.codec, str(self.codec))
+        quantized = self.codec in (pb.CODEC_QUANT, pb.CODEC_TOPK_QUANT)
+        return {"codec": name, "keep_ratio": round(self.keep_ratio, 5), "bits": self.bits if quantized else 0}
+
+
+def setting_to_wire(cut: tuple[int, int], c: CutSetting) -> epb.CutCodec:
+    """The wire form of a cut's setting."""
+    return epb.CutCodec(
+        src_stage_idx=cut[0],
+        dst_stage_idx=cut[1],
+        codec=c.codec,
+        keep_ratio=c.keep_ratio,
+        activations=c.activations,
+        gradients=c.gradients,
+        bits=c.bits,
+        gradient_codec=pb.CODEC_UNSPECIFIED if c.gradient_codec is None else c.gradient_codec,
+        gradient_keep_ratio=c.gradient_keep_ratio if c.gradient_codec is not None else 0.0,
+        gradient_bits=c.gradient_bits if c.gradient_codec is not None else 0,
+    )
+
+
+def setting_from_wire(c: epb.CutCodec) -> CutSetting:
+    """A cut's setting from the wire (unset fields take their documented defaults)."""
+    own = c.gradient_codec != pb.CODEC_UNSPECIFIED
+    return CutSetting(
+        codec=c.codec,
+        keep_ratio=c.keep_ratio or 1.0,
+        activations=c.activations,
+        gradients=c.gradients,
+        bits=c.bits or 8,
+        gradient_codec=c.gradient_codec if own else None,
+        gradient_keep_ratio=(c.gradient_keep_ratio or 1.0) if own else 1.0,
+        gradient_bits=(c.gradient_bits or 8) if own else 8,
+    )
+
+
+def link_codecs(settings: Mapping[tuple[int, int], CutSetting]) -> dict[tuple[int, int], dict[str, Any]]:
+    """Per directed link ``(sender, receiver)`` that encodes, its codec, keep ratio and bits:
+    a cut ``(a, b)`` sends activations on ``(a, b)`` and gradients on ``(b, a)``."""
+    out = {}
+    for (a, b), setting in settings.items():
+        if setting.activations and setting.active:
+            out[(a, b)] = setting.describe()
+        grads = setting.for_gradients()
+        if setting.gradients and grads.active:
+            out[(b, a)] = grads.describe()
+    return out
 
 
 Encoded = dict[str, tuple[pb.TensorMeta, bytes]]
@@ -74,6 +142,9 @@ class CutCompression:
         self.settings = dict(settings)
         self.feedback = ErrorFeedback()
         self._masks: dict[tuple[int, int, str], torch.Tensor] = {}
+        #: Per peer stage this step: [sum ||x - x_hat||^2, sum ||x||^2] of what was encoded.
+        self._errors: dict[int, list[float]] = {}
+        self._lock = threading.Lock()
 
     def set_ratios(self, ratios: Mapping[tuple[int, int], float]) -> None:
         """New keep ratios for known cuts (AdaTopK's per-step update)."""
@@ -86,20 +157,34 @@ class CutCompression:
             setting.keep_ratio = ratio
 
     def reset_step(self) -> None:
-        """Forget masks of the previous step (residuals carry over)."""
+        """Forget masks and errors of the previous step (residuals carry over)."""
         self._masks.clear()
+        with self._lock:
+            self._errors.clear()
+
+    def relative_errors(self) -> dict[int, float]:
+        """Per peer stage, ``||x - x_hat|| / ||x||`` over everything encoded to it this step."""
+        with self._lock:
+            return {peer: (err / norm) ** 0.5 if norm > 0 else 0.0 for peer, (err, norm) in self._errors.items()}
 
     def _encode(
-        self, setting: CutSetting, name: str, t: torch.Tensor
+        self, setting: CutSetting, name: str, t: torch.Tensor, peer: int
     ) -> tuple[pb.TensorMeta, bytes, torch.Tensor | None, torch.Tensor]:
-        """Encode one tensor; returns its header entry, bytes, mask and the decoded value
-        (what the receiver will compute with)."""
+        """Encode one tensor for stage ``peer``; returns its header entry, bytes, mask and the
+        decoded value (what the receiver will compute with), and adds to ``peer``'s error."""
         codec = get_compressor(setting.codec)
         enc = codec.encode(t.detach(), keep_ratio=min(1.0, setting.keep_ratio), bits=setting.bits)
         meta = pb.TensorMeta(
             name=name, dtype=dtype_to_wire(t.dtype), shape=list(t.shape), size_bytes=len(enc.data), codec=setting.codec
         )
         sent = codec.decode(enc.data, dtype=t.dtype, shape=tuple(t.shape)).to(t.device)
+        x = t.detach().float()
+        err = float(torch.linalg.vector_norm(x - sent.float()) ** 2)
+        norm = float(torch.linalg.vector_norm(x) ** 2)
+        with self._lock:
+            acc = self._errors.setdefault(peer, [0.0, 0.0])
+            acc[0] += err
+            acc[1] += norm
         return meta, enc.data, enc.mask, sent
 
     def encode_activations(
@@ -116,7 +201,7 @@ class CutCompression:
             if not t.is_floating_point() or t.numel() == 0 or (setting.codec in SPARSE_CODECS and t.numel() < 2):
                 raw[name] = t
                 continue
-            meta, data, mask, _ = self._encode(setting, name, t)
+            meta, data, mask, _ = self._encode(setting, name, t, dst)
             encoded[name] = (meta, data)
             if mask is not None:
                 self._masks[(dst, m, name)] = mask.view(t.shape)
@@ -135,6 +220,8 @@ class CutCompression:
         """
         cut = (src, self.stage_idx) if kind == pb.TRANSFER_KIND_ACTIVATION else (self.stage_idx, src)
         setting = self.settings.get(cut)
+        if setting is not None and kind == pb.TRANSFER_KIND_GRADIENT:
+            setting = setting.for_gradients()
         out = {}
         for meta in metas:
             if meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) or meta.codec not in CODEC_NAMES:
@@ -152,6 +239,7 @@ class CutCompression:
         """Split outgoing gradients (to producer ``src``) into dense and encoded, with error feedback."""
         dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         setting = self.settings.get((src, self.stage_idx))
+        setting = None if setting is None else setting.for_gradients()
         if setting is None or not setting.active or not setting.gradients:
             # Sending dense: hand over what error feedback still owes, so no residual goes
             # stale and resurfaces steps later if the cut is compressed again.
@@ -172,7 +260,7 @@ class CutCompression:
                 continue
             key = (src, self.stage_idx, name, m)
             compensated = self.feedback.compensate(key, g.detach())
-            meta, data, _, sent = self._encode(setting, name, compensated)
+            meta, data, _, sent = self._encode(setting, name, compensated, src)
             self.feedback.update(key, compensated, sent)
             encoded[name] = (meta, data)
         return raw, encoded, dense_bytes
@@ -186,22 +274,29 @@ def decode_tensor(meta: pb.TensorMeta, raw: memoryview) -> torch.Tensor:
     return codec.decode(raw, dtype=dtype_from_wire(meta.dtype), shape=tuple(meta.shape))
 
 
-def cut_settings(
-    cuts: list[tuple[int, int, str, float] | tuple[int, int, str, float, int]], *, directions: tuple[str, ...]
-) -> dict[tuple[int, int], CutSetting]:
-    """Settings from a plan's cuts ``(src, dst, codec name, keep ratio[, bits])`` and the job's directions."""
+def cut_settings(cuts: Iterable[Sequence[Any]], *, directions: tuple[str, ...]) -> dict[tuple[int, int], CutSetting]:
+    """Settings from a plan's cuts ``(src, dst, codec name, keep ratio[, bits[, gradient codec
+    name or None, gradient keep ratio, gradient bits]])`` and the job's directions."""
     out = {}
     for src, dst, codec, ratio, *rest in cuts:
-        if codec == "none":
+        bits = int(rest[0]) if rest and rest[0] else 8
+        grad = rest[1:4] if len(rest) > 1 and rest[1] is not None else None
+        if codec == "none" and (grad is None or grad[0] == "none"):
             continue
-        if codec not in CODEC_VALUES:
-            raise CompressionError(f"cut {src}->{dst} names unknown codec {codec!r}; use one of {sorted(CODEC_VALUES)}")
+        for name in (codec, grad[0] if grad else codec):
+            if name not in CODEC_VALUES:
+                raise CompressionError(
+                    f"cut {src}->{dst} names unknown codec {name!r}; use one of {sorted(CODEC_VALUES)}"
+                )
         out[(src, dst)] = CutSetting(
             codec=CODEC_VALUES[codec],
             keep_ratio=ratio,
             activations="activations" in directions,
             gradients="gradients" in directions,
-            bits=int(rest[0]) if rest and rest[0] else 8,
+            bits=bits,
+            gradient_codec=None if grad is None else CODEC_VALUES[grad[0]],
+            gradient_keep_ratio=1.0 if grad is None else float(grad[1] or 1.0),
+            gradient_bits=8 if grad is None else int(grad[2] or 8),
         )
     return out
 
@@ -219,9 +314,19 @@ class RatioController:
     link table), else from the step's own transfers.
     """
 
-    def __init__(self, controller: AdaTopK, *, link_of: LinkEstimate | None = None) -> None:
+    def __init__(
+        self,
+        controller: AdaTopK,
+        *,
+        link_of: LinkEstimate | None = None,
+        floors: Mapping[tuple[int, int], float] | None = None,
+    ) -> None:
         self.controller = controller
         self.link_of = link_of
+        #: Per cut, the lowest ratio to return: the plan's choice for time to loss, which a
+        #: link measured faster may raise but a slower one may not lower (fewer entries
+        #: would cost more steps than the step time they save, :mod:`scheduler.compression`).
+        self.floors = dict(floors or {})
 
     def update(self, stats: Any, micro_batches: int) -> dict[tuple[int, int], float]:
         if not stats.compute_s:
@@ -242,7 +347,7 @@ class RatioController:
             _, bandwidth = link
             # Sends are asynchronous and overlap: a link's latency delays the first
             # micro-batch once per step but does not limit the rate, which the bytes do.
-            ratios[cut] = self.controller.ratio(
+            ratio = self.controller.ratio(
                 cut,
                 numel=int(dense // 4),
                 dense_bytes=int(dense),
@@ -250,4 +355,5 @@ class RatioController:
                 latency_s=0.0,
                 target_s=target,
             )
+            ratios[cut] = max(ratio, self.floors.get(cut, 0.0))
         return ratios

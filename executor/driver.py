@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
-from executor.compression import CutSetting, RatioController
+from executor.compression import CutSetting, RatioController, link_codecs, setting_to_wire
 from executor.micro_batch import TARGET_NAME
 from executor.status import POISONED_SENDER_METADATA, memory_cap_error
 from executor.trace import tracer
@@ -70,6 +70,10 @@ class StepStats:
     """Bytes per link before compression (``sent_bytes`` is after)."""
     keep_ratios: dict[tuple[int, int], float] = field(default_factory=dict)
     """Keep ratio used on each compressed cut during the step."""
+    link_codecs: dict[tuple[int, int], dict] = field(default_factory=dict)
+    """Per link that encodes, its codec, keep ratio and bits during the step."""
+    compression_error: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Per link that encoded, the relative error of what it sent."""
 
 
 def value_spec(name: str, meta: ValueMeta) -> epb.ValueSpec:
@@ -220,15 +224,7 @@ class PipelineDriver:
 
     def _cut_codecs(self, stage_idx: int | None = None) -> list[epb.CutCodec]:
         return [
-            epb.CutCodec(
-                src_stage_idx=a,
-                dst_stage_idx=b,
-                codec=c.codec,
-                keep_ratio=c.keep_ratio,
-                activations=c.activations,
-                gradients=c.gradients,
-                bits=c.bits,
-            )
+            setting_to_wire((a, b), c)
             for (a, b), c in sorted(self.cut_settings.items())
             if stage_idx is None or stage_idx in (a, b)
         ]
@@ -346,6 +342,9 @@ class PipelineDriver:
                 stats.sent_s[(s, dst)] = seconds
             for dst, size in r.dense_bytes.items():
                 stats.dense_bytes[(s, dst)] = size
+            for dst, err in r.compression_error.items():
+                stats.compression_error[(s, dst)] = err
+        stats.link_codecs = link_codecs(self.cut_settings)
         stats.keep_ratios = {k: c.keep_ratio for k, c in self.cut_settings.items() if c.codec == pb.CODEC_TOPK}
         if self.ratio_controller is not None and self.cut_settings:
             for cut, ratio in self.ratio_controller.update(stats, m).items():

@@ -31,7 +31,7 @@ from executor.access import ExecutorAccess
 from executor.binding import executor_handler
 from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
-from executor.compression import CutCompression, CutSetting, decode_tensor
+from executor.compression import CutCompression, decode_tensor, setting_from_wire
 from executor.hooks import ChannelFactory, StageHooks, StageInfo
 from executor.runtime import StageRuntime
 from executor.sender import PeerSender
@@ -221,13 +221,7 @@ class ExecutorService:
         compression = CutCompression(
             request.stage_idx,
             {
-                (c.src_stage_idx, c.dst_stage_idx): CutSetting(
-                    codec=c.codec,
-                    keep_ratio=c.keep_ratio or 1.0,
-                    activations=c.activations,
-                    gradients=c.gradients,
-                    bits=c.bits or 8,
-                )
+                (c.src_stage_idx, c.dst_stage_idx): setting_from_wire(c)
                 for c in request.cut_codecs
                 if request.stage_idx in (c.src_stage_idx, c.dst_stage_idx)
             },
@@ -356,6 +350,7 @@ class ExecutorService:
             sent_s=result.sent_s,
             dense_bytes=result.dense_bytes,
             peak_memory_bytes=result.peak_memory_bytes,
+            compression_error=runtime.compression.relative_errors(),
         )
 
     @rpc_errors

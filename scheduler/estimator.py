@@ -56,7 +56,7 @@ saved for backward (profiled per node); GPipe keeps ``M`` in flight, 1F1B at mos
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -338,6 +338,7 @@ def estimate(
     *,
     micro_batches: int,
     schedule: str = "1f1b",
+    cut_bytes_scale: Mapping[tuple[int, int], tuple[float, float]] | None = None,
 ) -> Estimate:
     """Predict step time and per-worker peak memory of a placement.
 
@@ -348,6 +349,8 @@ def estimate(
         topology: speeds, memory and links.
         micro_batches: ``M``.
         schedule: ``gpipe`` or ``1f1b``.
+        cut_bytes_scale: per cut, the factors on its activation and gradient bytes on the
+            wire (a codec's encoded over dense size); memory is priced dense either way.
 
     Raises:
         PlanError: the stage graph is cyclic or an index is out of range.
@@ -361,6 +364,9 @@ def estimate(
     if workload.output_unit >= 0:
         stash_in[sg.loss_stage] += 2 * workload.output_bytes
     feed, driver_control_s = _driver_path(sg, stage_workers, topology, workload.step.target_bytes)
+    if cut_bytes_scale:
+        act = {k: v * cut_bytes_scale.get(k, (1.0, 1.0))[0] for k, v in act.items()}
+        grad = {k: v * cut_bytes_scale.get(k, (1.0, 1.0))[1] for k, v in grad.items()}
     x = {k: topology.transfer_s(stage_workers[k[0]], stage_workers[k[1]], v) for k, v in act.items()}
     g = {k: topology.transfer_s(stage_workers[k[1]], stage_workers[k[0]], grad[k]) if grad[k] else 0.0 for k in act}
 
@@ -408,7 +414,7 @@ def estimate(
         step_s=float(step_s),
         stage_compute_s=tuple(float(v) for v in f + b),
         link_s=link,
-        link_bytes=dict(act),
+        link_bytes=dict(sg.act),
         peak_memory_bytes=memory,
         bottleneck_s=float(period),
         depth=tuple(depth),

@@ -56,6 +56,14 @@ class CutPlan:
     """Fraction of entries kept by ``topk`` and ``topk-quant`` (1.0 = all)."""
     bits: int = 0
     """Bits per value of ``quant`` and ``topk-quant`` (4 or 8); 0 for the other codecs."""
+    gradient_codec: str | None = None
+    """Codec of the gradients sent back; None: the same setting as the activations."""
+    gradient_keep_ratio: float | None = None
+    gradient_bits: int | None = None
+    convergence_cost: float = 1.0
+    """Predicted steps-to-loss multiplier of this cut's compression (:mod:`scheduler.convergence`)."""
+    time_to_loss_vs_dense: float = 1.0
+    """Predicted time to loss with this cut's choice over the same plan with the cut dense."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,13 +140,29 @@ class Plan:
         if self.extra.get("why"):
             lines.append(f"why: {self.extra['why']}")
         if self.cuts:
-            lines.append(f"{'cut':>9}  {'MB/mb':>8} {'codec':<10} {'keep':>5} {'bits':>4}")
+            lines.append(
+                f"{'cut':>9}  {'MB/mb':>8} {'codec':<10} {'keep':>5} {'bits':>4}  {'grad codec':<10} {'keep':>5} "
+                f"{'bits':>4} {'m':>6} {'T/dense':>7}"
+            )
             for c in self.cuts:
-                bits = str(c.bits) if c.bits else "-"
+                grad = (
+                    (c.codec, c.keep_ratio, c.bits)
+                    if c.gradient_codec is None
+                    else (c.gradient_codec, c.gradient_keep_ratio or 1.0, c.gradient_bits or 0)
+                )
                 lines.append(
                     f"{c.src_stage:>3} -> {c.dst_stage:<3} {c.bytes / 1e6:>8.3f} {c.codec:<10} {c.keep_ratio:>5.2f} "
-                    f"{bits:>4}"
+                    f"{c.bits or '-':>4}  {grad[0]:<10} {grad[1]:>5.2f} {grad[2] or '-':>4} "
+                    f"{c.convergence_cost:>6.4f} {c.time_to_loss_vs_dense:>7.3f}"
                 )
+        summary = self.extra.get("compression")
+        if isinstance(summary, dict) and summary.get("dense_step_s"):
+            source = "errors calibrated on the job" if summary.get("calibrated") else "prior errors, not calibrated"
+            lines.append(
+                f"compression: step {summary['step_s']:.4g}s (dense {summary['dense_step_s']:.4g}s), "
+                f"convergence cost m = {summary['convergence_cost']:.4f}, "
+                f"predicted time to loss {summary['time_to_loss_vs_dense']:.3f}x dense ({source})"
+            )
         if self.extra.get("compression_note"):
             lines.append(str(self.extra["compression_note"]))
         return "\n".join(lines)
@@ -156,7 +180,7 @@ def plan_from_stages(
     predicted_step_s: float | None = None,
     compute_s: Sequence[float] | None = None,
     peak_memory_bytes: Sequence[int] | None = None,
-    codecs: Mapping[tuple[int, int], tuple[str, float] | tuple[str, float, int]] | None = None,
+    codecs: Mapping[tuple[int, int], Sequence[Any]] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Describe split stages as a :class:`Plan` (FLOPs, parameter bytes, cut bytes).
@@ -164,7 +188,9 @@ def plan_from_stages(
     Args:
         compute_s: predicted compute seconds per micro-batch, per stage.
         peak_memory_bytes: predicted peak memory per stage.
-        codecs: (src stage, dst stage) → (codec, keep ratio[, bits]) for cuts to compress.
+        codecs: (src stage, dst stage) → (codec, keep ratio[, bits[, gradient codec, gradient
+            keep ratio, gradient bits[, convergence cost, ...]]]) for cuts to compress
+            (:class:`scheduler.compression.CutChoice`).
     """
     if len(workers) != len(stages):
         raise PlanError(f"{len(stages)} stages but {len(workers)} workers")
@@ -189,17 +215,7 @@ def plan_from_stages(
             for d in dsts:
                 cut_bytes[(spec.stage_idx, d)] = cut_bytes.get((spec.stage_idx, d), 0) + dag.node(name).out_bytes
     codecs = codecs or {}
-    cuts = tuple(
-        CutPlan(
-            src_stage=s,
-            dst_stage=d,
-            bytes=b,
-            codec=codecs.get((s, d), ("none", 1.0))[0],
-            keep_ratio=codecs.get((s, d), ("none", 1.0))[1],
-            bits=int((*codecs.get((s, d), ("none", 1.0)), 0)[2]),
-        )
-        for (s, d), b in sorted(cut_bytes.items())
-    )
+    cuts = tuple(_cut_plan(s, d, b, codecs.get((s, d))) for (s, d), b in sorted(cut_bytes.items()))
     plan = Plan(
         strategy=strategy,
         stages=tuple(stage_plans),
@@ -212,6 +228,28 @@ def plan_from_stages(
     )
     validate_plan(plan, dag)
     return plan
+
+
+def _cut_plan(src: int, dst: int, size: int, choice: Sequence[Any] | None) -> CutPlan:
+    """A cut from a codec choice: ``(codec, keep ratio[, bits[, gradient codec, gradient keep
+    ratio, gradient bits[, convergence cost[, activation error, gradient error[, time to loss
+    vs dense]]]]])``."""
+    if choice is None:
+        return CutPlan(src_stage=src, dst_stage=dst, bytes=size)
+    fields = (*choice, 0, None, None, None, 1.0, 0.0, 0.0, 1.0)
+    return CutPlan(
+        src_stage=src,
+        dst_stage=dst,
+        bytes=size,
+        codec=fields[0],
+        keep_ratio=float(fields[1]),
+        bits=int(fields[2]),
+        gradient_codec=fields[3],
+        gradient_keep_ratio=None if fields[4] is None else float(fields[4]),
+        gradient_bits=None if fields[5] is None else int(fields[5]),
+        convergence_cost=float(fields[6]),
+        time_to_loss_vs_dense=float(fields[9]),
+    )
 
 
 def validate_plan(plan: Plan, dag: OpDag) -> None:
@@ -235,14 +273,22 @@ def validate_plan(plan: Plan, dag: OpDag) -> None:
             or c.src_stage == c.dst_stage
         ):
             raise PlanError(f"cut {c.src_stage}->{c.dst_stage} does not join two different stages of the plan")
-        if c.codec not in CODECS:
-            raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has unknown codec {c.codec!r}; use one of {CODECS}")
-        if not 0.0 < c.keep_ratio <= 1.0:
-            raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has keep_ratio {c.keep_ratio}; it must be in (0, 1]")
-        if (c.codec in QUANTIZED) != (c.bits in BITS) or not (c.bits in BITS or c.bits == 0):
-            raise PlanError(
-                f"cut {c.src_stage}->{c.dst_stage} has codec {c.codec!r} with bits {c.bits}; "
-                f"{' and '.join(QUANTIZED)} need bits in {BITS}, the other codecs 0"
-            )
+        settings = [(c.codec, c.keep_ratio, c.bits)]
+        if c.gradient_codec is not None:
+            settings.append((c.gradient_codec, c.gradient_keep_ratio or 1.0, c.gradient_bits or 0))
+        for codec, keep_ratio, bits in settings:
+            _check_setting(c, codec, keep_ratio, bits)
     if plan.micro_batches < 1:
         raise PlanError("micro_batches must be >= 1")
+
+
+def _check_setting(c: CutPlan, codec: str, keep_ratio: float, bits: int) -> None:
+    if codec not in CODECS:
+        raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has unknown codec {codec!r}; use one of {CODECS}")
+    if not 0.0 < keep_ratio <= 1.0:
+        raise PlanError(f"cut {c.src_stage}->{c.dst_stage} has keep_ratio {keep_ratio}; it must be in (0, 1]")
+    if (codec in QUANTIZED) != (bits in BITS) or not (bits in BITS or bits == 0):
+        raise PlanError(
+            f"cut {c.src_stage}->{c.dst_stage} has codec {codec!r} with bits {bits}; "
+            f"{' and '.join(QUANTIZED)} need bits in {BITS}, the other codecs 0"
+        )

@@ -12,7 +12,9 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +24,8 @@ from fusion.graph.ir import OpDag
 from fusion.graph.split import normalize_assignment, split_stages
 from fusion.memory import format_bytes
 from scheduler.baselines import uniform_assignment
-from scheduler.compression import compression_marks, compression_note
+from scheduler.compression import compression_marks, compression_note, compression_summary, step_time_model
+from scheduler.convergence import cut_values
 from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
 from scheduler.explain import why_left_out
 from scheduler.partition import Placement, compute_placement, exhaustive_placement, opfence_placement
@@ -54,6 +57,11 @@ class PlanRequest:
     """Bits per value of ``quant`` and ``topk-quant``."""
     compression_cuts: str = "slow"
     """``slow`` or ``all``: which cuts the mode compresses (:mod:`scheduler.compression`)."""
+    compression_directions: tuple[str, ...] = ("activations", "gradients")
+    """Which directions the mode compresses."""
+    calibration: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    """Measured codec errors on the job's tensors (:mod:`compress.calibration`); None: the
+    convergence model's prior (:mod:`scheduler.convergence`)."""
     step_costs: StepCosts = field(default_factory=StepCosts)
     max_units: int = 256
     """Coarsen the DAG to at most this many units before searching."""
@@ -87,6 +95,7 @@ def request_for_job(spec: JobSpec, *, strategy: str | None = None, step_costs: S
         min_keep_ratio=spec.compression.min_keep_ratio,
         bits=spec.compression.bits,
         compression_cuts=spec.compression.cuts,
+        compression_directions=tuple(spec.compression.directions),
         step_costs=step_costs or StepCosts(),
     )
 
@@ -125,7 +134,11 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
         # against caps tightened by the overshoot.
         search_scale *= overshoot * 1.01
     check_caps(peaks, lent, dag, request)
-    codecs = compression_marks(est, request)
+    values = cut_values(dag, stages)
+    step_s_of = step_time_model(dag, stages, stage_workers, topology, request)
+    codecs = compression_marks(est, request, values=values, step_s_of=step_s_of)
+    if request.compression != "none" and est.link_s:
+        extra["compression"] = compression_summary(codecs, request, values=values, step_s_of=step_s_of)
     note = compression_note(est, request, codecs)
     if note:
         extra["compression_note"] = note

@@ -215,7 +215,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     x, y = example_micro_batch(spec, build_job_dataset(spec))
     dag = capture_job_model(spec, model, x.to("meta")).dag
     costs = StepCosts(target_bytes=y.numel() * y.element_size())
-    plan = make_plan(dag, topology, request_for_job(spec, strategy=args.strategy, step_costs=costs))
+    request = request_for_job(spec, strategy=args.strategy, step_costs=costs)
+    plan = make_plan(dag, topology, request)
+    if spec.compression.mode != "none" and not args.no_calibrate:
+        from compress.calibration import job_calibrator
+        from fusion.coordinator.planning import calibrated
+        from fusion.training import build_job_model
+
+        dataset = build_job_dataset(spec)
+        calibrator = job_calibrator(spec, capture_job_model(spec, build_job_model(spec), x), dataset)
+        plan = calibrated(plan, dag, topology, request, calibrator)
     print(plan.to_json() if args.json else plan.table())
     return 0
 
@@ -294,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="override [plan] strategy",
     )
     sp.add_argument("--json", action="store_true", help="print the plan as JSON")
+    sp.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="choose compression from the prior instead of measuring the codecs on the model (no weights built)",
+    )
     sp.set_defaults(func=cmd_plan)
     sp = command("profile", "measure a job on the idle workers (model, links, executor overhead)")
     sp.add_argument("--job", required=True, help="path to the job file")

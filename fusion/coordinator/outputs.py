@@ -20,6 +20,7 @@ import torch
 
 from executor.driver import StepStats
 from fusion.config import JobSpec
+from scheduler.convergence import convergence_cost
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +165,10 @@ def metrics_record(
 ) -> dict[str, Any]:
     """One line of ``metrics.jsonl`` for a finished step: loss, speed (tokens too when the
     input ``x`` is token ids), bytes and the current bandwidth estimate per link (by
-    ``"SRC->DST"``, ``names`` being each stage's worker), compute per worker, compression where a cut used it, and
-    the plan's predicted step time."""
+    ``"SRC->DST"``, ``names`` being each stage's worker), compute per worker, and the plan's
+    predicted step time. Each link that encodes gets ``compression``: its codec, keep ratio
+    and bits, bytes before and after, and the relative error of what it sent; the step gets
+    the convergence cost ``m`` those errors predict (:mod:`scheduler.convergence`)."""
     per_s = (lambda n: n / stats.step_s) if stats.step_s > 0 else (lambda n: 0.0)
     record: dict[str, Any] = {
         "step": stats.step,
@@ -183,15 +186,17 @@ def metrics_record(
         if bw is not None:
             links[f"{names[s]}->{names[d]}"] = round(bw, 1)
     record["link_bandwidth_bytes_per_s"] = links
-    if stats.keep_ratios:
+    if stats.link_codecs:
         record["compression"] = {
             f"{names[s]}->{names[d]}": {
-                "keep_ratio": round(ratio, 5),
+                **codec,
                 "dense_bytes": stats.dense_bytes.get((s, d), 0),
                 "sent_bytes": stats.sent_bytes.get((s, d), 0),
+                "rel_error": round(stats.compression_error.get((s, d), 0.0), 6),
             }
-            for (s, d), ratio in sorted(stats.keep_ratios.items())
+            for (s, d), codec in sorted(stats.link_codecs.items())
         }
+        record["convergence_cost"] = round(convergence_cost(stats.compression_error.values()), 6)
     if predicted_step_s is not None:
         record["predicted_step_s"] = round(predicted_step_s, 6)
     return record

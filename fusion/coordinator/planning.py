@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from compress.calibration import job_calibrator
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.driver import value_spec
 from fusion.auth import PROBE_KEY_TTL_S, probe_key
@@ -39,6 +40,7 @@ from fusion.wire import executor_pb2 as epb
 from scheduler.estimator import DRIVER_CONTROL_ROUND_TRIPS, StepCosts, feed_s
 from scheduler.plan import Plan
 from scheduler.planner import PlanRequest, make_plan, request_for_job
+from scheduler.recompress import cut_nodes, with_compression
 from scheduler.topology import Topology, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -449,6 +451,9 @@ class Measurements:
     overhead: ExecutorOverhead
     target_bytes: int = 0
     """Bytes of one micro-batch's targets (the driver sends them to the loss stage)."""
+    calibrator: Any = None
+    """Measures codec errors on the job's own tensors (:class:`compress.calibration.JobCalibrator`);
+    None: compression is chosen from the convergence model's prior."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able summary (the job's ``measured.json``): the measured topology and the
@@ -543,6 +548,7 @@ def measure(
         round_trip_s=statistics.median(rtt for rtt, _ in driver_links),
         overhead=overhead,
         target_bytes=wire_bytes(example_y),
+        calibrator=job_calibrator(spec, captured, dataset) if spec.compression.mode != "none" else None,
     )
 
 
@@ -574,7 +580,17 @@ def plan_job(spec: JobSpec, m: Measurements, *, strategy: str | None = None, mem
         spec, m.profile, m.round_trip_s, strategy=strategy, overhead=m.overhead, target_bytes=m.target_bytes
     )
     request = replace(request, memory_scale=memory_scale)
-    return make_plan(m.dag, m.topology, request)
+    plan = make_plan(m.dag, m.topology, request)
+    return calibrated(plan, m.dag, m.topology, request, m.calibrator)
+
+
+def calibrated(plan: Plan, dag: OpDag, topology: Topology, request: PlanRequest, calibrator: Any) -> Plan:
+    """``plan`` with its compression chosen again from the codecs' errors measured on the
+    values that cross its cuts (unchanged without a calibrator or without cuts)."""
+    if calibrator is None or not plan.cuts:
+        return plan
+    table = calibrator.table(cut_nodes(dag, plan))
+    return with_compression(dag, topology, plan, replace(request, calibration=table))
 
 
 class LinkTable:

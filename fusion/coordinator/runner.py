@@ -477,7 +477,11 @@ class JobRunner(threading.Thread):
     ) -> PipelineDriver:
         spec = self.spec
         settings = cut_settings(
-            [(c.src_stage, c.dst_stage, c.codec, c.keep_ratio, c.bits) for c in plan.cuts],
+            [
+                (c.src_stage, c.dst_stage, c.codec, c.keep_ratio, c.bits)
+                + (c.gradient_codec, c.gradient_keep_ratio, c.gradient_bits)
+                for c in plan.cuts
+            ],
             directions=spec.compression.directions,
         )
         addresses = [w.address for w in stage_workers]
@@ -486,6 +490,7 @@ class JobRunner(threading.Thread):
             controller = RatioController(
                 AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
                 link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
+                floors={cut: setting.keep_ratio for cut, setting in settings.items()},
             )
         return PipelineDriver(
             job_id=self.job_id,

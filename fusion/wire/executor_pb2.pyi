@@ -69,7 +69,7 @@ class ValueSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CutCodec(_message.Message):
-    __slots__ = ("src_stage_idx", "dst_stage_idx", "codec", "keep_ratio", "activations", "gradients", "bits")
+    __slots__ = ("src_stage_idx", "dst_stage_idx", "codec", "keep_ratio", "activations", "gradients", "bits", "gradient_codec", "gradient_keep_ratio", "gradient_bits")
     SRC_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     DST_STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,9 @@ class CutCodec(_message.Message):
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_KEEP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BITS_FIELD_NUMBER: _ClassVar[int]
     src_stage_idx: int
     dst_stage_idx: int
     codec: _tensor_pb2.Codec
@@ -84,7 +87,10 @@ class CutCodec(_message.Message):
     activations: bool
     gradients: bool
     bits: int
-    def __init__(self, src_stage_idx: _Optional[int] = ..., dst_stage_idx: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., keep_ratio: _Optional[float] = ..., activations: _Optional[bool] = ..., gradients: _Optional[bool] = ..., bits: _Optional[int] = ...) -> None: ...
+    gradient_codec: _tensor_pb2.Codec
+    gradient_keep_ratio: float
+    gradient_bits: int
+    def __init__(self, src_stage_idx: _Optional[int] = ..., dst_stage_idx: _Optional[int] = ..., codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., keep_ratio: _Optional[float] = ..., activations: _Optional[bool] = ..., gradients: _Optional[bool] = ..., bits: _Optional[int] = ..., gradient_codec: _Optional[_Union[_tensor_pb2.Codec, str]] = ..., gradient_keep_ratio: _Optional[float] = ..., gradient_bits: _Optional[int] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
     __slots__ = ("job_id", "stage_idx", "model", "example_inputs", "nodes", "inputs", "outputs", "values", "is_loss_stage", "loss", "stage_addresses", "depth", "train_json", "graph_fingerprint", "device", "chunk_bytes", "micro_batch_weights", "auth", "cut_codecs", "tied", "link_bytes_per_s", "planned_peak_memory_bytes")
@@ -233,7 +239,7 @@ class WaitStepRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., timeout_s: _Optional[float] = ..., auth: _Optional[str] = ...) -> None: ...
 
 class WaitStepResponse(_message.Message):
-    __slots__ = ("done", "loss", "has_loss", "compute_s", "sent_bytes", "sent_s", "peak_memory_bytes", "dense_bytes")
+    __slots__ = ("done", "loss", "has_loss", "compute_s", "sent_bytes", "sent_s", "peak_memory_bytes", "dense_bytes", "compression_error")
     class SentBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +261,13 @@ class WaitStepResponse(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class CompressionErrorEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     DONE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +276,7 @@ class WaitStepResponse(_message.Message):
     SENT_S_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DENSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_ERROR_FIELD_NUMBER: _ClassVar[int]
     done: bool
     loss: float
     has_loss: bool
@@ -271,7 +285,8 @@ class WaitStepResponse(_message.Message):
     sent_s: _containers.ScalarMap[int, float]
     peak_memory_bytes: int
     dense_bytes: _containers.ScalarMap[int, int]
-    def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ..., sent_s: _Optional[_Mapping[int, float]] = ..., peak_memory_bytes: _Optional[int] = ..., dense_bytes: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    compression_error: _containers.ScalarMap[int, float]
+    def __init__(self, done: _Optional[bool] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., compute_s: _Optional[float] = ..., sent_bytes: _Optional[_Mapping[int, int]] = ..., sent_s: _Optional[_Mapping[int, float]] = ..., peak_memory_bytes: _Optional[int] = ..., dense_bytes: _Optional[_Mapping[int, int]] = ..., compression_error: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class ApplyStepRequest(_message.Message):
     __slots__ = ("job_id", "stage_idx", "step", "optimizer_step", "auth", "snapshot", "replicate_to", "replicate_bytes_per_s")

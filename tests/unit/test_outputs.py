@@ -26,6 +26,7 @@ from fusion.coordinator.outputs import (
     write_json,
 )
 from fusion.models import build_model
+from scheduler.convergence import COST_PER_ERROR2
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -239,8 +240,13 @@ def test_metrics_record_names_links_by_worker() -> None:
         step_s=0.5,
         compute_s={0: 0.1, 1: 0.2},
         sent_bytes={(0, 1): 4000, (1, 0): 4000},
-        dense_bytes={(0, 1): 16000},
+        dense_bytes={(0, 1): 16000, (1, 0): 16000},
         keep_ratios={(0, 1): 0.25},
+        link_codecs={
+            (0, 1): {"codec": "topk", "keep_ratio": 0.25, "bits": 0},
+            (1, 0): {"codec": "quant", "keep_ratio": 1.0, "bits": 4},
+        },
+        compression_error={(0, 1): 0.5, (1, 0): 0.1},
     )
     tokens = torch.zeros(4, 8, dtype=torch.long)
     fits = {(0, 1): 1.25e7}
@@ -248,7 +254,25 @@ def test_metrics_record_names_links_by_worker() -> None:
     assert record["samples_per_s"] == 8.0 and record["tokens_per_s"] == 64.0
     assert record["bytes_per_link"] == {"a->b": 4000, "b->a": 4000} and record["compute_s"] == {"a": 0.1, "b": 0.2}
     assert record["link_bandwidth_bytes_per_s"] == {"a->b": 1.25e7}  # no estimate for b->a yet: left out
-    assert record["compression"] == {"a->b": {"keep_ratio": 0.25, "dense_bytes": 16000, "sent_bytes": 4000}}
+    assert record["compression"] == {
+        "a->b": {
+            "codec": "topk",
+            "keep_ratio": 0.25,
+            "bits": 0,
+            "dense_bytes": 16000,
+            "sent_bytes": 4000,
+            "rel_error": 0.5,
+        },
+        "b->a": {
+            "codec": "quant",
+            "keep_ratio": 1.0,
+            "bits": 4,
+            "dense_bytes": 16000,
+            "sent_bytes": 4000,
+            "rel_error": 0.1,
+        },
+    }
+    assert record["convergence_cost"] == pytest.approx(1 + COST_PER_ERROR2 * (0.25 + 0.01))
     assert record["predicted_step_s"] == 0.4
     images = torch.zeros(4, 3, 8, 8)
     plain = metrics_record(StepStats(step=0, loss=1.0, step_s=0.0), images, ["a"], lambda s, d: None, None)

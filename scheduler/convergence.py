@@ -1,0 +1,181 @@
+"""The convergence cost of compression: how many more steps a setting needs to reach a loss.
+
+What counts is *time to accuracy*: ``T_loss = step_s × steps``. Compressing a cut shortens
+the step and lengthens the run; this module predicts the second factor as a multiplier
+``m >= 1`` on the steps dense training needs, from the relative error each setting makes
+on the tensors that cross the cut (measured by :mod:`compress.calibration`).
+
+Derivation. A cut's codec ``C`` replaces a tensor ``x`` by ``C(x)`` with relative error
+``e = ||x - C(x)|| / ||x||``. Top-k and quantization are *contractions*,
+``||x - C(x)||^2 <= (1 - delta) ||x||^2`` with ``delta = 1 - e^2`` (Stich et al., NeurIPS
+2018; Karimireddy et al., ICML 2019). A compressed activation perturbs every gradient
+computed downstream of it, a compressed gradient perturbs every parameter update upstream;
+either way the update becomes ``g + n`` with ``E||n||^2 ~ e^2 ||g||^2``. SGD's steps to a
+loss grow with the gradient noise relative to the signal, to first order linearly, so
+
+    m = 1 + c · Σ_cuts Σ_directions e²
+
+where the sum runs over the compressed tensors (the noise of independent cuts adds) and
+``c`` converts added relative noise into added steps. Dense has ``e = 0`` and ``m = 1``.
+The model is first order: it cannot say that a setting destroys learning altogether, and
+it treats biased (top-k) and unbiased (stochastically rounded) errors alike.
+
+What is fitted, and from what. ``c`` (:data:`COST_PER_ERROR2`) comes from
+``testbeds/results/convergence/`` (GPT-2 tiny and ResNet tiny, 3 stages, top-k on the
+activations and gradients of the middle cut, 300 steps): for each run, ``m`` is the step at
+which the dense run reaches its own final loss over the step at which it reaches the
+compressed run's final loss, and ``Σ e²`` is the calibration's error on that cut at the
+run's mean keep ratio. A least-squares slope through the origin gives ``c ≈ 3.2`` for
+GPT-2 tiny and ``≈ 1.2`` for ResNet tiny (single runs range 0.8–4.6); the larger slope is
+used, so the model errs towards dense. Nothing here was fitted to quantization: its ``c``
+is the same by assumption.
+
+Refresh. During training each executor measures ``e`` of what it actually encodes (per
+link, every step; :mod:`executor.compression`); :func:`convergence_cost` over those gives
+the live ``m`` recorded in ``metrics.jsonl``.
+
+Without a calibration (``fusion plan --no-calibrate``, or a node left out of it) a prior
+stands in: top-k keeps at least the fraction ``r`` of the energy (``e² <= 1 - r``, the
+worst case), and block quantization of roughly Gaussian blocks of 128 with absmax scales
+rounds with ``e² ~= (3 / q_max)² / 12`` (absmax about three standard deviations; uniform
+rounding error of variance ``Δ²/12``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: ``c`` of ``m = 1 + c · Σ e²`` (see the module docstring for the fit).
+COST_PER_ERROR2 = 3.2
+
+#: One setting: (codec name, keep ratio, bits; 0 when not quantized).
+Setting = tuple[str, float, int]
+DENSE: Setting = ("none", 1.0, 0)
+#: Candidates when no calibration names its own (as :data:`compress.calibration.CANDIDATES`).
+DEFAULT_CANDIDATES: tuple[Setting, ...] = (
+    DENSE,
+    ("topk", 0.5, 0),
+    ("topk", 0.25, 0),
+    ("topk", 0.1, 0),
+    ("topk", 0.03, 0),
+    ("topk", 0.01, 0),
+    ("quant", 1.0, 8),
+    ("quant", 1.0, 4),
+    ("topk-quant", 0.5, 8),
+    ("topk-quant", 0.25, 8),
+    ("topk-quant", 0.1, 8),
+    ("topk-quant", 0.25, 4),
+    ("topk-quant", 0.1, 4),
+)
+DIRECTIONS = ("activations", "gradients")
+_ERROR_KEY = {"activations": "activation_error", "gradients": "gradient_error"}
+_BYTES_KEY = {"activations": "activation_bytes_ratio", "gradients": "gradient_bytes_ratio"}
+
+
+def convergence_cost(errors: Iterable[float], *, c: float = COST_PER_ERROR2) -> float:
+    """``m = 1 + c · Σ e²`` over the relative errors of every compressed tensor stream."""
+    return 1.0 + c * sum(e * e for e in errors if math.isfinite(e))
+
+
+def prior_error2(setting: Setting) -> float:
+    """The prior ``e²`` of a setting (module docstring), for tensors no calibration measured."""
+    codec, ratio, bits = setting
+    kept = min(max(ratio, 0.0), 1.0) if codec in ("topk", "topk-quant") else 1.0
+    quant = 0.75 / float((2 ** (bits - 1) - 1) ** 2) if codec in ("quant", "topk-quant") and bits else 0.0
+    return min(1.0, (1.0 - kept) + kept * quant)
+
+
+def prior_bytes_ratio(setting: Setting) -> float:
+    """Encoded over dense bytes of a float32 tensor: values (fp16 or ``bits``), indices
+    (a bitmap or deltas, whichever is smaller) and per-128-entry scales."""
+    codec, ratio, bits = setting
+    if codec in ("none", "zstd"):
+        return 1.0
+    if codec == "fp16":
+        return 0.5
+    index = min(1.0 / 32.0, ratio / 2.0) if codec in ("topk", "topk-quant") else 0.0
+    if codec == "topk":
+        return min(1.0, ratio / 2.0 + index)
+    scales = 4.0 / (128 * 4)
+    kept = ratio if codec == "topk-quant" else 1.0
+    return min(1.0, kept * (bits / 32.0 + scales) + index)
+
+
+@dataclass(frozen=True)
+class CutValue:
+    """One value crossing a cut: its node and its bytes per micro-batch."""
+
+    node: str
+    size_bytes: int
+    floating: bool
+    """Whether codecs apply (integer tensors and non-tensors always travel dense)."""
+
+
+class ErrorModel:
+    """Relative errors and bytes ratios of the candidate settings on a cut's values: from a
+    calibration (:meth:`compress.calibration.Calibration.to_dict`) where it measured the
+    node, from the prior otherwise."""
+
+    def __init__(self, calibration: Mapping[str, Any] | None = None) -> None:
+        calibration = calibration or {}
+        measured = [(str(c), float(r), int(b)) for c, r, b in calibration.get("settings", ())]
+        #: The candidate settings: the calibration's, else :data:`DEFAULT_CANDIDATES`; dense first.
+        self.settings: tuple[Setting, ...] = (DENSE, *(s for s in measured or DEFAULT_CANDIDATES if s != DENSE))
+        self._index = {s: i for i, s in enumerate(measured)}
+        self._nodes: Mapping[str, Mapping[str, Sequence[float]]] = calibration.get("nodes", {})
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether any node was measured."""
+        return bool(self._nodes)
+
+    def measured(self, node: str) -> bool:
+        return node in self._nodes
+
+    def _lookup(self, node: str, key: str, setting: Setting) -> float | None:
+        entry = self._nodes.get(node)
+        i = self._index.get(setting)
+        if entry is None or i is None or key not in entry or i >= len(entry[key]):
+            return None
+        return float(entry[key][i])
+
+    def cut(self, values: Sequence[CutValue], direction: str, setting: Setting) -> tuple[float, float]:
+        """``(e², bytes ratio)`` of ``setting`` on a cut in ``direction``: ``e²`` weighted by
+        each floating value's bytes, the ratio over all the cut's bytes (others stay dense)."""
+        total = sum(v.size_bytes for v in values)
+        if total <= 0 or setting == DENSE:
+            return 0.0, 1.0
+        err_weighted = 0.0
+        float_bytes = 0
+        sent = 0.0
+        for v in values:
+            if not v.floating:
+                sent += v.size_bytes
+                continue
+            e = self._lookup(v.node, _ERROR_KEY[direction], setting)
+            ratio = self._lookup(v.node, _BYTES_KEY[direction], setting)
+            e2 = prior_error2(setting) if e is None else e * e
+            sent += v.size_bytes * (prior_bytes_ratio(setting) if ratio is None else ratio)
+            err_weighted += v.size_bytes * e2
+            float_bytes += v.size_bytes
+        e2 = err_weighted / float_bytes if float_bytes else 0.0
+        return e2, min(1.0, sent / total)
+
+
+def cut_values(dag: Any, stages: Sequence[Any]) -> dict[tuple[int, int], list[CutValue]]:
+    """The values crossing each cut ``(src stage, dst stage)`` of split stages (``StageSpec``)."""
+    out: dict[tuple[int, int], list[CutValue]] = {}
+    for spec in stages:
+        for name, dsts in spec.outputs:
+            node = dag.node(name)
+            meta = node.value
+            floating = meta.kind == "tensor" and (meta.dtype or "").startswith(("float", "bfloat"))
+            for d in dsts:
+                out.setdefault((spec.stage_idx, d), []).append(CutValue(name, int(node.out_bytes), floating))
+    return out
