@@ -85,7 +85,9 @@ def _format_status(s: dict[str, Any]) -> str:
     ]
     plan = s.get("plan")
     if plan:
-        stages = ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"])
+        stages = ", ".join(
+            f"{st['worker']} ({st['nodes']} node{'s' if st['nodes'] != 1 else ''})" for st in plan["stages"]
+        )
         lines.append(f"  plan: {plan['strategy']}: {stages}")
         if plan.get("why"):
             lines.append(f"  why: {plan['why']}")

@@ -79,3 +79,19 @@ def test_the_demo_prints_where_the_plan_put_the_stages() -> None:
     two = {"strategy": "uniform", "stages": [{"worker": "a", "nodes": 2}, {"worker": "b", "nodes": 1}]}
     assert _plan_line(two) == "2 stages on a, b (uniform)"
     assert _plan_line(None) == "-"
+
+
+def test_status_counts_a_stages_nodes_in_words() -> None:
+    status = {
+        "id": "job-1",
+        "name": "job",
+        "state": "succeeded",
+        "step": 100,
+        "steps": 100,
+        "loss": 0.01,
+        "samples_per_s": 400.0,
+        "workers": ["w2", "w1"],
+        "output_dir": "/out/job-1",
+        "plan": {"strategy": "uniform", "stages": [{"worker": "w2", "nodes": 2}, {"worker": "w1", "nodes": 1}]},
+    }
+    assert "  plan: uniform: w2 (2 nodes), w1 (1 node)" in cli_main._format_status(status).splitlines()
