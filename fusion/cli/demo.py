@@ -111,6 +111,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"fusion demo: {spec.model.name} ({spec.model.preset or 'custom'}), {spec.train.steps} steps, "
         f"{args.workers} workers; logs in {out / 'logs'}"
     )
+    print(f"  plan strategy: {_strategy_note(spec, args.job)}")
     with Fleet(out / "logs") as fleet:
         address = fleet.start_coordinator(token=token, state_dir=state, device=args.device)
         print(f"  coordinator on {address}")
@@ -158,10 +159,33 @@ def run_demo(args: argparse.Namespace) -> int:
         f"done in {wall:.1f}s: loss {summary.get('first_loss', float('nan')):.3f} "
         f"-> {summary.get('final_loss', float('nan')):.3f}{smooth}"
     )
+    print(f"  plan:    {_plan_line(status.get('plan'))}")
+    if (status.get("plan") or {}).get("why"):
+        print(f"  why:     {status['plan']['why']}")
     print(f"  model:   {job_dir / 'model.safetensors'}")
     print(f"  curve:   {job_dir / 'loss.png'}")
     print(f"  metrics: {job_dir / 'metrics.jsonl'}")
     return 0
+
+
+def _strategy_note(spec: JobSpec, job_file: str | None) -> str:
+    """The job's ``[plan] strategy`` and where it comes from, in a few words."""
+    strategy = spec.plan.strategy
+    if job_file is None:
+        return (
+            f"{strategy}, set by the demo's job to split the model over every worker; OP-Fence, the default, "
+            "would keep a model this small on one worker of one machine"
+        )
+    return f"{strategy}, {'the default' if strategy == 'opfence' else 'from ' + job_file}"
+
+
+def _plan_line(plan: dict[str, Any] | None) -> str:
+    """``3 stages on demo-worker-1, demo-worker-2, demo-worker-0 (uniform)`` from a status' plan."""
+    if not plan or not plan.get("stages"):
+        return "-"
+    workers = [str(s["worker"]) for s in plan["stages"]]
+    n = len(workers)
+    return f"{n} stage{'s' if n != 1 else ''} on {', '.join(workers)} ({plan.get('strategy', '?')})"
 
 
 def _check_device(name: str) -> None:

@@ -94,6 +94,7 @@ EXIT_FAILED = 1  # a runtime failure: no coordinator, a refused request, a faile
 EXIT_BAD_INPUT = 2  # what was given is invalid (flags, job file, token), found here or by the coordinator
 EXIT_NOT_FOUND = 3  # no such job
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a Unix tool whose reader went away
 
 #: Remote errors that mean the input was bad, and that no such thing exists (gRPC code names).
 _BAD_INPUT_CODES = frozenset({"INVALID_ARGUMENT", "UNAUTHENTICATED"})
@@ -129,12 +130,18 @@ def exit_code_of(e: FusionError) -> int:
 
 def run_cli(body: Callable[[], int]) -> int:
     """Run a CLI body: a fusion error becomes one ``error: ...`` line on stderr and the exit
-    code of its kind (:func:`exit_code_of`); remote errors read like local ones."""
+    code of its kind (:func:`exit_code_of`); remote errors read like local ones. A reader
+    that closes the pipe (``| head``) ends the command quietly."""
     try:
         return body()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader closed the pipe (``fusion status JOB | head``): stop quietly. stdout
+        # goes to /dev/null so that flushing it at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except FusionError as e:
         message = remote_message(e) if isinstance(e, RemoteError) else str(e)
         print(f"error: {message}", file=sys.stderr)

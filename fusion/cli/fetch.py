@@ -214,8 +214,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         files = receive_outputs(
             client.fetch_outputs(args.job_id, checkpoint=args.checkpoint), dest, progress=sys.stderr
         )
+    width = max((len(f.name) for f in files), default=0)
     for f in files:
-        print(f"  {f.name:<36} {f.size_bytes / 1e6:9.2f} MB  sha256 {f.sha256[:16]}…")
+        print(f"  {f.name:<{width}} {f.size_bytes / 1e6:9.2f} MB  sha256 {f.sha256[:16]}…")
     total = sum(f.size_bytes for f in files)
     print(f"fetched {len(files)} file(s), {total / 1e6:.2f} MB, of {args.job_id} into {dest}")
     return 0

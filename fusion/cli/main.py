@@ -21,10 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fusion.cli.env import add_connection_args, add_log_arg, env_tls_ca, resolve_token, run_cli, setup_logging
+from fusion.cli.env import (
+    add_connection_args,
+    add_log_arg,
+    env_tls_ca,
+    remote_message,
+    resolve_token,
+    run_cli,
+    setup_logging,
+)
 from fusion.config import JobSpec, OutputSpec, load_job
 from fusion.coordinator.client import CoordinatorClient
-from fusion.errors import ConfigError
+from fusion.errors import ConfigError, RemoteError
 from fusion.tls import set_client_ca
 
 
@@ -48,7 +56,13 @@ def load_job_for_submit(path: str) -> JobSpec:
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_job_for_submit(args.job)
     with _client(args) as c:
-        job_id = c.submit(spec)
+        try:
+            job_id = c.submit(spec)
+        except RemoteError as e:
+            if e.code != "INVALID_ARGUMENT":
+                raise
+            # The coordinator's checks (models, presets, factories) name the file like the local ones.
+            raise ConfigError(f"{args.job}: {remote_message(e)}") from e
     print(f"submitted {spec.name!r} ({spec.model.name}, {spec.train.steps} steps) as {job_id}")
     return 0
 
@@ -71,7 +85,9 @@ def _format_status(s: dict[str, Any]) -> str:
     ]
     plan = s.get("plan")
     if plan:
-        stages = ", ".join(f"{st['worker']} ({st['nodes']} nodes)" for st in plan["stages"])
+        stages = ", ".join(
+            f"{st['worker']} ({st['nodes']} node{'s' if st['nodes'] != 1 else ''})" for st in plan["stages"]
+        )
         lines.append(f"  plan: {plan['strategy']}: {stages}")
         if plan.get("why"):
             lines.append(f"  why: {plan['why']}")

@@ -4,16 +4,19 @@ A ``package.module:factory`` model is the job owner's code. A worker runs it onl
 was started with ``--allow-code`` (it says so when it registers: ``allows_code``) and the
 module imports on its Python path, which shows when it first builds the model (the
 ``ProfileModel`` or ``LoadStage`` call fails naming the factory). Such a worker is left
-out of the job — an event says why, the coordinator may give it to other jobs — and the
-job is planned over the rest; it fails only when fewer than ``cluster.min_workers`` remain.
+out of the job — an event says why, the coordinator may give it to other jobs, this one
+never takes it again — and the job is placed over the rest; it fails only when fewer than
+``cluster.min_workers`` remain. That holds for every placement, not only the first: a
+worker that joins mid-job is first built on when a re-plan or a recovery puts a stage on
+it, so those placements run through :meth:`CodeGate.attempt` as well.
 Built-in models run on every worker.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from fusion.config import JobSpec
 from fusion.coordinator.store import WorkerRow
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
     from fusion.coordinator.runner import JobRunner
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def code_refusal(spec: JobSpec, worker: WorkerRow) -> str | None:
@@ -68,14 +73,25 @@ class CodeGate:
             reason = code_refusal(runner.spec, w)
             if reason is not None:
                 self._leave_out(w, reason)
-        measured = False
+        self.attempt(lambda: runner._measure(runner.workers))
+        self.attempt(lambda: runner.configure(runner.planning_set(runner.workers), why="planned", same_stages=False))
+
+    def attempt(self, place: Callable[[], T]) -> T:
+        """``place()``, again after leaving out each worker that fails it by not building the
+        job's model; returns what it returns.
+
+        ``place`` is one step of placing the job (measure, plan, load stages) that reads the
+        job's workers when it runs, so each try goes over the workers still in the job.
+
+        Raises:
+            PlanError: fewer than ``cluster.min_workers`` workers remain.
+            FusionError: any other failure of ``place``, and every failure once the job is
+                being stopped.
+        """
+        runner = self.runner
         while True:
             try:
-                if not measured:
-                    runner._measure(runner.workers)
-                    measured = True
-                runner.configure(runner.planning_set(runner.workers), why="planned", same_stages=False)
-                return
+                return place()
             except RemoteError as e:
                 failed = code_failure(runner.spec, e, runner.workers)
                 if failed is None or runner.stopping() is not None:

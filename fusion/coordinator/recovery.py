@@ -36,6 +36,7 @@ import torch
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.driver import PipelineDriver
 from fusion.checkpoint import CheckpointDir
+from fusion.coordinator.eligibility import CodeGate
 from fusion.coordinator.memory_ledger import MemoryLedger
 from fusion.coordinator.restore import (
     Holdings,
@@ -81,6 +82,9 @@ class RecoveringJob(Protocol):
     """Each stage's worker, in stage order."""
     plan: Plan
     """The current placement's plan."""
+    code_gate: CodeGate
+    """Leaves out of the job the workers that cannot build its model; every placement runs
+    through its :meth:`~fusion.coordinator.eligibility.CodeGate.attempt`."""
 
     @property
     def driver(self) -> PipelineDriver:
@@ -196,7 +200,7 @@ class Recovery:
         # from dropped ones that still answer (heart-beats late under load is not death).
         held = snapshot_holdings(job.job_id, [w.address for w in job.workers] + dropped, self.pool)
         t_held = time.perf_counter()
-        self._place(lost=set(lost), replan=over_cap is not None)
+        self._place(replan=over_cap is not None)
         t_placed = time.perf_counter()
         point = self._restore(old_keys, held)
         t_end = time.perf_counter()
@@ -232,11 +236,16 @@ class Recovery:
             name="take-snapshot",
         )
         held = snapshot_holdings(job.job_id, [w.address for w in job.workers], self.pool)
-        keep = [w for w in job.workers if w.worker_id not in exclude]
-        if not keep:
-            raise StateError("every worker of the job is leaving")
+
+        def keep() -> list[WorkerRow]:
+            # Read at each try: a joiner that cannot build the model is gone after the first.
+            staying = [w for w in job.workers if w.worker_id not in exclude]
+            if not staying:
+                raise StateError("every worker of the job is leaving")
+            return staying
+
         # Plan over the ones that stay; the leavers still serve their snapshots.
-        job.configure(job.planning_set(keep), why=why, same_stages=False, held=keep)
+        job.code_gate.attempt(lambda: job.configure(job.planning_set(keep()), why=why, same_stages=False, held=keep()))
         self._restore(old_keys, held, at_most=step)
         job.event(
             "resumed_at_step",
@@ -271,17 +280,24 @@ class Recovery:
                 )
         return lost
 
-    def _place(self, *, lost: set[str], replan: bool = False) -> None:
-        """A new placement without the ``lost`` workers: spares step in, else (or when
-        ``replan``) re-plan."""
+    def _place(self, *, replan: bool = False) -> None:
+        """A new placement after the lost workers were dropped: spares step in, else (or when
+        ``replan``) re-plan. A spare or joiner that cannot build the job's model is left out
+        on the way, and the placement is tried again without it."""
         job = self.job
         job.claim()
         if replan:
             self._replan_or_wait()
             return
+        job.code_gate.attempt(self._replace_or_replan)
+
+    def _replace_or_replan(self) -> None:
+        """Spares step in for the stages whose worker the job no longer holds, else re-plan."""
+        job = self.job
+        still_held = {w.worker_id for w in job.workers}
         in_plan = {w.worker_id for w in job.stage_workers}
         spares = [w for w in job.workers if w.worker_id not in in_plan]
-        gone = [w for w in job.stage_workers if w.worker_id in lost]
+        gone = [w for w in job.stage_workers if w.worker_id not in still_held]
         if not gone:  # only spares were lost: the stages stay where they are
             job.configure(job.stage_workers, why="replaced", same_stages=True, replace={})
             return
@@ -306,7 +322,9 @@ class Recovery:
                 raise StateError(stop[1])
             if job.workers:
                 try:
-                    job.configure(job.planning_set(job.workers), why="replanned", same_stages=False)
+                    job.code_gate.attempt(
+                        lambda: job.configure(job.planning_set(job.workers), why="replanned", same_stages=False)
+                    )
                     break
                 except InsufficientMemoryError as e:
                     needed = e.needed_bytes

@@ -591,7 +591,7 @@ class JobRunner(threading.Thread):
         joined = self.claim()
         if not joined:
             return step
-        if policy == "if_faster" and not self._faster_with_joiners():
+        if policy == "if_faster" and not self.code_gate.attempt(self._faster_with_joiners):
             return step
         self.recovery.move(step, exclude=set(), why="replanned")
         return step

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fusion.config import JobSpec
-from fusion.coordinator.eligibility import code_failure, code_refusal
+from fusion.coordinator.eligibility import CodeGate, code_failure, code_refusal
 from fusion.coordinator.store import WorkerRow
-from fusion.errors import RemoteError, StageError
+from fusion.errors import PlanError, RemoteError, StageError
 
 
 def _worker(name: str, *, allows_code: bool) -> WorkerRow:
@@ -68,3 +70,100 @@ def test_other_failures_are_not_code_failures() -> None:
     assert code_failure(_spec("gpt2"), builtin_error, [w]) is None
     elsewhere = RemoteError("cannot import module for model factory 'pkg.mod:make'", peer="10.0.0.1:1")
     assert code_failure(own, elsewhere, [w]) is None
+
+
+class Job:
+    """What :class:`CodeGate` reads and changes of a job: its spec, workers, log and releases."""
+
+    def __init__(self, spec: JobSpec, workers: list[WorkerRow]) -> None:
+        self.spec = spec
+        self.workers = list(workers)
+        self.events: list[tuple[str, str]] = []
+        self.released: list[tuple[str, str]] = []
+        self.stop: tuple[str, str] | None = None
+
+    def stopping(self) -> tuple[str, str] | None:
+        return self.stop
+
+    def event(self, event: str, message: str, **extra: object) -> None:
+        self.events.append((event, message))
+
+    def release(self, runner: object, worker: WorkerRow, state: str) -> None:
+        self.released.append((worker.name, state))
+
+    def drop(self, worker: WorkerRow, state: str) -> None:
+        self.workers.remove(worker)
+        self.release(self, worker, state)
+
+
+def _cannot_import(worker: WorkerRow) -> RemoteError:
+    return RemoteError(
+        f"LoadStage on {worker.address} failed with INVALID_ARGUMENT: ConfigError: cannot import module 'pkg.mod' "
+        "for model factory 'pkg.mod:make': No module named 'pkg'",
+        code="INVALID_ARGUMENT",
+        peer=worker.address,
+    )
+
+
+def _min_workers(n: int) -> JobSpec:
+    return JobSpec.from_toml(f'[model]\nname = "pkg.mod:make"\n[data]\nname = "shapes"\n[cluster]\nmin_workers = {n}\n')
+
+
+def test_a_placement_is_tried_again_without_the_worker_that_cannot_build_the_model() -> None:
+    w0, w1, joiner = (_worker(n, allows_code=True) for n in ("w0", "w1", "joiner"))
+    job = Job(_min_workers(2), [w0, w1, joiner])
+    gate = CodeGate(job)  # type: ignore[arg-type]
+    tries: list[list[str]] = []
+
+    def place() -> str:
+        names = [w.name for w in job.workers]
+        tries.append(names)
+        if "joiner" in names:
+            raise _cannot_import(joiner)
+        return "placed"
+
+    assert gate.attempt(place) == "placed"
+    assert tries == [["w0", "w1", "joiner"], ["w0", "w1"]]
+    assert job.released == [("joiner", "idle")]
+    assert [e for e, _ in job.events] == ["left_out"]
+    assert job.events[0][1].startswith("left out joiner: it cannot build this job's model (pkg.mod:make)")
+    assert list(gate.left_out) == ["joiner"]
+    # Claimed again later (the coordinator hands idle workers out), it goes back at once, unannounced.
+    assert gate.screen([joiner]) == []
+    assert job.released[-1] == ("joiner", "idle") and len(job.events) == 1
+
+
+def test_a_placement_fails_when_too_few_workers_can_build_the_model() -> None:
+    w0, joiner = _worker("w0", allows_code=True), _worker("joiner", allows_code=True)
+    job = Job(_min_workers(2), [w0, joiner])
+    gate = CodeGate(job)  # type: ignore[arg-type]
+
+    def place() -> None:
+        raise _cannot_import(joiner)
+
+    with pytest.raises(PlanError, match="only 1 of the job's workers can run its model and cluster.min_workers is 2"):
+        gate.attempt(place)
+
+
+def test_other_failures_of_a_placement_are_not_retried() -> None:
+    w0 = _worker("w0", allows_code=True)
+    job = Job(_min_workers(1), [w0])
+    gate = CodeGate(job)  # type: ignore[arg-type]
+    calls: list[int] = []
+
+    def place() -> None:
+        calls.append(1)
+        raise RemoteError(
+            f"LoadStage on {w0.address} failed with UNAVAILABLE: gone", code="UNAVAILABLE", peer=w0.address
+        )
+
+    with pytest.raises(RemoteError, match="UNAVAILABLE"):
+        gate.attempt(place)
+
+    def cannot_import() -> None:
+        raise _cannot_import(w0)
+
+    job.stop = ("cancelled", "cancelled by the owner")  # a job being stopped leaves no one out
+    with pytest.raises(RemoteError, match="cannot import"):
+        gate.attempt(cannot_import)
+    assert len(calls) == 1 and job.workers == [w0] and job.events == []
