@@ -189,10 +189,12 @@ class GetStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., names: _Optional[_Iterable[str]] = ..., auth: _Optional[str] = ...) -> None: ...
 
 class SendResponse(_message.Message):
-    __slots__ = ("received_bytes",)
+    __slots__ = ("received_bytes", "data_port")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
-    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, received_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class RunStepRequest(_message.Message):
     __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth", "measure_memory", "cut_codecs")
