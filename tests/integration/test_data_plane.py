@@ -1,0 +1,59 @@
+"""Stage-to-stage tensors over the direct data plane (executor/frames.py): real worker
+processes train exactly like one process, and the traffic really took the data plane; a
+worker without it is reached over gRPC."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from fusion.config import JobSpec
+from fusion.launch.executors import LocalCluster
+from tests.support.parity import assert_parity
+
+pytestmark = pytest.mark.timeout(600)
+
+GPT2 = {"model": {"name": "gpt2", "preset": "tiny"}, "data": {"batch_size": 8, "seq_len": 16}}
+
+
+def job(**train: object) -> JobSpec:
+    return JobSpec.from_dict({**GPT2, "train": {"steps": 1, "optimizer": "sgd", "lr": 0.1, **train}})
+
+
+def listening_ports(pid: int) -> set[int]:
+    return {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def data_links(cluster: LocalCluster) -> set[tuple[int, int]]:
+    """(i, j) for every established connection from worker i to a data port of worker j
+    (a listening port of j that is not its gRPC port)."""
+    grpc_ports = {int(a.rpartition(":")[2]) for a in cluster.addresses}
+    data_ports = {port: j for j, p in enumerate(cluster.processes) for port in listening_ports(p.pid) - grpc_ports}
+    links = set()
+    for i, p in enumerate(cluster.processes):
+        for c in psutil.Process(p.pid).net_connections("tcp"):
+            if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in data_ports:
+                links.add((i, data_ports[c.raddr.port]))
+    return links
+
+
+def test_parity_over_the_data_plane() -> None:
+    with LocalCluster(2, torch_threads=1) as cluster:
+        # Several steps and micro-batches: the first transfer to each peer goes over gRPC
+        # (its answer names the data port), the rest over the data plane, both ways.
+        assert_parity(job(micro_batches=4, schedule="1f1b", steps=3), cluster.addresses, steps=3)
+        assert data_links(cluster) == {(0, 1), (1, 0)}
+
+
+def test_paced_sends_take_the_data_plane() -> None:
+    with LocalCluster(2, torch_threads=1) as cluster:
+        links = {(0, 1): 50e6, (1, 0): 50e6}  # several transfers in flight per destination
+        assert_parity(job(micro_batches=4, steps=2), cluster.addresses, steps=2, link_bytes_per_s=links)
+        assert data_links(cluster) == {(0, 1), (1, 0)}
+
+
+def test_a_worker_without_the_data_plane_is_reached_over_grpc() -> None:
+    with LocalCluster(2, torch_threads=1, extra_args=["--no-data-plane"]) as cluster:
+        assert_parity(job(micro_batches=2, steps=2), cluster.addresses, steps=2)
+        assert data_links(cluster) == set()
+        assert all(len(listening_ports(p.pid)) == 1 for p in cluster.processes)
