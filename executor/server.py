@@ -174,7 +174,7 @@ class ExecutorService:
             host,
             keys=self.pool.keyring.job,
             nonces=self.access.nonces,
-            sink=StageSink(self.stage),
+            sink=StageSink(self.stage, max_probe_bytes=MAX_PROBE_BYTES),
             max_bytes=MAX_TRANSFER_BYTES,
             tls=tls,
             failures=self.access.failures,
@@ -565,7 +565,7 @@ class ExecutorService:
 
     @rpc_errors
     def Ping(self, request: epb.PingRequest, context: grpc.ServicerContext) -> epb.PingResponse:
-        return epb.PingResponse(worker_name=self.worker_name, jobs=self.jobs())
+        return epb.PingResponse(worker_name=self.worker_name, jobs=self.jobs(), data_port=self.data_port)
 
     def unload(self, job_id: str, *, keep_snapshots: bool = False) -> None:
         """Drop every stage of ``job_id`` (aborting a running step), and its snapshots unless kept."""

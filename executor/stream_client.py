@@ -137,34 +137,46 @@ class DataPlaneClient:
         with self._lock:
             idle = self._idle.get(address)
             conn = idle.pop() if idle else None
-        if conn is None:
-            try:
-                conn = self._open(address, port)
-            except (OSError, ssl.SSLError) as e:
-                logger.warning("data plane to %s port %d unreachable (%s); sending over gRPC", address, port, e)
-                self.forget(address)
-                return None
+        reused = conn is not None
+        if conn is None and (conn := self._try_open(address, port)) is None:
+            return None
         for name, value in (scalars or {}).items():
             header.values.append(scalar_to_wire(name, value))
         views = frames.frame_views(header, tensors, encoded)
         size = sum(len(v) for v in views)
         what = f"Send(kind {header.kind} to stage {header.stage_idx}, micro-batch {header.micro_batch_idx})"
-        try:
-            received = self._exchange(conn, key, header, views, size)
-        except (OSError, ssl.SSLError, WireError) as e:
-            conn.sock.close()
-            raise RemoteError(
-                f"{what} on {address} failed with UNAVAILABLE: data connection lost ({e})",
-                code="UNAVAILABLE",
-                peer=address,
-            ) from None
-        except RemoteError as e:
-            conn.sock.close()
-            message = f"{what} on {address} failed with {e.code}: {e}"
-            raise RemoteError(message, code=e.code, peer=address, metadata=e.metadata) from None
+        while True:
+            try:
+                received = self._exchange(conn, key, header, views, size)
+                break
+            except (OSError, ssl.SSLError, WireError) as e:
+                conn.sock.close()
+                # A kept connection may have died while idle (the peer restarted): one more
+                # try on a fresh one, as a gRPC call retries UNAVAILABLE.
+                if reused and (conn := self._try_open(address, port)) is not None:
+                    reused = False
+                    continue
+                raise RemoteError(
+                    f"{what} on {address} failed with UNAVAILABLE: data connection lost ({e})",
+                    code="UNAVAILABLE",
+                    peer=address,
+                ) from None
+            except RemoteError as e:
+                conn.sock.close()
+                message = f"{what} on {address} failed with {e.code}: {e}"
+                raise RemoteError(message, code=e.code, peer=address, metadata=e.metadata) from None
         with self._lock:
             self._idle.setdefault(address, []).append(conn)
         return received
+
+    def _try_open(self, address: str, port: int) -> _Conn | None:
+        """A new connection, or ``None`` (and the peer forgotten) if it cannot be opened."""
+        try:
+            return self._open(address, port)
+        except (OSError, ssl.SSLError) as e:
+            logger.warning("data plane to %s port %d unreachable (%s); sending over gRPC", address, port, e)
+            self.forget(address)
+            return None
 
     @staticmethod
     def _exchange(conn: _Conn, key: bytes, header: pb.TransferHeader, views: list[memoryview], size: int) -> int:

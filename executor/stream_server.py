@@ -67,18 +67,27 @@ class FrameSink(Protocol):
 class StageSink:
     """Delivers frames to the executor's stages with the checks of a gRPC ``Send``: the
     stage named must be loaded and expect this transfer (step, micro-batch, names, dtypes,
-    shapes) before the payload is read; a complete transfer goes to its mailbox."""
+    shapes) before the payload is read; a complete transfer goes to its mailbox. A
+    ``TRANSFER_KIND_PROBE`` frame of a job whose key this executor holds (a link
+    measurement, at most ``max_probe_bytes``) is received and dropped."""
 
-    def __init__(self, stage: Callable[[str, int], Any]) -> None:
+    def __init__(self, stage: Callable[[str, int], Any], *, max_probe_bytes: int) -> None:
         self.stage = stage
+        self.max_probe_bytes = max_probe_bytes
 
     def check(self, header: pb.TransferHeader) -> Any:
+        if header.kind == pb.TRANSFER_KIND_PROBE:
+            size = sum(m.size_bytes for m in header.tensors)
+            if size > self.max_probe_bytes:
+                raise WireError(f"probe of {size} bytes is above the limit of {self.max_probe_bytes}")
+            return None
         runtime = self.stage(header.job_id, header.stage_idx)
         runtime.check_transfer(header)
         return runtime
 
     def deliver(self, handle: Any, header: pb.TransferHeader, tensors: Mapping[str, torch.Tensor]) -> None:
-        handle.deliver(Transfer(header=header, payload=bytearray()), tensors)
+        if handle is not None:
+            handle.deliver(Transfer(header=header, payload=bytearray()), tensors)
 
 
 def recv_exact(sock: socket.socket, n: int, *, what: str) -> bytes:

@@ -420,12 +420,14 @@ class PingRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PingResponse(_message.Message):
-    __slots__ = ("worker_name", "jobs")
+    __slots__ = ("worker_name", "jobs", "data_port")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_name: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, worker_name: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
     __slots__ = ("job_id", "stage_idx", "stage_key", "step", "size_bytes", "sha256", "replica")

@@ -4,11 +4,16 @@ worker without it is reached over gRPC."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import psutil
 import pytest
 
 from fusion.config import JobSpec
 from fusion.launch.executors import LocalCluster
+from fusion.tls import set_client_ca
+from tests.integration.test_tls import make_ca, make_server_cert
 from tests.support.parity import assert_parity
 
 pytestmark = pytest.mark.timeout(600)
@@ -57,3 +62,28 @@ def test_a_worker_without_the_data_plane_is_reached_over_grpc() -> None:
         assert_parity(job(micro_batches=2, steps=2), cluster.addresses, steps=2)
         assert data_links(cluster) == set()
         assert all(len(listening_ports(p.pid)) == 1 for p in cluster.processes)
+
+
+def test_tls_workers_use_a_tls_data_plane(tmp_path: Path) -> None:
+    ca, ca_key, ca_cert = make_ca(tmp_path, "dp")
+    cert, key = make_server_cert(tmp_path, ca_key, ca_cert)
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
+    set_client_ca(ca)  # this process (the driver) reaches the workers over TLS too
+    try:
+        with LocalCluster(2, torch_threads=1, extra_args=tls) as cluster:
+            assert_parity(job(micro_batches=2, steps=2), cluster.addresses, steps=2)
+            assert data_links(cluster) == {(0, 1), (1, 0)}
+            # The data port speaks only TLS: a plain frame is not answered.
+            port = next(
+                iter(listening_ports(cluster.processes[0].pid) - {int(cluster.addresses[0].rpartition(":")[2])})
+            )
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"FSND" + bytes(200))
+                s.settimeout(10)
+                try:
+                    answer = s.recv(64)
+                except OSError:
+                    answer = b""
+                assert not answer.startswith(b"FSNR")
+    finally:
+        set_client_ca(None)
