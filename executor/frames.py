@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from executor.transport import HEADER_ALLOWANCE_BYTES, check_header_shape, dtype_from_wire, tensor_meta
 from fusion.auth import CLOCK_SKEW_S, NonceCache
-from fusion.errors import AuthError, WireError
+from fusion.errors import AuthError, StateError, WireError
 from fusion.wire import tensor_pb2 as pb
 
 MAGIC = b"FSND"
@@ -177,12 +177,16 @@ def verify_head(
     keys: KeyLookup,
     nonces: NonceCache,
     expected_seq: int,
+    retired: Callable[[str], list[bytes]] | None = None,
     now_s: float | None = None,
 ) -> VerifiedHeader:
     """Authenticate and parse what follows the prefix (job id, header, mac).
 
-    Raises ``AuthError`` (unknown job, wrong key, stale timestamp, replayed nonce) or
-    ``WireError`` (sequence gap, malformed header, header sizes that disagree with the prefix).
+    Raises ``AuthError`` (unknown job, wrong key, stale timestamp, replayed nonce),
+    ``StateError`` (signed with one of the job's ``retired`` keys: a stage of a replaced
+    placement still sending, as :meth:`executor.access.ExecutorAccess.authenticate` says for
+    gRPC) or ``WireError`` (sequence gap, malformed header, header sizes that disagree with
+    the prefix).
     """
     if len(rest) != prefix.job_len + prefix.header_len + MAC_BYTES:
         raise WireError("truncated frame: the header ended early")
@@ -197,6 +201,12 @@ def verify_head(
     if key is None:
         raise AuthError(f"no job {job_id!r} is loaded here; its job key is unknown")
     if not hmac.compare_digest(_header_mac(key, raw_prefix, job, hb), mac):
+        for old in retired(job_id) if retired is not None else ():
+            if hmac.compare_digest(_header_mac(old, raw_prefix, job, hb), mac):
+                raise StateError(
+                    f"stale frame for job {job_id!r}: it is signed with the job key of a placement that was replaced "
+                    "(the sender missed a re-plan); refused, the current placement is unchanged"
+                )
         raise AuthError(f"wrong job key for a frame of job {job_id!r}")
     now = time.time() if now_s is None else now_s
     if abs(now - prefix.ts) > CLOCK_SKEW_S:

@@ -172,12 +172,13 @@ class ExecutorService:
         """Listen for data-plane frames on ``host`` (a free port, TLS when ``tls``); the port."""
         self.data_listener = DataListener(
             host,
-            keys=self.pool.keyring.job,
+            keys=self.access.keyring.job,
             nonces=self.access.nonces,
             sink=StageSink(self.stage, max_probe_bytes=MAX_PROBE_BYTES),
             max_bytes=MAX_TRANSFER_BYTES,
             tls=tls,
             failures=self.access.failures,
+            retired=self.access.retired_keys,
         )
         return self.data_listener.port
 

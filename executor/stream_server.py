@@ -142,6 +142,7 @@ class DataListener:
         max_bytes: largest payload accepted per frame.
         tls: serve TLS with this certificate when given.
         failures: per-source budget of failed authentications.
+        retired: job id -> its replaced keys, to name a frame of a replaced placement as stale.
     """
 
     def __init__(
@@ -154,8 +155,10 @@ class DataListener:
         max_bytes: int,
         tls: ServerTls | None = None,
         failures: RateLimiter | None = None,
+        retired: Callable[[str], list[bytes]] | None = None,
     ) -> None:
         self.keys = keys
+        self.retired = retired
         self.nonces = nonces
         self.sink = sink
         self.max_bytes = max_bytes
@@ -221,7 +224,9 @@ class DataListener:
             sock.settimeout(transfer_timeout_s(prefix.payload_len))
             rest = recv_exact(sock, prefix.job_len + prefix.header_len + frames.MAC_BYTES, what="header")
             try:
-                head = frames.verify_head(prefix, rest, raw, keys=self.keys, nonces=self.nonces, expected_seq=seq)
+                head = frames.verify_head(
+                    prefix, rest, raw, keys=self.keys, nonces=self.nonces, expected_seq=seq, retired=self.retired
+                )
             except AuthError as e:
                 if self.failures is not None and not self.failures.allow(host):
                     raise RateLimitError(f"too many failed authentications from {host} ({e})") from e

@@ -87,3 +87,48 @@ def test_tls_workers_use_a_tls_data_plane(tmp_path: Path) -> None:
                 assert not answer.startswith(b"FSNR")
     finally:
         set_client_ca(None)
+
+
+def test_frames_of_a_replaced_placement_are_refused_as_stale() -> None:
+    """As ``test_freeze_thaw``'s gRPC case: the executor names an old placement's frames stale
+    without counting them as failed authentications, and refuses unknown keys."""
+    import torch
+
+    from executor.access import ExecutorAccess
+    from executor.server import ExecutorService, start_server
+    from executor.stream_client import DataPlaneClient
+    from fusion.auth import KeyRing, new_key, wrap_job_key
+    from fusion.errors import RemoteError
+    from fusion.wire import tensor_pb2 as pb
+
+    control = new_key()
+    service = ExecutorService(worker_name="w3", access=ExecutorAccess(keyring=KeyRing(), control_key=control))
+    server, port = start_server(service, "127.0.0.1:0")
+    old_key, current = new_key(), new_key()
+    service.access.add_job("job-1", wrap_job_key(control, old_key))
+    service.access.add_job("job-1", wrap_job_key(control, current))  # the re-plan's LoadStage
+
+    def send(key: bytes) -> RemoteError:
+        ring = KeyRing()
+        ring.set_job("job-1", key)
+        client = DataPlaneClient(ring)
+        client.learn(f"127.0.0.1:{port}", service.data_port)
+        header = pb.TransferHeader(
+            job_id="job-1", stage_idx=2, src_stage_idx=1, step=5, kind=pb.TRANSFER_KIND_ACTIVATION
+        )
+        try:
+            with pytest.raises(RemoteError) as info:
+                client.send(f"127.0.0.1:{port}", header, {"h": torch.zeros(2, 3)})
+        finally:
+            client.close()
+        return info.value
+
+    try:
+        stale = send(old_key)
+        assert stale.code == "FAILED_PRECONDITION" and "placement that was replaced" in str(stale), stale
+        assert send(current).code == "NOT_FOUND"  # the current key passes; no stage 2 is loaded here
+        assert send(new_key()).code == "UNAUTHENTICATED"
+        assert service.data_listener is not None and service.data_listener.num_refused == 3
+    finally:
+        server.stop(grace=None).wait()
+        service.close()

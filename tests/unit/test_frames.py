@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from compress.base import get_compressor
 from executor import frames
@@ -253,3 +255,44 @@ def test_unreachable_port_falls_back_and_a_dead_peer_fails_the_send(
     assert info.value.code == "UNAVAILABLE"
     assert client.send(address, header(step=3), {"x": torch.ones(4, 8)}) is None  # refused: back to gRPC
     assert client.port(address) is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_altered_or_cut_frame_is_refused(
+    served: tuple[DataListener, Sink], keyring: KeyRing, data: st.DataObject
+) -> None:
+    """Every byte of a frame is under the header MAC or the payload tag: flipping any one, or
+    cutting the frame anywhere, delivers nothing, and the listener serves the next frame."""
+    listener, sink = served
+    key = keyring.job(JOB)
+    assert key is not None
+    frame = bytearray(raw_frame(key, header(), {"x": torch.randn(4, 8)}))
+    if data.draw(st.booleans(), label="cut"):
+        frame = frame[: data.draw(st.integers(0, len(frame) - 1), label="length")]
+    else:
+        frame[data.draw(st.integers(0, len(frame) - 1), label="position")] ^= data.draw(st.integers(1, 255))
+    before = len(sink.delivered)
+    assert exchange(listener, bytes(frame))[0] != 0
+    assert len(sink.delivered) == before
+    assert_serves_next(listener, sink, keyring)
+
+
+def test_frame_of_a_replaced_placement_is_refused_as_stale(keyring: KeyRing, caplog: pytest.LogCaptureFixture) -> None:
+    old = new_key()
+    sink = Sink()
+    listener = DataListener(
+        "127.0.0.1",
+        keys=keyring.job,
+        nonces=NonceCache(),
+        sink=sink,
+        max_bytes=1 << 20,
+        retired=lambda job: [old] if job == JOB else [],
+    )
+    try:
+        refused(listener, raw_frame(old, header(), {"x": torch.ones(4, 8)}), "FAILED_PRECONDITION", caplog)
+        assert "placement that was replaced" in caplog.text
+        refused(listener, raw_frame(new_key(), header(), {"x": torch.ones(4, 8)}), "UNAUTHENTICATED", caplog)
+        assert_serves_next(listener, sink, keyring)
+    finally:
+        listener.close()
