@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from executor.receive_buffers import ReceiveBuffers
 from executor.transport import HEADER_ALLOWANCE_BYTES, check_header_shape, dtype_from_wire, tensor_meta
 from fusion.auth import CLOCK_SKEW_S, NonceCache
 from fusion.errors import AuthError, StateError, WireError
@@ -229,16 +230,22 @@ def verify_head(
     return VerifiedHeader(prefix=prefix, header=header, job_key=key, payload_len=total)
 
 
-def receive_buffers(header: pb.TransferHeader) -> list[tuple[pb.TensorMeta, torch.Tensor, memoryview]]:
-    """Preallocated tensors for a verified header: each raw tensor in its own dtype and shape,
-    each encoded one as bytes; with a writable byte view of each."""
+def receive_buffers(
+    header: pb.TransferHeader, pool: ReceiveBuffers | None = None
+) -> list[tuple[pb.TensorMeta, torch.Tensor, memoryview]]:
+    """Preallocated tensors for a verified header, with a writable byte view of each: each
+    raw tensor in its own dtype and shape, each encoded one as bytes; from ``pool`` when
+    given (:mod:`executor.receive_buffers`)."""
     out = []
     for meta in header.tensors:
-        if meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED):
-            t = torch.empty(tuple(meta.shape), dtype=dtype_from_wire(meta.dtype))
-        else:
-            t = torch.empty(meta.size_bytes, dtype=torch.uint8)
-        flat = t.reshape(-1).view(torch.uint8)
-        view = memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(bytearray())
-        out.append((meta, t, view))
+        raw = meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
+        if meta.size_bytes == 0:
+            t = torch.empty(
+                tuple(meta.shape) if raw else (0,), dtype=dtype_from_wire(meta.dtype) if raw else torch.uint8
+            )
+            out.append((meta, t, memoryview(bytearray())))
+            continue
+        flat = pool.tensor(meta.size_bytes) if pool is not None else torch.empty(meta.size_bytes, dtype=torch.uint8)
+        t = flat.view(dtype_from_wire(meta.dtype)).reshape(tuple(meta.shape)) if raw else flat
+        out.append((meta, t, memoryview(flat.numpy()).cast("B")))
     return out

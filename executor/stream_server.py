@@ -31,6 +31,7 @@ from cryptography.exceptions import InvalidSignature
 
 from executor import frames
 from executor.client import transfer_timeout_s
+from executor.receive_buffers import ReceiveBuffers
 from executor.status import POISONED_SENDER_METADATA, status_code_of
 from executor.transport import Transfer
 from fusion.auth import NonceCache, RateLimiter
@@ -159,6 +160,8 @@ class DataListener:
     ) -> None:
         self.keys = keys
         self.retired = retired
+        #: Memory tensors are received into, reused across frames.
+        self.buffers = ReceiveBuffers()
         self.nonces = nonces
         self.sink = sink
         self.max_bytes = max_bytes
@@ -249,13 +252,12 @@ class DataListener:
         sock.sendall(REPLY.pack(REPLY_MAGIC, 0, prefix.payload_len, 0))
         return True
 
-    @staticmethod
-    def _payload(sock: socket.socket, head: frames.VerifiedHeader) -> dict[str, torch.Tensor]:
+    def _payload(self, sock: socket.socket, head: frames.VerifiedHeader) -> dict[str, torch.Tensor]:
         """Receive the payload into preallocated tensors and check its tag."""
         from executor.compression import decode_tensor
 
         mac = frames.payload_mac(head.job_key, head.prefix.nonce)
-        buffers = frames.receive_buffers(head.header)
+        buffers = frames.receive_buffers(head.header, self.buffers)
         for _, _, view in buffers:
             got = 0
             while got < len(view):
