@@ -135,6 +135,20 @@ def _medians(paths: _Paths, n: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _wait_idle(pid: int, *, idle_cpu_percent: float = 5.0, timeout_s: float = 120.0) -> None:
+    """Wait until the executor has finished warming up: for its first seconds (many more on a
+    loaded machine) a background thread imports torch's optimizer machinery
+    (``executor.server._warm_imports``) and holds the GIL, which times every call it serves at
+    several milliseconds more. At least :data:`EXECUTOR_WARM_UP_S`; then until it idles."""
+    import psutil
+
+    time.sleep(EXECUTOR_WARM_UP_S)
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + timeout_s
+    while proc.cpu_percent(interval=1.0) > idle_cpu_percent and time.monotonic() < deadline:
+        pass
+
+
 def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
     from fusion.launch.executors import LocalCluster
 
@@ -143,10 +157,7 @@ def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
         try:
             for warm in (paths.grpc, paths.data_plane, paths.socket):
                 warm(1 << 20)
-            # Let the executor finish warming up: for its first seconds a background thread
-            # imports torch's optimizer machinery (executor.server._warm_imports) and holds
-            # the GIL, which timed every call at 3-5 ms instead of ~1 ms.
-            time.sleep(EXECUTOR_WARM_UP_S)
+            _wait_idle(cluster.processes[0].pid)
             return body(paths)
         finally:
             paths.close()
