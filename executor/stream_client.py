@@ -8,13 +8,13 @@ release, or one running without the data plane) keeps getting gRPC. Connections 
 per peer and reused, one transfer at a time each; paced senders with several transfers in
 flight (:mod:`executor.sender`) open one per transfer in flight.
 
-Failures keep the gRPC path's contract. A peer whose data port cannot be reached is
-forgotten and that send goes over gRPC (which retries, then fails as the driver expects); a
-connection that breaks during a transfer fails the send with
-:class:`~fusion.errors.RemoteError` ``UNAVAILABLE``, and a refusal comes back as a
-``RemoteError`` with the code and message the gRPC call would have carried. The connection
-is dropped after either. With TLS (a CA set for the pool or the process) connections are
-TLS, verified against that CA and the peer's host name.
+Failures keep the gRPC path's contract. A peer whose data port cannot be reached (behind
+NAT, a firewall) is not tried on that port again, and that send goes over gRPC (which
+retries, then fails as the driver expects); a connection that breaks during a transfer
+fails the send with :class:`~fusion.errors.RemoteError` ``UNAVAILABLE``, and a refusal
+comes back as a ``RemoteError`` with the code and message the gRPC call would have
+carried. The connection is dropped after either. With TLS (a CA set for the pool or the
+process) connections are TLS, verified against that CA and the peer's host name.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 #: route data connections the way its channel factory routes gRPC (:mod:`executor.hooks`).
 ConnectionFactory = Callable[[str, int], socket.socket]
 
-#: Seconds to wait for a data connection to open before falling back to gRPC.
-CONNECT_TIMEOUT_S = 10.0
+#: Seconds to wait for a data connection to open before falling back to gRPC (once per
+#: peer and port: an unreachable port is not tried again).
+CONNECT_TIMEOUT_S = 5.0
 #: Payloads up to this size go out with their header in one ``sendall``.
 COALESCE_BYTES = 256 << 10
 
@@ -86,6 +87,9 @@ class DataPlaneClient:
         self.tls_ca = tls_ca
         self.connect = connect or default_connection
         self._ports: dict[str, int] = ports if ports is not None else {}
+        #: (address, port) pairs that could not be reached: a peer behind NAT or a firewall
+        #: advertises a port nobody can dial, and keeps advertising it in every answer.
+        self._unreachable: set[tuple[str, int]] = set()
         self._idle: dict[str, list[_Conn]] = {}
         self._lock = threading.Lock()
 
@@ -98,8 +102,10 @@ class DataPlaneClient:
                 self._ports.pop(address, None)
 
     def port(self, address: str) -> int | None:
+        """The data port to use for ``address``; ``None``: use gRPC."""
         with self._lock:
-            return self._ports.get(address)
+            port = self._ports.get(address)
+            return None if port is None or (address, port) in self._unreachable else port
 
     def forget(self, address: str) -> None:
         """Stop using the data plane to ``address`` and close its idle connections."""
@@ -175,6 +181,8 @@ class DataPlaneClient:
             return self._open(address, port)
         except (OSError, ssl.SSLError) as e:
             logger.warning("data plane to %s port %d unreachable (%s); sending over gRPC", address, port, e)
+            with self._lock:
+                self._unreachable.add((address, port))
             self.forget(address)
             return None
 

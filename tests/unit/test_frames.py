@@ -255,6 +255,8 @@ def test_unreachable_port_falls_back_and_a_dead_peer_fails_the_send(
     assert info.value.code == "UNAVAILABLE"
     assert client.send(address, header(step=3), {"x": torch.ones(4, 8)}) is None  # refused: back to gRPC
     assert client.port(address) is None
+    client.learn(address, listener.port)  # the peer keeps advertising the port nobody can reach
+    assert client.port(address) is None
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
