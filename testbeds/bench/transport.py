@@ -125,13 +125,20 @@ class _Paths:
         self.pool.close()
 
 
+#: Pause after each gRPC call before the next path is timed: the executor's gRPC threads
+#: finish the call (Python code, holding the GIL) after the answer has left, and the next
+#: transfer to the same process would wait for them.
+SETTLE_S = 0.02
+
+
 def _medians(paths: _Paths, n: int, repeats: int) -> dict[str, float]:
     """Median seconds per path, the paths interleaved within each repeat."""
-    runs: dict[str, Callable[[int], float]] = {"grpc": paths.grpc, "data": paths.data_plane, "socket": paths.socket}
+    runs: dict[str, Callable[[int], float]] = {"data": paths.data_plane, "socket": paths.socket, "grpc": paths.grpc}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             times[name].append(run(n))
+        time.sleep(SETTLE_S)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
