@@ -177,6 +177,11 @@ class ExecutorAccess:
             while len(self._retired) > RETIRED_JOBS:
                 self._retired.pop(next(iter(self._retired)))
 
+    def retired_keys(self, job_id: str) -> list[bytes]:
+        """The replaced job keys of ``job_id`` this executor remembers, oldest first."""
+        with self._lock:
+            return list(self._retired.get(job_id, ()))
+
     def _stale(self, claim: Claim, method: str) -> bool:
         """Whether a job credential that failed was signed with a replaced key of its job."""
         with self._lock:

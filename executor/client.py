@@ -75,6 +75,8 @@ class ChannelPool:
         self._channels: dict[str, grpc.Channel] = {}
         #: Peers that answered a one-message transfer UNIMPLEMENTED (an older release).
         self.stream_only: set[str] = set()
+        #: Data-plane ports peers advertised in their ``Send`` answers (:mod:`executor.stream_client`).
+        self.data_ports: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def get(self, address: str) -> grpc.Channel:
@@ -131,7 +133,9 @@ class ExecutorClient:
             return encode_transfer_wire(header, tensors, chunk_bytes=self.pool.chunk_bytes, encoded=encoded)
 
         what = f"Send(kind {header.kind} to stage {header.stage_idx}, micro-batch {header.micro_batch_idx})"
-        self._transfer(self.stub.Send, self.stub.SendWhole, chunks, size, what)
+        response = self._transfer(self.stub.Send, self.stub.SendWhole, chunks, size, what)
+        if response.data_port:
+            self.pool.data_ports[self.address] = response.data_port
         return size
 
     def _transfer(

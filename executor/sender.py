@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from executor.client import ChannelPool, ExecutorClient
+from executor.stream_client import DataPlaneClient
 from executor.trace import tracer
 from fusion.errors import NotFoundError
 from fusion.wire import tensor_pb2 as pb
@@ -64,6 +65,8 @@ class PeerSender:
         pool: channels (and keys) to the peers.
         link_bytes_per_s: measured bandwidth to the worker of each destination stage;
             sends to a stage listed here are paced at it (module docstring).
+        data: the direct data plane (:mod:`executor.stream_client`): a transfer goes over
+            it when the destination advertised a data port, else over gRPC.
     """
 
     def __init__(
@@ -73,8 +76,10 @@ class PeerSender:
         pool: ChannelPool,
         *,
         link_bytes_per_s: Mapping[int, float] | None = None,
+        data: DataPlaneClient | None = None,
     ) -> None:
         self.job_id = job_id
+        self.data = data
         self.addresses = dict(addresses)
         self.pool = pool
         self.link_bytes_per_s = {d: float(bw) for d, bw in (link_bytes_per_s or {}).items() if bw > 0}
@@ -110,6 +115,7 @@ class PeerSender:
                 before, this = self._last.get(dst), _Paced(size)
                 self._last[dst] = this
             client = ExecutorClient(address, self.pool)
+            data = self.data
             trace = tracer()
 
             def timed() -> tuple[int, float]:
@@ -134,7 +140,9 @@ class PeerSender:
                         dst=dst,
                     )
                 t0 = time.perf_counter()
-                sent = client.send(header, tensors, scalars, encoded=encoded)
+                sent = None if data is None else data.send(address, header, tensors, scalars, encoded=encoded)
+                if sent is None:
+                    sent = client.send(header, tensors, scalars, encoded=encoded)
                 return sent, time.perf_counter() - t0
 
             future = queue.submit(timed)

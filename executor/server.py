@@ -37,6 +37,8 @@ from executor.runtime import StageRuntime
 from executor.sender import PeerSender
 from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
 from executor.status import rpc_errors
+from executor.stream_client import ConnectionFactory, DataPlaneClient
+from executor.stream_server import DataListener, StageSink
 from executor.tied import TiedParam
 from executor.transport import (
     DEFAULT_CHUNK_BYTES,
@@ -130,6 +132,8 @@ class ExecutorService:
         hooks: StageHooks | None = None,
         channel_factory: ChannelFactory | None = None,
         memory_cap_bytes: int | None = None,
+        data_plane: bool = True,
+        connection_factory: ConnectionFactory | None = None,
     ) -> None:
         self.worker_name = worker_name
         #: The memory this worker lends its stages (``fusion-worker --memory-gb``; ``None``:
@@ -150,6 +154,38 @@ class ExecutorService:
         self.graphs = GraphCache()
         threading.Thread(target=_warm_imports, name="warm-imports", daemon=True).start()
         self.replicator = Replicator(self._replicate)
+        #: Whether this executor serves the direct data plane (:mod:`executor.frames`) and
+        #: sends over it to peers that do; ``False``: tensors go over gRPC only.
+        self.data_plane = data_plane
+        self.data_listener: DataListener | None = None
+        # Peers are dialled through the channel factory; data connections need a matching
+        # connection factory, or they would bypass whatever route the factory chose.
+        self.data_client = (
+            DataPlaneClient(
+                self.pool.keyring, tls_ca=self.pool.tls_ca, connect=connection_factory, ports=self.pool.data_ports
+            )
+            if data_plane and (channel_factory is None or connection_factory is not None)
+            else None
+        )
+
+    def start_data_plane(self, host: str, tls: ServerTls | None) -> int:
+        """Listen for data-plane frames on ``host`` (a free port, TLS when ``tls``); the port."""
+        self.data_listener = DataListener(
+            host,
+            keys=self.access.keyring.job,
+            nonces=self.access.nonces,
+            sink=StageSink(self.stage, max_probe_bytes=MAX_PROBE_BYTES),
+            max_bytes=MAX_TRANSFER_BYTES,
+            tls=tls,
+            failures=self.access.failures,
+            retired=self.access.retired_keys,
+        )
+        return self.data_listener.port
+
+    @property
+    def data_port(self) -> int:
+        """The data-plane port peers are told in ``SendResponse`` (0: none)."""
+        return self.data_listener.port if self.data_listener is not None else 0
 
     def stage(self, job_id: str, stage_idx: int) -> StageRuntime:
         """The loaded stage, or ``NotFoundError`` naming what is loaded."""
@@ -215,7 +251,11 @@ class ExecutorService:
         params = list(built.module.parameters())
         optimizer = build_optimizer(built.train, params)
         sender = PeerSender(
-            request.job_id, dict(request.stage_addresses), self.pool, link_bytes_per_s=dict(request.link_bytes_per_s)
+            request.job_id,
+            dict(request.stage_addresses),
+            self.pool,
+            link_bytes_per_s=dict(request.link_bytes_per_s),
+            data=self.data_client,
         )
         weights = list(request.micro_batch_weights) or [1.0]
         compression = CutCompression(
@@ -315,7 +355,7 @@ class ExecutorService:
 
         transfer = decode_transfer(chunks, max_bytes=MAX_TRANSFER_BYTES, check=check)
         holder["rt"].deliver(transfer, transfer.tensors(decode=decode_tensor))
-        return epb.SendResponse(received_bytes=transfer.size_bytes)
+        return epb.SendResponse(received_bytes=transfer.size_bytes, data_port=self.data_port)
 
     @rpc_errors
     def RunStep(self, request: epb.RunStepRequest, context: grpc.ServicerContext) -> epb.RunStepResponse:
@@ -521,7 +561,7 @@ class ExecutorService:
 
     @rpc_errors
     def Ping(self, request: epb.PingRequest, context: grpc.ServicerContext) -> epb.PingResponse:
-        return epb.PingResponse(worker_name=self.worker_name, jobs=self.jobs())
+        return epb.PingResponse(worker_name=self.worker_name, jobs=self.jobs(), data_port=self.data_port)
 
     def unload(self, job_id: str, *, keep_snapshots: bool = False) -> None:
         """Drop every stage of ``job_id`` (aborting a running step), and its snapshots unless kept."""
@@ -541,6 +581,10 @@ class ExecutorService:
         for job in self.jobs():
             self.unload(job)
         self.replicator.close()
+        if self.data_listener is not None:
+            self.data_listener.close()
+        if self.data_client is not None:
+            self.data_client.close()
         self.pool.close()
 
 
@@ -574,6 +618,8 @@ def start_server(
         port = add_port(server, listen, tls)
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
+        if service.data_plane and service.data_listener is None:
+            service.start_data_plane(listen.rpartition(":")[0] or "0.0.0.0", tls)
         server.start()
         return server, port
     server.add_generic_rpc_handlers((executor_handler(service),))
@@ -596,6 +642,11 @@ def build_parser(prog: str = "python -m executor.server") -> argparse.ArgumentPa
         default=None,
         help="memory (GiB) this executor lends its stages; a stage planned or measured over it is refused "
         "(default: unlimited)",
+    )
+    parser.add_argument(
+        "--no-data-plane",
+        action="store_true",
+        help="send and receive tensors over gRPC only, without the direct data-plane port",
     )
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transfer chunk size")
     parser.add_argument("--log-level", default="WARNING")
@@ -638,6 +689,7 @@ def serve(
         hooks=hooks,
         channel_factory=channel_factory,
         memory_cap_bytes=None if args.memory_gb is None else max(1, int(args.memory_gb * (1 << 30))),
+        data_plane=not args.no_data_plane,
     )
     service.access = ExecutorAccess(
         keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst

@@ -195,10 +195,12 @@ class GetStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., names: _Optional[_Iterable[str]] = ..., auth: _Optional[str] = ...) -> None: ...
 
 class SendResponse(_message.Message):
-    __slots__ = ("received_bytes",)
+    __slots__ = ("received_bytes", "data_port")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
-    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, received_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class RunStepRequest(_message.Message):
     __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth", "measure_memory", "cut_codecs")
@@ -433,12 +435,14 @@ class PingRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PingResponse(_message.Message):
-    __slots__ = ("worker_name", "jobs")
+    __slots__ = ("worker_name", "jobs", "data_port")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_name: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, worker_name: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
     __slots__ = ("job_id", "stage_idx", "stage_key", "step", "size_bytes", "sha256", "replica")

@@ -1,5 +1,5 @@
-"""Core benchmark: pipeline step time against one process, and gRPC tensor throughput
-against a plain TCP socket copy, measured side by side in one run.
+"""Core benchmark: pipeline step time against one process, and tensor throughput (gRPC and
+the direct data plane) against a plain TCP socket copy, measured side by side in one run.
 
     python -m testbeds.bench_core                      # GPT-2 small on 2 and 4 workers
     python -m testbeds.bench_core --preset tiny --steps 3 --sizes-mib 1,16 --json
@@ -7,11 +7,11 @@ against a plain TCP socket copy, measured side by side in one run.
 Both parts interleave the systems they compare and report medians, because these machines
 are noisy and absolute numbers drift between runs; the ratios are the result.
 
-- **Transport**: one executor process receives tensors through the full tensor path
-  (``ProbeWhole``, or the chunked ``Probe`` stream past one chunk: header validation,
-  reassembly into one buffer); a
-  second process receives the same number of bytes over a raw TCP socket into a
-  preallocated buffer. MB/s for each size, and gRPC as a fraction of the socket.
+- **Transport** (:mod:`testbeds.bench.transport`): one executor process receives tensors
+  through the gRPC tensor path and through its data plane; a second process receives the
+  same number of bytes over a raw TCP socket into a preallocated buffer. MB/s for each
+  size, each path as a fraction of the socket (``ratio``: the data plane), and a 64 KiB
+  round trip on each.
 - **Step time**: GPT-2 trained on one process, then split evenly over K local worker
   processes (``uniform``, no compression). On one host the workers share its cores, so
   the ratio measures fusion's overhead, not a speed-up.
@@ -22,102 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 import torch
 
+from testbeds.bench.transport import EXECUTOR_WARM_UP_S, measure_transport
+
 logger = logging.getLogger(__name__)
-
-_SINK = r"""
-import socket
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
-print(s.getsockname()[1], flush=True)
-c, _ = s.accept()
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-buf = bytearray(MAX); view = memoryview(buf)
-while True:
-    hdr = c.recv(8, socket.MSG_WAITALL)
-    if len(hdr) < 8:
-        break
-    n = int.from_bytes(hdr, "little"); got = 0
-    while got < n:
-        got += c.recv_into(view[got:n])
-    c.sendall(b"k")
-"""
-
-
-#: Seconds a new executor spends on its start-up imports (~3 s on 2 cores), with margin.
-EXECUTOR_WARM_UP_S = 6.0
-
-
-class SocketSink:
-    """A separate process that receives length-prefixed bytes into a preallocated buffer."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SINK.replace("MAX", str(max_bytes))], stdout=subprocess.PIPE, text=True
-        )
-        assert self.proc.stdout is not None
-        port = int(self.proc.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def send(self, data: memoryview) -> float:
-        t0 = time.perf_counter()
-        self.sock.sendall(len(data).to_bytes(8, "little"))
-        self.sock.sendall(data)
-        if self.sock.recv(1) != b"k":
-            raise RuntimeError("socket sink did not acknowledge")
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.sock.close()
-        self.proc.wait(timeout=10)
-
-
-def bench_transport(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
-    """Median MB/s of gRPC (full tensor path) and a raw socket, interleaved per repeat."""
-    from executor.client import ChannelPool, ExecutorClient
-    from fusion.launch.executors import LocalCluster
-
-    rows = []
-    max_bytes = max(sizes_mib) << 20
-    sink = SocketSink(max_bytes)
-    try:
-        with LocalCluster(1, torch_threads=1) as cluster:
-            pool = ChannelPool()
-            client = ExecutorClient(cluster.addresses[0], pool)
-            client.probe(1 << 20)  # warm up the channel
-            # ... and let the executor finish warming up: for its first seconds a background
-            # thread imports torch's optimizer machinery (executor.server._warm_imports) and
-            # holds the GIL, which timed every call at 3-5 ms instead of ~1 ms.
-            time.sleep(EXECUTOR_WARM_UP_S)
-            for mib in sizes_mib:
-                n = mib << 20
-                payload = memoryview(bytearray(n))
-                grpc_s, sock_s = [], []
-                for _ in range(repeats):
-                    grpc_s.append(client.probe(n)[0])
-                    sock_s.append(sink.send(payload))
-                g = n / statistics.median(grpc_s) / 1e6
-                s = n / statistics.median(sock_s) / 1e6
-                rows.append(
-                    {
-                        "size_mib": mib,
-                        "grpc_mb_per_s": round(g, 1),
-                        "socket_mb_per_s": round(s, 1),
-                        "ratio": round(g / s, 3),
-                    }
-                )
-            pool.close()
-    finally:
-        sink.close()
-    return rows
 
 
 def bench_steps(
@@ -199,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out: dict[str, Any] = {}
     if not args.skip_transport:
-        out["transport"] = bench_transport([int(s) for s in args.sizes_mib.split(",")], args.repeats)
+        out.update(measure_transport([int(s) for s in args.sizes_mib.split(",")], args.repeats))
     if not args.skip_steps:
         out["steps"] = bench_steps(
             args.preset,
@@ -222,11 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "transport" in out:
         print("\ntensor transport on loopback (median of interleaved repeats)")
-        print(f"{'size':>8} {'gRPC MB/s':>10} {'socket MB/s':>12} {'gRPC/socket':>12}")
+        print(
+            f"{'size':>8} {'gRPC MB/s':>10} {'data MB/s':>10} {'socket MB/s':>12} "
+            f"{'data/socket':>12} {'gRPC/socket':>12}"
+        )
         for r in out["transport"]:
             print(
-                f"{r['size_mib']:>5} MiB {r['grpc_mb_per_s']:>10.1f} {r['socket_mb_per_s']:>12.1f} {r['ratio']:>12.2f}"
+                f"{r['size_mib']:>5} MiB {r['grpc_mb_per_s']:>10.1f} {r['data_plane_mb_per_s']:>10.1f} "
+                f"{r['socket_mb_per_s']:>12.1f} {r['ratio']:>12.2f} {r['grpc_ratio']:>12.2f}"
             )
+        rt = out["round_trip"]
+        print(
+            f"{rt['size_kib']} KiB round trip: gRPC {rt['grpc_ms']:.3f} ms, data plane {rt['data_plane_ms']:.3f} ms, "
+            f"socket {rt['socket_ms']:.3f} ms"
+        )
     if "steps" in out:
         c = out["steps_config"]
         print(

@@ -1,0 +1,223 @@
+"""The sending side of the data plane: connections to peers' data ports and the frames sent
+over them (:mod:`executor.frames`, answered as :mod:`executor.stream_server` describes).
+
+A peer advertises its data port in every answer to a gRPC ``Send``
+(``SendResponse.data_port``), so the first transfer to a peer goes over gRPC and the next
+ones over a direct connection to the same host; a peer that advertises none (an older
+release, or one running without the data plane) keeps getting gRPC. Connections are kept
+per peer and reused, one transfer at a time each; paced senders with several transfers in
+flight (:mod:`executor.sender`) open one per transfer in flight.
+
+Failures keep the gRPC path's contract. A peer whose data port cannot be reached (behind
+NAT, a firewall) is not tried on that port again, and that send goes over gRPC (which
+retries, then fails as the driver expects); a connection that breaks during a transfer
+fails the send with :class:`~fusion.errors.RemoteError` ``UNAVAILABLE``, and a refusal
+comes back as a ``RemoteError`` with the code and message the gRPC call would have
+carried. The connection is dropped after either. With TLS (a CA set for the pool or the
+process) connections are TLS, verified against that CA and the peer's host name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from executor import frames
+from executor.client import transfer_timeout_s
+from executor.stream_server import MAX_REPLY_BODY, REPLY, REPLY_MAGIC, recv_exact
+from executor.transport import scalar_to_wire
+from fusion.auth import KeyRing
+from fusion.errors import RemoteError, WireError
+from fusion.tls import client_ca
+from fusion.wire import tensor_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+#: Opens a data connection: ``(host, port) -> connected socket``. The seam a testbed uses to
+#: route data connections the way its channel factory routes gRPC (:mod:`executor.hooks`).
+ConnectionFactory = Callable[[str, int], socket.socket]
+
+#: Seconds to wait for a data connection to open before falling back to gRPC (once per
+#: peer and port: an unreachable port is not tried again).
+CONNECT_TIMEOUT_S = 5.0
+#: Payloads up to this size go out with their header in one ``sendall``.
+COALESCE_BYTES = 256 << 10
+
+
+def default_connection(host: str, port: int) -> socket.socket:
+    """A plain TCP connection to ``host:port``."""
+    return socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+
+
+class _Conn:
+    """One open data connection and its next frame's sequence number."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.seq = 1
+
+
+class DataPlaneClient:
+    """Direct tensor sends to peers that advertise a data port.
+
+    Args:
+        keyring: the job keys frames are signed with.
+        tls_ca: CA to verify peers with (default: the process's; none: plain TCP).
+        connect: how a connection is opened (:data:`ConnectionFactory`).
+        ports: peer address -> data port, shared with whoever learns them
+            (:attr:`executor.client.ChannelPool.data_ports`).
+    """
+
+    def __init__(
+        self,
+        keyring: KeyRing,
+        *,
+        tls_ca: bytes | None = None,
+        connect: ConnectionFactory | None = None,
+        ports: dict[str, int] | None = None,
+    ) -> None:
+        self.keyring = keyring
+        self.tls_ca = tls_ca
+        self.connect = connect or default_connection
+        self._ports: dict[str, int] = ports if ports is not None else {}
+        #: (address, port) pairs that could not be reached: a peer behind NAT or a firewall
+        #: advertises a port nobody can dial, and keeps advertising it in every answer.
+        self._unreachable: set[tuple[str, int]] = set()
+        self._idle: dict[str, list[_Conn]] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, address: str, port: int) -> None:
+        """Record the data port a peer advertised (0: it has none)."""
+        with self._lock:
+            if port:
+                self._ports[address] = port
+            else:
+                self._ports.pop(address, None)
+
+    def port(self, address: str) -> int | None:
+        """The data port to use for ``address``; ``None``: use gRPC."""
+        with self._lock:
+            port = self._ports.get(address)
+            return None if port is None or (address, port) in self._unreachable else port
+
+    def forget(self, address: str) -> None:
+        """Stop using the data plane to ``address`` and close its idle connections."""
+        with self._lock:
+            self._ports.pop(address, None)
+            conns = self._idle.pop(address, [])
+        for c in conns:
+            c.sock.close()
+
+    def _open(self, address: str, port: int) -> _Conn:
+        host = address.rpartition(":")[0].strip("[]")
+        sock = self.connect(host, port)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ca = self.tls_ca if self.tls_ca is not None else client_ca()
+        if ca is not None:
+            ctx = ssl.create_default_context(cadata=ca.decode())
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+        return _Conn(sock)
+
+    def send(
+        self,
+        address: str,
+        header: pb.TransferHeader,
+        tensors: Mapping[str, torch.Tensor],
+        scalars: Mapping[str, Any] | None = None,
+        *,
+        encoded: Mapping[str, tuple[pb.TensorMeta, bytes]] | None = None,
+    ) -> int | None:
+        """Send one transfer over the data plane; payload bytes, or ``None`` when this peer
+        must be reached over gRPC (no data port known, no job key, or no connection)."""
+        port = self.port(address)
+        key = self.keyring.job(header.job_id)
+        if port is None or key is None:
+            return None
+        with self._lock:
+            idle = self._idle.get(address)
+            conn = idle.pop() if idle else None
+        reused = conn is not None
+        if conn is None and (conn := self._try_open(address, port)) is None:
+            return None
+        for name, value in (scalars or {}).items():
+            header.values.append(scalar_to_wire(name, value))
+        views = frames.frame_views(header, tensors, encoded)
+        size = sum(len(v) for v in views)
+        what = f"Send(kind {header.kind} to stage {header.stage_idx}, micro-batch {header.micro_batch_idx})"
+        while True:
+            try:
+                received = self._exchange(conn, key, header, views, size)
+                break
+            except (OSError, ssl.SSLError, WireError) as e:
+                conn.sock.close()
+                # A kept connection may have died while idle (the peer restarted): one more
+                # try on a fresh one, as a gRPC call retries UNAVAILABLE.
+                if reused and (conn := self._try_open(address, port)) is not None:
+                    reused = False
+                    continue
+                raise RemoteError(
+                    f"{what} on {address} failed with UNAVAILABLE: data connection lost ({e})",
+                    code="UNAVAILABLE",
+                    peer=address,
+                ) from None
+            except RemoteError as e:
+                conn.sock.close()
+                message = f"{what} on {address} failed with {e.code}: {e}"
+                raise RemoteError(message, code=e.code, peer=address, metadata=e.metadata) from None
+        with self._lock:
+            self._idle.setdefault(address, []).append(conn)
+        return received
+
+    def _try_open(self, address: str, port: int) -> _Conn | None:
+        """A new connection, or ``None`` (and the peer forgotten) if it cannot be opened."""
+        try:
+            return self._open(address, port)
+        except (OSError, ssl.SSLError) as e:
+            logger.warning("data plane to %s port %d unreachable (%s); sending over gRPC", address, port, e)
+            with self._lock:
+                self._unreachable.add((address, port))
+            self.forget(address)
+            return None
+
+    @staticmethod
+    def _exchange(conn: _Conn, key: bytes, header: pb.TransferHeader, views: list[memoryview], size: int) -> int:
+        sock = conn.sock
+        sock.settimeout(transfer_timeout_s(size))
+        head, nonce = frames.encode_head(key, header, size, conn.seq)
+        conn.seq += 1
+        mac = frames.payload_mac(key, nonce)
+        if size <= COALESCE_BYTES:
+            for v in views:
+                mac.update(v)
+            sock.sendall(b"".join([head, *views, mac.finalize()]))
+        else:
+            sock.sendall(head)
+            for piece in frames.payload_pieces(views):
+                mac.update(piece)
+                sock.sendall(piece)
+            sock.sendall(mac.finalize())
+        magic, status, received, body_len = REPLY.unpack(recv_exact(sock, REPLY.size, what="answer"))
+        if magic != REPLY_MAGIC or body_len > MAX_REPLY_BODY:
+            raise WireError("malformed answer from the data plane")
+        if status == 0:
+            return int(received)
+        try:
+            body = json.loads(recv_exact(sock, body_len, what="answer"))
+            code, message, metadata = str(body["code"]), str(body["message"]), dict(body.get("metadata") or {})
+        except (ValueError, KeyError, TypeError) as e:
+            raise WireError(f"malformed error answer from the data plane: {e}") from e
+        raise RemoteError(message, code=code, metadata={str(k): str(v) for k, v in metadata.items()})
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for cs in self._idle.values() for c in cs]
+            self._idle.clear()
+        for c in conns:
+            c.sock.close()

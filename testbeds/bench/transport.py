@@ -1,0 +1,219 @@
+"""The transport part of ``python -m testbeds.bench_core``: one executor process receives the
+same bytes three ways, interleaved per repeat, and each is timed from the first byte sent
+to the receiver's answer:
+
+- **gRPC**: the full gRPC tensor path (``ProbeWhole``, or the chunked ``Probe`` stream past
+  one chunk: header validation, reassembly into one buffer);
+- **data plane**: a ``TRANSFER_KIND_PROBE`` frame on the executor's data port
+  (:mod:`executor.frames`: header MAC, replay check, payload received into a preallocated
+  buffer under its Poly1305 tag), signed with a job key the executor was admitted with;
+- **socket**: a second process that receives length-prefixed bytes over a raw TCP socket
+  into a preallocated buffer and answers one byte -- the ceiling.
+
+The throughput rows keep the contract ``{size_mib, ratio, grpc_mb_per_s, socket_mb_per_s}``;
+``ratio`` is the data plane against the socket (``grpc_ratio``: gRPC against the socket).
+The round-trip row times a small transfer (64 KiB) on each path.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_SINK = r"""
+import socket
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf = bytearray(MAX); view = memoryview(buf)
+while True:
+    hdr = c.recv(8, socket.MSG_WAITALL)
+    if len(hdr) < 8:
+        break
+    n = int.from_bytes(hdr, "little"); got = 0
+    while got < n:
+        got += c.recv_into(view[got:n])
+    c.sendall(b"k")
+"""
+
+
+#: Seconds a new executor spends on its start-up imports (~3 s on 2 cores), with margin.
+EXECUTOR_WARM_UP_S = 6.0
+#: The job the benchmark admits on its executor to sign data-plane frames with.
+BENCH_JOB = "bench-transport"
+
+
+class SocketSink:
+    """A separate process that receives length-prefixed bytes into a preallocated buffer."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SINK.replace("MAX", str(max_bytes))], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, data: memoryview) -> float:
+        t0 = time.perf_counter()
+        self.sock.sendall(len(data).to_bytes(8, "little"))
+        self.sock.sendall(data)
+        if self.sock.recv(1) != b"k":
+            raise RuntimeError("socket sink did not acknowledge")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(timeout=10)
+
+
+class _Paths:
+    """The three paths to one executor, each timing one transfer of ``n`` bytes."""
+
+    def __init__(self, address: str, control_key: bytes, max_bytes: int) -> None:
+        from executor.client import ChannelPool, ExecutorClient
+        from executor.stream_client import DataPlaneClient
+        from fusion.auth import new_key, wrap_job_key
+        from fusion.wire import executor_pb2 as epb
+
+        self.pool = ChannelPool()
+        self.client = ExecutorClient(address, self.pool)
+        job_key = new_key()
+        self.client.admit_job(epb.AdmitJobRequest(job_id=BENCH_JOB, auth=wrap_job_key(control_key, job_key)))
+        self.pool.keyring.set_job(BENCH_JOB, job_key)
+        self.address = address
+        self.data = DataPlaneClient(self.pool.keyring)
+        port = self.client.ping().data_port
+        if not port:
+            raise RuntimeError(f"the executor at {address} serves no data plane")
+        self.data.learn(address, port)
+        self.sink = SocketSink(max_bytes)
+        self.payloads: dict[int, torch.Tensor] = {}
+
+    def _payload(self, n: int) -> torch.Tensor:
+        if n not in self.payloads:
+            self.payloads[n] = torch.zeros(n, dtype=torch.uint8)
+        return self.payloads[n]
+
+    def grpc(self, n: int) -> float:
+        return self.client.probe(n)[0]
+
+    def data_plane(self, n: int) -> float:
+        from fusion.wire import tensor_pb2 as pb
+
+        header = pb.TransferHeader(job_id=BENCH_JOB, kind=pb.TRANSFER_KIND_PROBE)
+        t0 = time.perf_counter()
+        if self.data.send(self.address, header, {"probe": self._payload(n)}) != n:
+            raise RuntimeError("the data plane did not take the probe")
+        return time.perf_counter() - t0
+
+    def socket(self, n: int) -> float:
+        return self.sink.send(memoryview(self._payload(n).numpy()))
+
+    def close(self) -> None:
+        self.sink.close()
+        self.data.close()
+        self.pool.close()
+
+
+#: Pause after each gRPC call before the next path is timed: the executor's gRPC threads
+#: finish the call (Python code, holding the GIL) after the answer has left, and the next
+#: transfer to the same process would wait for them.
+SETTLE_S = 0.02
+
+
+def _medians(paths: _Paths, n: int, repeats: int) -> dict[str, float]:
+    """Median seconds per path, the paths interleaved within each repeat."""
+    runs: dict[str, Callable[[int], float]] = {"data": paths.data_plane, "socket": paths.socket, "grpc": paths.grpc}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(run(n))
+        time.sleep(SETTLE_S)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _wait_idle(pid: int, *, idle_cpu_percent: float = 5.0, timeout_s: float = 120.0) -> None:
+    """Wait until the executor has finished warming up: for its first seconds (many more on a
+    loaded machine) a background thread imports torch's optimizer machinery
+    (``executor.server._warm_imports``) and holds the GIL, which times every call it serves at
+    several milliseconds more. At least :data:`EXECUTOR_WARM_UP_S`; then until it idles."""
+    import psutil
+
+    time.sleep(EXECUTOR_WARM_UP_S)
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + timeout_s
+    while proc.cpu_percent(interval=1.0) > idle_cpu_percent and time.monotonic() < deadline:
+        pass
+
+
+def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
+    from fusion.launch.executors import LocalCluster
+
+    with LocalCluster(1, torch_threads=1) as cluster:
+        paths = _Paths(cluster.addresses[0], cluster.control_keys[0], max_bytes)
+        try:
+            for warm in (paths.grpc, paths.data_plane, paths.socket):
+                warm(1 << 20)
+            _wait_idle(cluster.processes[0].pid)
+            return body(paths)
+        finally:
+            paths.close()
+
+
+def _rates(paths: _Paths, sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for mib in sizes_mib:
+        n = mib << 20
+        m = _medians(paths, n, repeats)
+        g, d, s = (n / m[k] / 1e6 for k in ("grpc", "data", "socket"))
+        rows.append(
+            {
+                "size_mib": mib,
+                "grpc_mb_per_s": round(g, 1),
+                "data_plane_mb_per_s": round(d, 1),
+                "socket_mb_per_s": round(s, 1),
+                "ratio": round(d / s, 3),
+                "grpc_ratio": round(g / s, 3),
+            }
+        )
+    return rows
+
+
+def _round_trip(paths: _Paths, size_kib: int, repeats: int) -> dict[str, Any]:
+    m = _medians(paths, size_kib << 10, repeats)
+    return {
+        "size_kib": size_kib,
+        "grpc_ms": round(m["grpc"] * 1e3, 3),
+        "data_plane_ms": round(m["data"] * 1e3, 3),
+        "socket_ms": round(m["socket"] * 1e3, 3),
+    }
+
+
+def measure_transport(
+    sizes_mib: list[int], repeats: int, *, round_trip_kib: int = 64, round_trip_repeats: int = 200
+) -> dict[str, Any]:
+    """``{"transport": [row per size], "round_trip": {...}}`` from one executor: median MB/s of
+    gRPC, the data plane and a raw socket per size, and the median round trip of a
+    ``round_trip_kib`` KiB transfer on each, all interleaved per repeat."""
+    return _with_paths(
+        max(max(sizes_mib) << 20, round_trip_kib << 10),
+        lambda paths: {
+            "transport": _rates(paths, sizes_mib, repeats),
+            "round_trip": _round_trip(paths, round_trip_kib, round_trip_repeats),
+        },
+    )
+
+
+def bench_transport(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
+    """The throughput rows of :func:`measure_transport`."""
+    return _with_paths(max(sizes_mib) << 20, lambda paths: _rates(paths, sizes_mib, repeats))
