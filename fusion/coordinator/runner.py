@@ -56,6 +56,7 @@ from fusion.coordinator.outputs import (
 from fusion.coordinator.planning import (
     CALIBRATE_MIN_S,
     Endpoint,
+    LinkProbeError,
     LinkTable,
     Measurements,
     ProfileCache,
@@ -150,13 +151,15 @@ class JobRunner(threading.Thread):
             driver.abort(reason)
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
-        """A worker stopped heart-beating: abort the step; the loop recovers without it."""
+        """A worker stopped heart-beating: abort the step, abandoning the driver's calls to it
+        in flight (a frozen worker would hold them to their deadlines); the loop recovers
+        without it."""
         with self._lock:
             self._lost[worker_id] = reason
             driver = self._driver
-            in_plan = any(w.worker_id == worker_id for w in self.stage_workers)
-        if driver is not None and in_plan:
-            driver.abort(reason)
+            address = next((w.address for w in self.stage_workers if w.worker_id == worker_id), None)
+        if driver is not None and address is not None:
+            driver.abandon(address, reason)
 
     def worker_leaving(self, worker_id: str) -> threading.Event:
         """A worker wants to leave: its state is handed off at the next step boundary.
@@ -333,7 +336,7 @@ class JobRunner(threading.Thread):
     def _endpoint(self, w: WorkerRow) -> Endpoint:
         return Endpoint.from_registration(w.name, w.address, w.resources)
 
-    def _measure(self, workers: Sequence[WorkerRow]) -> None:
+    def _measure_all(self, workers: Sequence[WorkerRow]) -> None:
         """Profile the model (cached) and probe the links between ``workers``."""
         endpoints = [self._endpoint(w) for w in workers]
         t0 = time.perf_counter()
@@ -368,16 +371,46 @@ class JobRunner(threading.Thread):
             },
         )
 
+    def _measure(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
+        """Measure ``workers`` for a placement the job needs (its first, a recovery's, a
+        hand-off's); the workers the probes cannot reach are lost: each is dropped
+        from the job (a ``worker_lost`` event) and the rest are measured again. Returns the
+        workers measured; re-raises when the failures blame no worker, or every one."""
+        held = list(workers)
+        while True:
+            try:
+                self._measure_all(held)
+                return held
+            except LinkProbeError as e:
+                if self.stopping() is not None:
+                    raise
+                gone = [w for w in held if w.address in e.unreachable]
+                if not gone or len(gone) == len(held):
+                    raise
+                for w in gone:
+                    self.event(
+                        "worker_lost",
+                        f"worker {w.name} ({w.address}) cannot be reached while re-planning; left out: {e}",
+                        worker=w.name,
+                    )
+                    if w in self.workers:
+                        self.drop(w, "gone")
+                held = [w for w in held if w not in gone]
+
     def planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
         """The workers to plan over: all but the job's spares (at least one)."""
         keep = max(1, len(workers) - self.spec.cluster.spares)
         return list(workers[:keep])
 
     def _plan_over(self, workers: Sequence[WorkerRow], held: Sequence[WorkerRow]) -> Plan:
-        """A plan over ``workers``; unmeasured ones have the links of all ``held`` measured first."""
+        """A plan over ``workers``; unmeasured ones have the links of all ``held`` measured first.
+
+        This re-plan is needed (a recovery, a hand-off): a worker the probes cannot reach is
+        treated as lost (:meth:`_measure`) and left out of the plan."""
         assert self._measurements is not None
         if any(w.worker_id not in self._measured for w in workers):
-            self._measure(list(held))
+            measured = {w.worker_id for w in self._measure(held)}
+            workers = [w for w in workers if w.worker_id in measured]
         assert self._measurements is not None
         indices = [self._measured.index(w.worker_id) for w in workers]
         strategy = self.spec.plan.strategy
@@ -417,6 +450,7 @@ class JobRunner(threading.Thread):
             stages = self.stages
         else:
             plan = self._plan_over(workers, held)
+            held = [w for w in held if w.worker_id in self.worker_ids]  # less any found unreachable
             by_name = {w.name: w for w in workers}
             stage_workers = [by_name[s.worker] for s in plan.stages]
             stages = split_stages(self.captured.dag, plan.assignment())
@@ -439,6 +473,7 @@ class JobRunner(threading.Thread):
                 ],
                 name="unload",
             )
+            old.release()
         self.plan, self.stages, self.stage_workers = plan, stages, stage_workers
         self.memory.placed(
             [s.peak_memory_bytes for s in plan.stages], [(w.name, lent_bytes(w.resources)) for w in stage_workers]
@@ -584,12 +619,38 @@ class JobRunner(threading.Thread):
         if policy == "never":
             return step
         joined = self.claim()
-        if not joined:
+        if not joined or not self._measure_with_joiners(joined):
             return step
         if policy == "if_faster" and not self._faster_with_joiners():
             return step
         self.recovery.move(step, exclude=set(), why="replanned")
         return step
+
+    def _measure_with_joiners(self, joined: Sequence[WorkerRow]) -> bool:
+        """Measure the links of the job's workers with ``joined``; ``False`` keeps the current
+        plan. The re-plan is optional: a probe that fails (a worker killed, frozen or cut
+        off meanwhile) never fails the job. The joiners it blames are let go (``gone``); the
+        stage workers it blames stay, for the heartbeat (or the next step) to judge."""
+        try:
+            self._measure_all(self.workers)
+            return True
+        except FusionError as e:
+            if self.stopping() is not None:
+                raise
+            self.end_phase()
+            blamed = set(e.unreachable) if isinstance(e, LinkProbeError) else set()
+            dropped = [w for w in joined if w.address in blamed and w in self.workers]
+            for w in dropped:
+                self.drop(w, "gone")
+            let_go = f"; let go: {', '.join(w.name for w in dropped)}" if dropped else ""
+            self.event(
+                "replan_skipped",
+                f"measuring links with {', '.join(w.name for w in joined)} failed ({e}); keeping the current "
+                f"plan{let_go}",
+                workers=[w.name for w in joined],
+                dropped=[w.name for w in dropped],
+            )
+            return False
 
     def _faster_with_joiners(self) -> bool:
         current = self.plan.predicted_step_s
