@@ -185,6 +185,9 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
     out["training_started"] = state == "running"
     before = leaks.snapshot(fleet.alive_started(), fleet.coordinator_proc.pid if fleet.coordinator_proc else None)
     records: list[dict[str, Any]] = []
+    sampler = leaks.CoordinatorSampler(
+        lambda: fleet.coordinator_proc.pid if fleet.coordinator_proc else None, poller.state
+    ).start()
     if events is not None and state == "running":
         echo(f"training started; {len(events)} event(s) over {opts.minutes:g} min (times from now)")
         stop_at = time.monotonic() + opts.minutes * 60.0 + 60.0
@@ -202,6 +205,7 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
     final = _wait_state(poller, TERMINAL_STATES, opts.job_timeout_s)
     time.sleep(3.0)  # the coordinator settles after the job's end (threads exit, files close)
     after = leaks.snapshot(fleet.alive_started(), fleet.coordinator_proc.pid if fleet.coordinator_proc else None)
+    samples = [{**x, "t_s": round(x["t"] - poller.t0, 1)} for x in sampler.stop()]
     last = poller.last_ok() or {}
     reason = last.get("reason")
     if final not in TERMINAL_STATES:
@@ -216,6 +220,8 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
         before=before,
         after=after,
         coordinator_starts=fleet.coordinator_starts,
+        coordinator_samples=samples,
+        restart_baseline=leaks.restart_baseline(samples, (after.get("coordinator") or {}).get("pid")),
         liveness=liveness(poller.records, records, poller.t0),
         events_before_first=attribute_reactions(poller.job_events, records, poller.t0),
     )
