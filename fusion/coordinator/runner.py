@@ -63,7 +63,7 @@ from fusion.coordinator.planning import (
     measure,
     plan_job,
 )
-from fusion.coordinator.recovery import Recovery, diagnose
+from fusion.coordinator.recovery import MAX_RECOVERIES, Recovery, diagnose
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
 from fusion.coordinator.store import Store, WorkerRow
 from fusion.errors import FusionError, StateError
@@ -230,7 +230,15 @@ class JobRunner(threading.Thread):
             while step < self.spec.train.steps:
                 if self.stopping() is not None:
                     break
-                step = self._between_steps(step)
+                try:
+                    step = self._between_steps(step)
+                except FusionError as e:
+                    # A hand-off or a joiner's re-plan failed (a worker died, froze or was cut
+                    # off during it): recovered like a failed step.
+                    if self.stopping() is not None:
+                        raise
+                    step = self._recover(e, step)
+                    continue
                 x, y = job_batch(self.spec, self.dataset, step)
                 try:
                     stats = self.driver.train_step(
@@ -244,7 +252,7 @@ class JobRunner(threading.Thread):
                 except FusionError as e:
                     if self.stopping() is not None:
                         raise
-                    step = self.recovery.recover(e, step, self._take_lost())
+                    step = self._recover(e, step)
                     continue
                 self._after_step(stats, x, step)
                 step += 1
@@ -293,6 +301,19 @@ class JobRunner(threading.Thread):
             if self._driver is not None:
                 self._driver.close()
             self.on_done(self)
+
+    def _recover(self, error: FusionError, step: int) -> int:
+        """Recover from ``error`` at ``step``; a recovery that fails in turn (another worker
+        lost while it placed or restored the job) is recovered from again, up to the
+        recoveries a job may go through. Re-raises what recovery cannot mend."""
+        while True:
+            try:
+                return self.recovery.recover(error, step, self._take_lost())
+            except FusionError as e:
+                if e is error or self.stopping() is not None or self.recovery.count >= MAX_RECOVERIES:
+                    raise
+                logger.warning("job %s: recovery failed (%s); recovering again", self.job_id, e)
+                error = e
 
     def _after_step(self, stats: StepStats, x: Any, step: int) -> None:
         self.links.observe_step(

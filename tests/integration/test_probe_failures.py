@@ -171,3 +171,29 @@ def test_a_frozen_stage_worker_does_not_hold_the_job_for_the_call_deadline(fleet
         os.kill(proc.pid, signal.SIGCONT)
     assert took_s < 22.0, f"recovery began {took_s:.0f}s after {victim} was declared gone"
     check_exact(job.wait_end(timeout_s=400.0), job.path)
+
+
+def test_a_recovery_that_loses_another_worker_recovers_again(fleet: Fleet, tmp_path: Path) -> None:
+    """A stage worker is killed; the recovery puts the idle worker that joined meanwhile in
+    its place, and that one's executor is gone too (killed as it joined). Before the fix the
+    job failed with "LoadStage ... Connection refused"; now the recovery recovers again,
+    without it, and the job ends exact."""
+    job = Job(
+        fleet,
+        job_file(tmp_path / "job.toml", tmp_path / "out", workers=1, joiners="never", steps=120, optimizer=SGD),
+    )
+    job.wait_step(10)
+    assert len(job.stage_workers()) == 2
+    ghost = Ghost(fleet.coordinator_address, "ghost")
+    try:
+        wait_for(
+            "the ghost to be idle", lambda: [w.state for w in job.client.workers() if w.name == "ghost"] == ["idle"]
+        )
+        victim = job.stage_workers()[0]
+        fleet.workers[victim].kill()
+        s = job.wait_end(timeout_s=400.0)
+    finally:
+        ghost.close()
+    lost = [e["worker"] for e in job.events(s) if e["event"] == "worker_lost"]
+    assert victim in lost and "ghost" in lost, job.events(s)
+    check_exact(s, job.path)
