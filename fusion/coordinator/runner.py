@@ -81,6 +81,9 @@ logger = logging.getLogger(__name__)
 
 #: A joiner is used under ``use_joiners = "if_faster"`` when the re-plan is this much faster.
 JOINER_GAIN = 0.9
+#: Probes of a needed re-plan whose failures blame no worker are tried again this often, this far apart.
+PROBE_RETRIES = 2
+PROBE_RETRY_S = 5.0
 
 
 class JobRunner(threading.Thread):
@@ -396,8 +399,10 @@ class JobRunner(threading.Thread):
         """Measure ``workers`` for a placement the job needs (its first, a recovery's, a
         hand-off's); the workers the probes cannot reach are lost: each is dropped
         from the job (a ``worker_lost`` event) and the rest are measured again. Returns the
-        workers measured; re-raises when the failures blame no worker, or every one."""
+        workers measured. Failures that blame no worker (a link down for a moment) are
+        probed again, :data:`PROBE_RETRIES` times; re-raises then, or when every worker is blamed."""
         held = list(workers)
+        retries = PROBE_RETRIES
         while True:
             try:
                 self._measure_all(held)
@@ -406,6 +411,11 @@ class JobRunner(threading.Thread):
                 if self.stopping() is not None:
                     raise
                 gone = [w for w in held if w.address in e.unreachable]
+                if not gone and retries > 0:
+                    retries -= 1
+                    logger.warning("job %s: probing links failed (%s); probing again", self.job_id, e)
+                    time.sleep(PROBE_RETRY_S)
+                    continue
                 if not gone or len(gone) == len(held):
                     raise
                 for w in gone:
