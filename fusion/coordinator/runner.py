@@ -133,6 +133,7 @@ class JobRunner(threading.Thread):
         self._outputs: JobOutputs | None = None
         self._phase: tuple[str, float] | None = None  # (name, time.monotonic() it began)
         self._history: list[tuple[int, float]] = []
+        self._write_failing = False
         self._durable: DurableWriter | None = None
         self.code_gate = CodeGate(self)
         #: Each stage's measured peak against its worker's cap, and the factor on predictions.
@@ -269,8 +270,8 @@ class JobRunner(threading.Thread):
                 state_dict,
                 metadata={"job_id": self.job_id, "model": self.spec.model.name, "steps": str(self.spec.train.steps)},
             )
-            self._plot(outputs)
-            outputs.write_summary(self._summary("succeeded", None, t_start))
+            self._write("loss.png", lambda: self._plot(outputs))
+            self._write("summary.json", lambda: outputs.write_summary(self._summary("succeeded", None, t_start)))
             self.store.transition(self.job_id, "succeeded")
         except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
             stop = self.stopping()
@@ -283,24 +284,24 @@ class JobRunner(threading.Thread):
                 logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
             # Record the end at once (the summary is quick); the plot and the clean-up after
             # a lost worker can take seconds.
-            outputs.write_summary(self._summary(state, reason, t_start))
+            self._write("summary.json", lambda: outputs.write_summary(self._summary(state, reason, t_start)))
             try:
                 if self.store.job(self.job_id).state != state:  # a waiting job stopped to wait on
                     self.store.transition(self.job_id, state, reason)
             except FusionError as e2:
                 logger.error("job %s: could not record its end (%s): %s", self.job_id, reason, e2)
             if self._history:
-                self._plot(outputs)
+                self._write("loss.png", lambda: self._plot(outputs))
         finally:
             self.end_phase()
-            _quiet(lambda: outputs.write_measured(memory=self.memory.to_dict()))
+            self._write("measured.json", lambda: outputs.write_measured(memory=self.memory.to_dict()))
             with self._lock:
                 leaving = list(self._leaving.values())
             for event in leaving:
                 event.set()
             if self._durable is not None:
                 self._durable.close()
-            outputs.close()
+            self._write("metrics.jsonl", outputs.close)
             if self._driver is not None:
                 self._driver.close()
             self.on_done(self)
@@ -325,7 +326,7 @@ class JobRunner(threading.Thread):
         self.memory.observe(stats.peak_memory_bytes)
         record = self._record(stats, x)
         assert self._outputs is not None
-        self._outputs.append_metrics(record)
+        self._write("metrics.jsonl", lambda: self._outputs.append_metrics(record))
         self.store.log(self.job_id, "metric", record)
         self.store.set_progress(self.job_id, step=step + 1, loss=stats.loss, samples_per_s=record["samples_per_s"])
         self._history.append((step, stats.loss))
@@ -341,12 +342,32 @@ class JobRunner(threading.Thread):
                 )
             self._durable.submit(done, self.driver)
 
+    def _write(self, what: str, write: Callable[[], None]) -> None:
+        """Write one of the job's records in its output directory; a full (or failing) disk
+        does not stop training: what cannot be written is logged, once until a write
+        succeeds again. The model and the durable checkpoints have their own checks."""
+        try:
+            write()
+        except OSError as e:
+            if not self._write_failing:
+                logger.warning(
+                    "job %s: cannot write %s in %s (%s); training goes on, and records are lost until it can",
+                    self.job_id,
+                    what,
+                    self.output_dir,
+                    e.strerror or e,
+                )
+            self._write_failing = True
+            return
+        self._write_failing = False
+
     def event(self, event: str, message: str, *, to_metrics: bool = True, **extra: Any) -> None:
         """Log a job event (``fusion status``); changes of course also go to metrics.jsonl."""
         record = {"event": event, "message": message, **extra}
         self.store.log(self.job_id, "event", record)
         if to_metrics and self._outputs is not None:
-            self._outputs.append_metrics(record)
+            outputs = self._outputs
+            self._write("metrics.jsonl", lambda: outputs.append_metrics(record))
         logger.info("job %s: %s: %s", self.job_id, event, message)
 
     # ------------------------------------------------------------- planning
@@ -385,7 +406,8 @@ class JobRunner(threading.Thread):
         self._measurements = m
         self._measured = [w.worker_id for w in workers]
         if self._outputs is not None:
-            self._outputs.write_measured(m.to_dict())
+            outputs = self._outputs
+            self._write("measured.json", lambda: outputs.write_measured(m.to_dict()))
         self.store.log(
             self.job_id,
             "event",
@@ -516,7 +538,8 @@ class JobRunner(threading.Thread):
                 raise StateError(self._stop_state[1])
         self.store.set_plan(self.job_id, plan.to_dict(), [w.name for w in stage_workers])
         assert self._outputs is not None
-        self._outputs.write_plan(plan.to_dict())
+        outputs = self._outputs
+        self._write("plan.json", lambda: outputs.write_plan(plan.to_dict()))
         driver.load(set_initial=why == "planned")
         in_plan = {w.worker_id for w in stage_workers}
         spares = [w.address for w in held if w.worker_id not in in_plan]
