@@ -55,6 +55,9 @@ class ChaosOptions:
     heartbeat_timeout_s: float = 6.0
     reference: bool = True
     """Also run the job without events and compare the models."""
+    reference_model: Path | None = None
+    """Compare with this ``model.safetensors`` of the same job run elsewhere without events
+    (e.g. on loopback, while the chaos run goes on) instead of running the reference after."""
     log_dir: Path = Path("/tmp/fusion-chaos")
     disk_mb: int = 64
     kinds: tuple[str, ...] = KINDS
@@ -280,7 +283,17 @@ def run_chaos(opts: ChaosOptions, echo: Callable[[str], None] = print) -> dict[s
         out_dir = doc["chaos"].get("output_dir")
         if out_dir and (Path(out_dir) / "model.safetensors").exists():
             shutil.copy(Path(out_dir) / "model.safetensors", chaos_model)
-        if opts.reference:
+        if opts.reference_model is not None:
+            echo(f"reference: {opts.reference_model} (the same job, run elsewhere without events)")
+            doc["reference"] = {"model": str(opts.reference_model), "ran": "elsewhere"}
+            doc["model"] = compare_models(
+                chaos_model,
+                opts.reference_model,
+                compressed=spec.compression.mode != "none",
+                loss=doc["chaos"].get("loss"),
+                reference_loss=None,
+            )
+        elif opts.reference:
             echo("reference: the same job on the same testbed, no events")
             ref_job = _job_file(opts.job, log_dir / "job-reference.toml", log_dir / "out-reference", opts.steps)
             ref = ChaosFleet(tb, log_dir / "reference", heartbeat_timeout_s=opts.heartbeat_timeout_s, echo=echo)

@@ -197,3 +197,48 @@ def test_a_recovery_that_loses_another_worker_recovers_again(fleet: Fleet, tmp_p
     lost = [e["worker"] for e in job.events(s) if e["event"] == "worker_lost"]
     assert victim in lost and "ghost" in lost, job.events(s)
     check_exact(s, job.path)
+
+
+def test_a_full_output_disk_does_not_end_the_job(fleet: Fleet, tmp_path: Path) -> None:
+    """The whole output directory is a small tmpfs, filled to the last byte while the job
+    trains: the steps' metrics lines cannot be written. Before the fix the job failed with
+    ENOSPC and its runner died in its own error path (the job stayed 'running' for ever);
+    now it trains on, and ends with the uninterrupted run's model."""
+    from safetensors.torch import load_file
+
+    from fusion.config import load_job
+    from fusion.training import build_job_model, train_reference
+    from tests.integration.test_full_disk_checkpoint import ROOMY_BYTES, SmallDisk
+    from tests.support.parity import assert_state_close
+
+    if os.geteuid() != 0:
+        pytest.skip("a real full disk needs a tmpfs, and mounting one needs root")
+    disk = SmallDisk(tmp_path / "out", ROOMY_BYTES)
+    try:
+        path = job_file(tmp_path / "job.toml", tmp_path / "out", workers=2, steps=80, optimizer=SGD)
+        job = Job(fleet, path)
+        job.wait_step(10)
+        filler = tmp_path / "out" / "filler"
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+            except OSError:
+                pass
+            full_at = job.status()["step"]
+            job.wait_step(full_at + 15)  # SQLite's progress: the state dir is elsewhere
+            try:
+                f.close()
+            except OSError:
+                pass
+        filler.unlink()
+        s = job.wait_end()
+        assert s["state"] == "succeeded", s
+        out = Path(s["output_dir"])
+        spec = load_job(path)
+        model = build_job_model(spec)
+        model.load_state_dict(load_file(out / "model.safetensors"))
+        assert_state_close(model.state_dict(), train_reference(spec).state_dict)
+    finally:
+        disk.close()
