@@ -97,9 +97,15 @@ class CoordinatorSampler:
 
 
 def restart_baseline(samples: list[dict[str, Any]], pid: int | None) -> dict[str, Any] | None:
-    """The first sample of coordinator ``pid`` taken while the job was running (after a
-    restart: once the job resumed, as the first baseline is taken at training start)."""
-    return next((s for s in samples if s["pid"] == pid and s.get("state") == "running"), None)
+    """The first sample of coordinator ``pid`` taken once the job runs again after the
+    restart that started it, as the first baseline is taken at training start: the job goes
+    back to ``pending`` and ``planning`` first, so samples before it left ``running`` carry
+    the state the poller last saw of the old process. ``None`` without such a sample."""
+    mine = [s for s in samples if s["pid"] == pid]
+    left = next((i for i, s in enumerate(mine) if s.get("state") != "running"), None)
+    if left is None:
+        return None
+    return next((s for s in mine[left:] if s.get("state") == "running"), None)
 
 
 def growth_pct(before: int | None, after: int | None) -> float | None:

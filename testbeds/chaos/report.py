@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from testbeds.chaos.leaks import growth_pct
+from testbeds.chaos.leaks import growth_pct, restart_baseline
 from testbeds.chaos.schedule import KINDS
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,10 @@ def summarise(doc: dict[str, Any]) -> dict[str, Any]:
 def _since_restart(chaos: dict[str, Any], same_coordinator: bool, after: dict[str, Any]) -> dict[str, Any]:
     """After a coordinator restart: the figures from the last coordinator's first sample
     while the job ran (:func:`testbeds.chaos.leaks.restart_baseline`) to the end."""
-    base = chaos.get("restart_baseline") if not same_coordinator else None
+    if same_coordinator:
+        return {}
+    samples = chaos.get("coordinator_samples")
+    base = restart_baseline(samples, after.get("pid")) if samples else chaos.get("restart_baseline")
     if not base:
         return {}
     return {
