@@ -63,7 +63,7 @@ from fusion.coordinator.planning import (
     measure,
     plan_job,
 )
-from fusion.coordinator.recovery import MAX_RECOVERIES, Recovery, diagnose
+from fusion.coordinator.recovery import MAX_RECOVERIES, Recovery, answering, diagnose
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
 from fusion.coordinator.store import Store, WorkerRow
 from fusion.errors import FusionError, StateError
@@ -227,8 +227,7 @@ class JobRunner(threading.Thread):
             self.store.transition(self.job_id, "planning")
             self.enter_phase("tracing", f"the model {self.spec.model.name}")
             self._prepare()
-            self.code_gate.place()
-            step = self._resume_from_durable()
+            step = self._place_first()
             self.end_phase()
             self.store.transition(self.job_id, "running")
             while step < self.spec.train.steps:
@@ -632,6 +631,32 @@ class JobRunner(threading.Thread):
         elif state == "pending":
             self.store.transition(self.job_id, "planning")
             self.store.transition(self.job_id, "running")
+
+    def _place_first(self) -> int:
+        """The job's first placement (after a coordinator restart: and its restore from the
+        newest durable checkpoint); returns the step to start at. A worker lost meanwhile
+        (killed, frozen past the heartbeat timeout, cut off) is dropped and the job placed
+        again without it, up to the recoveries a job may go through."""
+        for _ in range(MAX_RECOVERIES):
+            try:
+                self.code_gate.place()
+                return self._resume_from_durable()
+            except FusionError as e:
+                if self.stopping() is not None:
+                    raise
+                flagged = self._take_lost()
+                alive = answering([w.address for w in self.workers], self.pool, (2.0, 8.0))
+                gone = [w for w, ok in zip(list(self.workers), alive, strict=True) if not ok or w.worker_id in flagged]
+                if not gone or len(gone) == len(self.workers):
+                    raise
+                for w in gone:
+                    self.event(
+                        "worker_lost",
+                        f"worker {w.name} ({w.address}) was lost while the job was placed ({e}); placing it again",
+                        worker=w.name,
+                    )
+                    self.drop(w, "gone")
+        raise StateError(f"gave up placing the job after {MAX_RECOVERIES} tries: workers kept being lost")
 
     def _resume_from_durable(self) -> int:
         """After a coordinator restart: continue from the newest durable checkpoint."""
