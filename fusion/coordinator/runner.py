@@ -542,6 +542,10 @@ class JobRunner(threading.Thread):
         driver.load(set_initial=why == "planned")
         in_plan = {w.worker_id for w in stage_workers}
         spares = [w.address for w in held if w.worker_id not in in_plan]
+        # Workers the job still holds outside ``held`` (leavers handing off) serve their
+        # snapshots to the new stages' restore, which proves the new job key.
+        kept = {w.worker_id for w in held}
+        spares += [w.address for w in self.workers if w.worker_id not in kept]
         run_parallel([lambda a=a: _quiet(lambda: driver.admit([a])) for a in spares], name="admit")
         self.buddies = choose_buddies(
             [w.address for w in self.stage_workers], [w.address for w in held], self.links.get
