@@ -8,6 +8,11 @@ Every call must carry a ``fusion-auth`` credential (:mod:`fusion.auth`) proving 
   activations and gradients) and RPCs this table does not list (new job-scoped RPCs: the
   request's ``job_id`` must match the key's job);
 - a **probe key** the coordinator handed out for this worker: ``Probe`` and ``ProbeWhole`` only.
+  Probe keys derive from the control key; when the worker registers again (a new control
+  key: it was frozen or cut off past the heartbeat timeout) the probe keys its peers got
+  from the old one stay valid until they expire (:data:`~fusion.auth.PROBE_KEY_TTL_S`): a
+  link measurement under way when the worker woke must not fail for a key it could not know
+  was replaced. They still reach nothing but ``Probe``.
 
 The credential is checked first (a parse and an HMAC: cheap), and a call that proves a key
 is served whatever its source address did before. Only failing calls (no credential, a
@@ -37,6 +42,7 @@ from typing import Any
 import grpc
 
 from fusion.auth import (
+    PROBE_KEY_TTL_S,
     PROBE_METHODS,
     SCHEME_CONTROL,
     SCHEME_JOB,
@@ -63,6 +69,8 @@ MAX_CALL_S = 3 * 3600.0
 #: Replaced job keys remembered per job, and jobs remembered, to name a stale call as such.
 RETIRED_KEYS_PER_JOB = 4
 RETIRED_JOBS = 64
+#: Replaced control keys whose probe keys are still honoured (:meth:`ExecutorAccess.set_control_key`).
+RETIRED_CONTROL_KEYS = 4
 
 #: Credentials each RPC accepts; unlisted RPCs accept the control key or the job key.
 POLICY: dict[str, frozenset[str]] = {
@@ -137,13 +145,32 @@ class ExecutorAccess:
         self._streams: dict[tuple[str, str, str], int] = {}
         #: Job id -> keys of its replaced placements, newest last (:meth:`_stale`).
         self._retired: dict[str, list[bytes]] = {}
+        #: Replaced control keys, oldest first, with when they were replaced (time.time()).
+        self._retired_control: list[tuple[bytes, float]] = []
         self._lock = threading.Lock()
         self.num_refused = 0
 
     def set_control_key(self, key: bytes | None) -> None:
-        """Install (or replace, after re-registering) the worker's control key."""
+        """Install (or replace, after re-registering) the worker's control key.
+
+        A replaced key keeps verifying probe credentials for :data:`~fusion.auth.PROBE_KEY_TTL_S`
+        (the longest a probe key derived from it lives), and nothing else."""
+        now = time.time()
         with self._lock:
+            old = self._control_key
+            if old is not None and old != key:
+                kept = [(k, t) for k, t in self._retired_control if t + PROBE_KEY_TTL_S > now and k != key]
+                self._retired_control = [*kept, (old, now)][-RETIRED_CONTROL_KEYS:]
             self._control_key = key
+
+    def _probe_keys(self, expiry: int) -> list[bytes]:
+        """Probe keys valid for a credential of ``expiry``: the current control key's, then
+        those of replaced control keys retired less than :data:`~fusion.auth.PROBE_KEY_TTL_S` ago."""
+        now = time.time()
+        with self._lock:
+            controls = [self._control_key] if self._control_key is not None else []
+            controls += [k for k, t in reversed(self._retired_control) if t + PROBE_KEY_TTL_S > now]
+        return [probe_key(control, expiry) for control in controls]
 
     @property
     def control_key(self) -> bytes | None:
@@ -206,12 +233,27 @@ class ExecutorAccess:
             if key is None:
                 raise AuthError(f"no job {claim.scope!r} is loaded here; its job key is unknown")
             return key
-        control = self.control_key
-        if control is None:
+        if self.control_key is None:
             raise AuthError("this executor has no control key yet")
         if not claim.scope.isdigit() or int(claim.scope) < time.time():
             raise AuthError("probe key expired")
-        return probe_key(control, int(claim.scope))
+        return probe_key(self.control_key, int(claim.scope))
+
+    def _verify(self, claim: Claim, method: str) -> None:
+        """Check ``claim`` against the key its scheme names; a probe credential may also
+        prove a probe key of a recently replaced control key (:meth:`set_control_key`)."""
+        key = self._key_for(claim)
+        if claim.scheme != SCHEME_PROBE:
+            verify(claim, key, method=method, nonces=self.nonces)
+            return
+        first: AuthError | None = None
+        for candidate in self._probe_keys(int(claim.scope)):
+            try:
+                verify(claim, candidate, method=method, nonces=self.nonces)  # a wrong MAC records no nonce
+                return
+            except AuthError as e:
+                first = first or e
+        raise first or AuthError(f"wrong probe credential for {method}")
 
     def authenticate(self, method: str, context: grpc.ServicerContext) -> Principal:
         """Check the call's credential and deadline; ``AuthError``/``WireError`` otherwise, or
@@ -226,7 +268,7 @@ class ExecutorAccess:
                     f"{method} does not accept a {claim.scheme} credential (needs {'/'.join(sorted(allowed))})"
                 )
             try:
-                verify(claim, self._key_for(claim), method=method, nonces=self.nonces)
+                self._verify(claim, method)
             except AuthError as e:
                 if claim.scheme == SCHEME_JOB and self._stale(claim, method):
                     # Not a forgery (not counted against the address): a stage of a replaced

@@ -154,7 +154,16 @@ class PipelineDriver:
         self.pool = pool or ChannelPool(chunk_bytes=DEFAULT_CHUNK_BYTES)
         self._own_pool = pool is None
         self.step_timeout_s = step_timeout_s
-        self.clients = [ExecutorClient(a, self.pool) for a in self.addresses]
+        # The stages' calls go over the driver's own channels (keys, CA and channel factory
+        # shared with ``pool``): closing one abandons every call in flight on it (abandon).
+        self._channels = ChannelPool(
+            chunk_bytes=self.pool.chunk_bytes,
+            keyring=self.pool.keyring,
+            tls_ca=self.pool.tls_ca,
+            channel_factory=self.pool.channel_factory,
+        )
+        self._channels_lock = threading.Lock()
+        self.clients = [ExecutorClient(a, self._channels) for a in self.addresses]
         self.loss_stage = next(s.stage_idx for s in self.stages if s.is_loss_stage)
         self._state_names: list[set[str]] = [set() for _ in self.stages]
         #: Canonical name -> (stage, local name) of each holder, for parameters several stages hold.
@@ -517,6 +526,29 @@ class PipelineDriver:
         """Abort the running step on every worker (best effort, in parallel)."""
         run_parallel([lambda c=c: c.abort(self.job_id, reason) for c in self.clients], name="abort")
 
+    def abandon(self, address: str, reason: str) -> None:
+        """The worker at ``address`` is gone: fail the driver's calls to it that are in flight
+        now (``CANCELLED``; a frozen worker would hold them to their deadlines) and abort the
+        step on the others. Later calls to ``address`` go over a fresh channel."""
+        with self._channels_lock:
+            fresh = ChannelPool(
+                chunk_bytes=self._channels.chunk_bytes,
+                keyring=self._channels.keyring,
+                tls_ca=self._channels.tls_ca,
+                channel_factory=self._channels.channel_factory,
+            )
+            old, self._channels = self._channels, fresh
+            self.clients = [ExecutorClient(a, fresh) for a in self.addresses]
+        old.close()
+        logger.info("job %s: abandoned the calls in flight to %s: %s", self.job_id, address, reason)
+        self.abort(reason)
+
+    def release(self) -> None:
+        """Close the driver's channels and leave its stages loaded (a new placement's driver
+        took over; the coordinator unloads them). The driver makes no calls afterwards."""
+        with self._channels_lock:
+            self._channels.close()
+
     def close(self) -> None:
         """Unload the job's stages from every worker (best effort) and close channels."""
         for address, client in {a: c for a, c in zip(self.addresses, self.clients, strict=False)}.items():
@@ -524,5 +556,6 @@ class PipelineDriver:
                 client.unload_job(self.job_id)
             except RemoteError as e:
                 logger.info("unloading job %s from %s failed: %s", self.job_id, address, e)
+        self.release()
         if self._own_pool:
             self.pool.close()

@@ -168,4 +168,8 @@ def call_with_retry(
                 time.sleep(delay)
                 continue
             raise remote_error(e, peer=peer, what=what) from None
+        except ValueError as e:  # grpc's "Cannot invoke RPC on closed channel!": the caller abandoned the peer
+            if "closed channel" not in str(e):
+                raise
+            raise RemoteError(f"{what} on {peer}: abandoned ({e})", code="CANCELLED", peer=peer) from None
     raise AssertionError("unreachable")

@@ -225,13 +225,28 @@ def probe_keys_for(addresses: Sequence[str], pool: ChannelPool) -> str:
     return json.dumps(keys)
 
 
+class LinkProbeError(RemoteError):
+    """Measuring links failed. ``unreachable`` holds the addresses of the workers to blame:
+    those whose own ``ProbeLinks`` (or the driver's probe) failed, and those no worker that
+    probed could reach. Empty when the failures name no one worker (a partial partition)."""
+
+    def __init__(self, message: str, *, unreachable: Sequence[str]) -> None:
+        super().__init__(message)
+        self.unreachable = tuple(unreachable)
+
+
 def probe_links(
     workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = PROBE_SIZES
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """(latency_s, bandwidth_bytes_per_s) matrices between ``workers``, measured both ways."""
+    """(latency_s, bandwidth_bytes_per_s) matrices between ``workers``, measured both ways.
+
+    Every worker probes (in parallel) however the others fare; any failure raises one
+    :class:`LinkProbeError` that names every failed link and blames the workers it can."""
     n = len(workers)
     lat = [[0.0] * n for _ in range(n)]
     bw = [[float("inf")] * n for _ in range(n)]
+    failed_probers: dict[int, str] = {}  # worker idx -> why its ProbeLinks failed
+    failed_links: dict[tuple[int, int], str] = {}  # (from, to) -> the fit's error
 
     def probe_from(i: int) -> None:
         others = [w.address for j, w in enumerate(workers) if j != i]
@@ -241,21 +256,45 @@ def probe_links(
         request = epb.ProbeLinksRequest(
             addresses=others, sizes_bytes=list(sizes), repeats=5, auth=probe_keys_for(others, pool)
         )
-        response = client._call(client.stub.ProbeLinks, request, "ProbeLinks", 120.0 + 5.0 * len(others))
+        try:
+            response = client._call(client.stub.ProbeLinks, request, "ProbeLinks", 120.0 + 5.0 * len(others))
+        except RemoteError as e:
+            failed_probers[i] = str(e)
+            return
         by_address = {f.address: f for f in response.links}
         for j, w in enumerate(workers):
             if j == i:
                 continue
             fit = by_address.get(w.address)
             if fit is None or fit.error:
-                raise RemoteError(
-                    f"worker {workers[i].name} cannot reach {w.name} ({w.address}): {fit.error if fit else 'no answer'}"
-                )
+                failed_links[(i, j)] = fit.error if fit else "no answer"
+                continue
             lat[i][j] = fit.latency_s
             bw[i][j] = fit.bandwidth_bytes_per_s
 
     run_parallel([lambda i=i: probe_from(i) for i in range(n)], name="probe-links")
+    if failed_probers or failed_links:
+        raise _probe_failure(workers, failed_probers, failed_links)
     return lat, bw
+
+
+def _probe_failure(
+    workers: Sequence[Endpoint], failed_probers: Mapping[int, str], failed_links: Mapping[tuple[int, int], str]
+) -> LinkProbeError:
+    """One error for every failed probe; a target is blamed when every prober that ran failed
+    to reach it (one bad link between two live workers blames neither of them)."""
+    blamed = set(failed_probers)
+    for j in range(len(workers)):
+        ran = [i for i in range(len(workers)) if i != j and i not in failed_probers]
+        if ran and all((i, j) in failed_links for i in ran):
+            blamed.add(j)
+    lines = [f"ProbeLinks on worker {workers[i].name} failed: {why}" for i, why in sorted(failed_probers.items())]
+    lines += [
+        f"worker {workers[i].name} cannot reach {workers[j].name} ({workers[j].address}): {why}"
+        for (i, j), why in sorted(failed_links.items())
+    ]
+    more = f" (and {len(lines) - 1} more failed probe(s))" if len(lines) > 1 else ""
+    return LinkProbeError(lines[0] + more, unreachable=[workers[i].address for i in sorted(blamed)])
 
 
 #: Driver probe sizes: the driver's sends are small (inputs, targets, control), so the
@@ -268,14 +307,25 @@ def probe_driver_links(
 ) -> list[tuple[float, float]]:
     """Per worker, ``(round_trip_s, bandwidth_bytes_per_s)`` of the driver's calls to it,
     fitted over the same tensor path the feed uses (one worker at a time, so the fits do
-    not share this host's CPU or uplink)."""
+    not share this host's CPU or uplink). Workers that cannot be reached are all named in
+    one :class:`LinkProbeError`."""
     from fusion.profiling import probe_link
 
     links = []
+    failed: list[tuple[Endpoint, str]] = []
     for w in workers:
         client = ExecutorClient(w.address, pool)
-        client.probe(sizes[0], attempts=1)  # warm the channel: connection set-up is not the link
-        links.append(probe_link(lambda size, c=client: c.probe(size)[0], sizes, repeats=repeats))
+        try:
+            client.probe(sizes[0], attempts=1)  # warm the channel: connection set-up is not the link
+            links.append(probe_link(lambda size, c=client: c.probe(size)[0], sizes, repeats=repeats))
+        except RemoteError as e:
+            failed.append((w, str(e)))
+    if failed:
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise LinkProbeError(
+            f"the driver cannot reach worker {failed[0][0].name} ({failed[0][0].address}): {failed[0][1]}{more}",
+            unreachable=[w.address for w, _ in failed],
+        )
     return links
 
 

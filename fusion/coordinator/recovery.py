@@ -154,6 +154,9 @@ class Recovery:
         self.checkpoints = checkpoints
         self.initial = initial
         self.count = 0
+        #: Stage keys of the last placement that trained, while a re-placement is unfinished
+        #: (a worker lost during it leaves a driver whose stages never held a step).
+        self._settled_keys: list[str] | None = None
 
     def recover(self, error: FusionError, failed_step: int, flagged: Mapping[str, str]) -> int:
         """Recover from ``error`` at ``failed_step``; returns the step to resume at.
@@ -195,7 +198,9 @@ class Recovery:
                 cap_bytes=over_cap.cap_bytes,
                 failed_step=failed_step,
             )
-        old_keys = list(job.driver.stage_keys)
+        if self._settled_keys is None:
+            self._settled_keys = list(job.driver.stage_keys)
+        old_keys = self._settled_keys
         # Snapshots are read before any worker is reloaded, from every worker still here and
         # from dropped ones that still answer (heart-beats late under load is not death).
         held = snapshot_holdings(job.job_id, [w.address for w in job.workers] + dropped, self.pool)
@@ -203,6 +208,7 @@ class Recovery:
         self._place(replan=over_cap is not None)
         t_placed = time.perf_counter()
         point = self._restore(old_keys, held)
+        self._settled_keys = None
         t_end = time.perf_counter()
         phases = {
             "find_lost_s": t_found - t0,
@@ -230,7 +236,9 @@ class Recovery:
         job = self.job
         t0 = time.perf_counter()
         driver = job.driver
-        old_keys = list(driver.stage_keys)
+        if self._settled_keys is None:
+            self._settled_keys = list(driver.stage_keys)
+        old_keys = self._settled_keys
         run_parallel(
             [lambda i=i: driver.clients[i].take_snapshot(job.job_id, i, step) for i in range(len(driver.stages))],
             name="take-snapshot",
@@ -247,6 +255,7 @@ class Recovery:
         # Plan over the ones that stay; the leavers still serve their snapshots.
         job.code_gate.attempt(lambda: job.configure(job.planning_set(keep()), why=why, same_stages=False, held=keep()))
         self._restore(old_keys, held, at_most=step)
+        self._settled_keys = None
         job.event(
             "resumed_at_step",
             f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)",

@@ -56,13 +56,14 @@ from fusion.coordinator.outputs import (
 from fusion.coordinator.planning import (
     CALIBRATE_MIN_S,
     Endpoint,
+    LinkProbeError,
     LinkTable,
     Measurements,
     ProfileCache,
     measure,
     plan_job,
 )
-from fusion.coordinator.recovery import Recovery, diagnose
+from fusion.coordinator.recovery import MAX_RECOVERIES, Recovery, answering, diagnose
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
 from fusion.coordinator.store import Store, WorkerRow
 from fusion.errors import FusionError, StateError
@@ -80,6 +81,9 @@ logger = logging.getLogger(__name__)
 
 #: A joiner is used under ``use_joiners = "if_faster"`` when the re-plan is this much faster.
 JOINER_GAIN = 0.9
+#: Probes of a needed re-plan whose failures blame no worker are tried again this often, this far apart.
+PROBE_RETRIES = 2
+PROBE_RETRY_S = 5.0
 
 
 class JobRunner(threading.Thread):
@@ -129,6 +133,7 @@ class JobRunner(threading.Thread):
         self._outputs: JobOutputs | None = None
         self._phase: tuple[str, float] | None = None  # (name, time.monotonic() it began)
         self._history: list[tuple[int, float]] = []
+        self._write_failing = False
         self._durable: DurableWriter | None = None
         self.code_gate = CodeGate(self)
         #: Each stage's measured peak against its worker's cap, and the factor on predictions.
@@ -150,13 +155,15 @@ class JobRunner(threading.Thread):
             driver.abort(reason)
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
-        """A worker stopped heart-beating: abort the step; the loop recovers without it."""
+        """A worker stopped heart-beating: abort the step, abandoning the driver's calls to it
+        in flight (a frozen worker would hold them to their deadlines); the loop recovers
+        without it."""
         with self._lock:
             self._lost[worker_id] = reason
             driver = self._driver
-            in_plan = any(w.worker_id == worker_id for w in self.stage_workers)
-        if driver is not None and in_plan:
-            driver.abort(reason)
+            address = next((w.address for w in self.stage_workers if w.worker_id == worker_id), None)
+        if driver is not None and address is not None:
+            driver.abandon(address, reason)
 
     def worker_leaving(self, worker_id: str) -> threading.Event:
         """A worker wants to leave: its state is handed off at the next step boundary.
@@ -220,14 +227,21 @@ class JobRunner(threading.Thread):
             self.store.transition(self.job_id, "planning")
             self.enter_phase("tracing", f"the model {self.spec.model.name}")
             self._prepare()
-            self.code_gate.place()
-            step = self._resume_from_durable()
+            step = self._place_first()
             self.end_phase()
             self.store.transition(self.job_id, "running")
             while step < self.spec.train.steps:
                 if self.stopping() is not None:
                     break
-                step = self._between_steps(step)
+                try:
+                    step = self._between_steps(step)
+                except FusionError as e:
+                    # A hand-off or a joiner's re-plan failed (a worker died, froze or was cut
+                    # off during it): recovered like a failed step.
+                    if self.stopping() is not None:
+                        raise
+                    step = self._recover(e, step)
+                    continue
                 x, y = job_batch(self.spec, self.dataset, step)
                 try:
                     stats = self.driver.train_step(
@@ -241,7 +255,7 @@ class JobRunner(threading.Thread):
                 except FusionError as e:
                     if self.stopping() is not None:
                         raise
-                    step = self.recovery.recover(e, step, self._take_lost())
+                    step = self._recover(e, step)
                     continue
                 self._after_step(stats, x, step)
                 step += 1
@@ -255,8 +269,8 @@ class JobRunner(threading.Thread):
                 state_dict,
                 metadata={"job_id": self.job_id, "model": self.spec.model.name, "steps": str(self.spec.train.steps)},
             )
-            self._plot(outputs)
-            outputs.write_summary(self._summary("succeeded", None, t_start))
+            self._write("loss.png", lambda: self._plot(outputs))
+            self._write("summary.json", lambda: outputs.write_summary(self._summary("succeeded", None, t_start)))
             self.store.transition(self.job_id, "succeeded")
         except BaseException as e:  # every failure ends the job with a reason; nothing escapes the thread
             stop = self.stopping()
@@ -269,27 +283,40 @@ class JobRunner(threading.Thread):
                 logger.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
             # Record the end at once (the summary is quick); the plot and the clean-up after
             # a lost worker can take seconds.
-            outputs.write_summary(self._summary(state, reason, t_start))
+            self._write("summary.json", lambda: outputs.write_summary(self._summary(state, reason, t_start)))
             try:
                 if self.store.job(self.job_id).state != state:  # a waiting job stopped to wait on
                     self.store.transition(self.job_id, state, reason)
             except FusionError as e2:
                 logger.error("job %s: could not record its end (%s): %s", self.job_id, reason, e2)
             if self._history:
-                self._plot(outputs)
+                self._write("loss.png", lambda: self._plot(outputs))
         finally:
             self.end_phase()
-            _quiet(lambda: outputs.write_measured(memory=self.memory.to_dict()))
+            self._write("measured.json", lambda: outputs.write_measured(memory=self.memory.to_dict()))
             with self._lock:
                 leaving = list(self._leaving.values())
             for event in leaving:
                 event.set()
             if self._durable is not None:
                 self._durable.close()
-            outputs.close()
+            self._write("metrics.jsonl", outputs.close)
             if self._driver is not None:
                 self._driver.close()
             self.on_done(self)
+
+    def _recover(self, error: FusionError, step: int) -> int:
+        """Recover from ``error`` at ``step``; a recovery that fails in turn (another worker
+        lost while it placed or restored the job) is recovered from again, up to the
+        recoveries a job may go through. Re-raises what recovery cannot mend."""
+        while True:
+            try:
+                return self.recovery.recover(error, step, self._take_lost())
+            except FusionError as e:
+                if e is error or self.stopping() is not None or self.recovery.count >= MAX_RECOVERIES:
+                    raise
+                logger.warning("job %s: recovery failed (%s); recovering again", self.job_id, e)
+                error = e
 
     def _after_step(self, stats: StepStats, x: Any, step: int) -> None:
         self.links.observe_step(
@@ -298,7 +325,7 @@ class JobRunner(threading.Thread):
         self.memory.observe(stats.peak_memory_bytes)
         record = self._record(stats, x)
         assert self._outputs is not None
-        self._outputs.append_metrics(record)
+        self._write("metrics.jsonl", lambda: self._outputs.append_metrics(record))
         self.store.log(self.job_id, "metric", record)
         self.store.set_progress(self.job_id, step=step + 1, loss=stats.loss, samples_per_s=record["samples_per_s"])
         self._history.append((step, stats.loss))
@@ -314,12 +341,32 @@ class JobRunner(threading.Thread):
                 )
             self._durable.submit(done, self.driver)
 
+    def _write(self, what: str, write: Callable[[], None]) -> None:
+        """Write one of the job's records in its output directory; a full (or failing) disk
+        does not stop training: what cannot be written is logged, once until a write
+        succeeds again. The model and the durable checkpoints have their own checks."""
+        try:
+            write()
+        except OSError as e:
+            if not self._write_failing:
+                logger.warning(
+                    "job %s: cannot write %s in %s (%s); training goes on, and records are lost until it can",
+                    self.job_id,
+                    what,
+                    self.output_dir,
+                    e.strerror or e,
+                )
+            self._write_failing = True
+            return
+        self._write_failing = False
+
     def event(self, event: str, message: str, *, to_metrics: bool = True, **extra: Any) -> None:
         """Log a job event (``fusion status``); changes of course also go to metrics.jsonl."""
         record = {"event": event, "message": message, **extra}
         self.store.log(self.job_id, "event", record)
         if to_metrics and self._outputs is not None:
-            self._outputs.append_metrics(record)
+            outputs = self._outputs
+            self._write("metrics.jsonl", lambda: outputs.append_metrics(record))
         logger.info("job %s: %s: %s", self.job_id, event, message)
 
     # ------------------------------------------------------------- planning
@@ -333,7 +380,7 @@ class JobRunner(threading.Thread):
     def _endpoint(self, w: WorkerRow) -> Endpoint:
         return Endpoint.from_registration(w.name, w.address, w.resources)
 
-    def _measure(self, workers: Sequence[WorkerRow]) -> None:
+    def _measure_all(self, workers: Sequence[WorkerRow]) -> None:
         """Profile the model (cached) and probe the links between ``workers``."""
         endpoints = [self._endpoint(w) for w in workers]
         t0 = time.perf_counter()
@@ -358,7 +405,8 @@ class JobRunner(threading.Thread):
         self._measurements = m
         self._measured = [w.worker_id for w in workers]
         if self._outputs is not None:
-            self._outputs.write_measured(m.to_dict())
+            outputs = self._outputs
+            self._write("measured.json", lambda: outputs.write_measured(m.to_dict()))
         self.store.log(
             self.job_id,
             "event",
@@ -368,16 +416,53 @@ class JobRunner(threading.Thread):
             },
         )
 
+    def _measure(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
+        """Measure ``workers`` for a placement the job needs (its first, a recovery's, a
+        hand-off's); the workers the probes cannot reach are lost: each is dropped
+        from the job (a ``worker_lost`` event) and the rest are measured again. Returns the
+        workers measured. Failures that blame no worker (a link down for a moment) are
+        probed again, :data:`PROBE_RETRIES` times; re-raises then, or when every worker is blamed."""
+        held = list(workers)
+        retries = PROBE_RETRIES
+        while True:
+            try:
+                self._measure_all(held)
+                return held
+            except LinkProbeError as e:
+                if self.stopping() is not None:
+                    raise
+                gone = [w for w in held if w.address in e.unreachable]
+                if not gone and retries > 0:
+                    retries -= 1
+                    logger.warning("job %s: probing links failed (%s); probing again", self.job_id, e)
+                    time.sleep(PROBE_RETRY_S)
+                    continue
+                if not gone or len(gone) == len(held):
+                    raise
+                for w in gone:
+                    self.event(
+                        "worker_lost",
+                        f"worker {w.name} ({w.address}) cannot be reached while re-planning; left out: {e}",
+                        worker=w.name,
+                    )
+                    if w in self.workers:
+                        self.drop(w, "gone")
+                held = [w for w in held if w not in gone]
+
     def planning_set(self, workers: Sequence[WorkerRow]) -> list[WorkerRow]:
         """The workers to plan over: all but the job's spares (at least one)."""
         keep = max(1, len(workers) - self.spec.cluster.spares)
         return list(workers[:keep])
 
     def _plan_over(self, workers: Sequence[WorkerRow], held: Sequence[WorkerRow]) -> Plan:
-        """A plan over ``workers``; unmeasured ones have the links of all ``held`` measured first."""
+        """A plan over ``workers``; unmeasured ones have the links of all ``held`` measured first.
+
+        This re-plan is needed (a recovery, a hand-off): a worker the probes cannot reach is
+        treated as lost (:meth:`_measure`) and left out of the plan."""
         assert self._measurements is not None
         if any(w.worker_id not in self._measured for w in workers):
-            self._measure(list(held))
+            measured = {w.worker_id for w in self._measure(held)}
+            workers = [w for w in workers if w.worker_id in measured]
         assert self._measurements is not None
         indices = [self._measured.index(w.worker_id) for w in workers]
         strategy = self.spec.plan.strategy
@@ -417,6 +502,7 @@ class JobRunner(threading.Thread):
             stages = self.stages
         else:
             plan = self._plan_over(workers, held)
+            held = [w for w in held if w.worker_id in self.worker_ids]  # less any found unreachable
             by_name = {w.name: w for w in workers}
             stage_workers = [by_name[s.worker] for s in plan.stages]
             stages = split_stages(self.captured.dag, plan.assignment())
@@ -439,6 +525,7 @@ class JobRunner(threading.Thread):
                 ],
                 name="unload",
             )
+            old.release()
         self.plan, self.stages, self.stage_workers = plan, stages, stage_workers
         self.memory.placed(
             [s.peak_memory_bytes for s in plan.stages], [(w.name, lent_bytes(w.resources)) for w in stage_workers]
@@ -450,10 +537,15 @@ class JobRunner(threading.Thread):
                 raise StateError(self._stop_state[1])
         self.store.set_plan(self.job_id, plan.to_dict(), [w.name for w in stage_workers])
         assert self._outputs is not None
-        self._outputs.write_plan(plan.to_dict())
+        outputs = self._outputs
+        self._write("plan.json", lambda: outputs.write_plan(plan.to_dict()))
         driver.load(set_initial=why == "planned")
         in_plan = {w.worker_id for w in stage_workers}
         spares = [w.address for w in held if w.worker_id not in in_plan]
+        # Workers the job still holds outside ``held`` (leavers handing off) serve their
+        # snapshots to the new stages' restore, which proves the new job key.
+        kept = {w.worker_id for w in held}
+        spares += [w.address for w in self.workers if w.worker_id not in kept]
         run_parallel([lambda a=a: _quiet(lambda: driver.admit([a])) for a in spares], name="admit")
         self.buddies = choose_buddies(
             [w.address for w in self.stage_workers], [w.address for w in held], self.links.get
@@ -549,6 +641,32 @@ class JobRunner(threading.Thread):
             self.store.transition(self.job_id, "planning")
             self.store.transition(self.job_id, "running")
 
+    def _place_first(self) -> int:
+        """The job's first placement (after a coordinator restart: and its restore from the
+        newest durable checkpoint); returns the step to start at. A worker lost meanwhile
+        (killed, frozen past the heartbeat timeout, cut off) is dropped and the job placed
+        again without it, up to the recoveries a job may go through."""
+        for _ in range(MAX_RECOVERIES):
+            try:
+                self.code_gate.place()
+                return self._resume_from_durable()
+            except FusionError as e:
+                if self.stopping() is not None:
+                    raise
+                flagged = self._take_lost()
+                alive = answering([w.address for w in self.workers], self.pool, (2.0, 8.0))
+                gone = [w for w, ok in zip(list(self.workers), alive, strict=True) if not ok or w.worker_id in flagged]
+                if not gone or len(gone) == len(self.workers):
+                    raise
+                for w in gone:
+                    self.event(
+                        "worker_lost",
+                        f"worker {w.name} ({w.address}) was lost while the job was placed ({e}); placing it again",
+                        worker=w.name,
+                    )
+                    self.drop(w, "gone")
+        raise StateError(f"gave up placing the job after {MAX_RECOVERIES} tries: workers kept being lost")
+
     def _resume_from_durable(self) -> int:
         """After a coordinator restart: continue from the newest durable checkpoint."""
         point = self.recovery.resume()
@@ -589,12 +707,38 @@ class JobRunner(threading.Thread):
         if policy == "never":
             return step
         joined = self.claim()
-        if not joined:
+        if not joined or not self._measure_with_joiners(joined):
             return step
         if policy == "if_faster" and not self.code_gate.attempt(self._faster_with_joiners):
             return step
         self.recovery.move(step, exclude=set(), why="replanned")
         return step
+
+    def _measure_with_joiners(self, joined: Sequence[WorkerRow]) -> bool:
+        """Measure the links of the job's workers with ``joined``; ``False`` keeps the current
+        plan. The re-plan is optional: a probe that fails (a worker killed, frozen or cut
+        off meanwhile) never fails the job. The joiners it blames are let go (``gone``); the
+        stage workers it blames stay, for the heartbeat (or the next step) to judge."""
+        try:
+            self._measure_all(self.workers)
+            return True
+        except FusionError as e:
+            if self.stopping() is not None:
+                raise
+            self.end_phase()
+            blamed = set(e.unreachable) if isinstance(e, LinkProbeError) else set()
+            dropped = [w for w in joined if w.address in blamed and w in self.workers]
+            for w in dropped:
+                self.drop(w, "gone")
+            let_go = f"; let go: {', '.join(w.name for w in dropped)}" if dropped else ""
+            self.event(
+                "replan_skipped",
+                f"measuring links with {', '.join(w.name for w in joined)} failed ({e}); keeping the current "
+                f"plan{let_go}",
+                workers=[w.name for w in joined],
+                dropped=[w.name for w in dropped],
+            )
+            return False
 
     def _faster_with_joiners(self) -> bool:
         current = self.plan.predicted_step_s

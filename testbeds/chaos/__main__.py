@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         "--job-timeout", type=float, default=900.0, help="seconds to wait for the job's end after the events"
     )
     p.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run (no model comparison)")
+    p.add_argument(
+        "--reference-model",
+        type=Path,
+        default=None,
+        metavar="SAFETENSORS",
+        help="compare with this model of the same job run elsewhere without events, instead of a reference run",
+    )
     p.add_argument("--disk-mb", type=int, default=64, help="size of the tmpfs under the output directory")
     p.add_argument("--log-dir", type=Path, default=None, help="logs and outputs (default: /tmp/fusion-chaos-SEED-TIME)")
     p.add_argument("--schedule-only", action="store_true", help="print the schedule and exit")
@@ -58,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         heartbeat_timeout_s=args.heartbeat_timeout,
         reference=not args.no_reference,
+        reference_model=args.reference_model,
         log_dir=args.log_dir or Path(f"/tmp/fusion-chaos-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"),
         disk_mb=args.disk_mb,
         job_timeout_s=args.job_timeout,

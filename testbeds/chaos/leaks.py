@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,52 @@ def snapshot(alive_started: list[int], coordinator_pid: int | None) -> dict[str,
         "num_processes": len(alive_started),
         "coordinator": asdict(coord) if coord else None,
     }
+
+
+class CoordinatorSampler:
+    """Samples the coordinator's facts every ``interval_s`` on a thread, with its pid and the
+    job's state then: after a coordinator restart, memory growth is measured from the new
+    process's first sample while the job runs (:func:`restart_baseline`)."""
+
+    def __init__(
+        self, pid_of: Callable[[], int | None], state_of: Callable[[], str | None], interval_s: float = 5.0
+    ) -> None:
+        self.pid_of = pid_of
+        self.state_of = state_of
+        self.interval_s = interval_s
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-coordinator-sampler", daemon=True)
+
+    def start(self) -> CoordinatorSampler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            pid = self.pid_of()
+            if pid is None:
+                continue
+            facts = process_facts(pid)
+            if facts.rss_bytes is not None:
+                self.samples.append({"t": time.time(), "state": self.state_of(), **asdict(facts)})
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return list(self.samples)
+
+
+def restart_baseline(samples: list[dict[str, Any]], pid: int | None) -> dict[str, Any] | None:
+    """The first sample of coordinator ``pid`` taken once the job runs again after the
+    restart that started it, as the first baseline is taken at training start: the job goes
+    back to ``pending`` and ``planning`` first, so samples before it left ``running`` carry
+    the state the poller last saw of the old process. ``None`` without such a sample."""
+    mine = [s for s in samples if s["pid"] == pid]
+    left = next((i for i, s in enumerate(mine) if s.get("state") != "running"), None)
+    if left is None:
+        return None
+    return next((s for s in mine[left:] if s.get("state") == "running"), None)
 
 
 def growth_pct(before: int | None, after: int | None) -> float | None:

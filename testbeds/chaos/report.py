@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from testbeds.chaos.leaks import growth_pct
+from testbeds.chaos.leaks import growth_pct, restart_baseline
 from testbeds.chaos.schedule import KINDS
 
 logger = logging.getLogger(__name__)
@@ -44,11 +44,32 @@ def summarise(doc: dict[str, Any]) -> dict[str, Any]:
         "coordinator_rss_growth_pct": growth_pct(cb.get("rss_bytes"), ca.get("rss_bytes"))
         if same_coordinator
         else None,
+        **_since_restart(chaos, same_coordinator, ca),
         "liveness": chaos.get("liveness"),
         "leftovers_clean": (doc.get("leftovers") or {}).get("clean"),
     }
     doc["summary"] = summary
     return summary
+
+
+def _since_restart(chaos: dict[str, Any], same_coordinator: bool, after: dict[str, Any]) -> dict[str, Any]:
+    """After a coordinator restart: the figures from the last coordinator's first sample
+    while the job ran (:func:`testbeds.chaos.leaks.restart_baseline`) to the end."""
+    if same_coordinator:
+        return {}
+    samples = chaos.get("coordinator_samples")
+    base = restart_baseline(samples, after.get("pid")) if samples else chaos.get("restart_baseline")
+    if not base:
+        return {}
+    return {
+        "restart_baseline_t_s": base.get("t_s"),
+        "coordinator_rss_growth_since_restart_pct": growth_pct(base.get("rss_bytes"), after.get("rss_bytes")),
+        "coordinator_fds_since_restart": [base.get("num_fds"), after.get("num_fds")],
+        "coordinator_threads_since_restart": [base.get("num_threads"), after.get("num_threads")],
+        "coordinator_rss_mib_since_restart": [
+            round(v / 2**20, 1) if v else None for v in (base.get("rss_bytes"), after.get("rss_bytes"))
+        ],
+    }
 
 
 def reaction_summary(reactions: list[dict[str, Any]]) -> str:
@@ -119,6 +140,16 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
         f"  coordinator: fds {_fmt(fds[0])} -> {_fmt(fds[1])}, threads {_fmt(threads[0])} -> {_fmt(threads[1])}, "
         f"RSS growth {_fmt(s['coordinator_rss_growth_pct'])} %{same}"
     )
+    if s.get("coordinator_rss_growth_since_restart_pct") is not None:
+        rss = s["coordinator_rss_mib_since_restart"]
+        lines.append(
+            f"  coordinator since its last restart (first sample with the job running, "
+            f"{_fmt(s['restart_baseline_t_s'])}s): RSS {_fmt(rss[0])} -> {_fmt(rss[1])} MiB, growth "
+            f"{_fmt(s['coordinator_rss_growth_since_restart_pct'])} %, fds "
+            f"{_fmt(s['coordinator_fds_since_restart'][0])} -> {_fmt(s['coordinator_fds_since_restart'][1])}, "
+            f"threads {_fmt(s['coordinator_threads_since_restart'][0])} -> "
+            f"{_fmt(s['coordinator_threads_since_restart'][1])}"
+        )
     lines.append(
         f"  fusion status: {live.get('polls', 0)} polls, {live.get('failed_otherwise', 0)} failed "
         f"(+{live.get('failed_while_coordinator_down', 0)} while the harness had it down), "

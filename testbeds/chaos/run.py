@@ -55,6 +55,9 @@ class ChaosOptions:
     heartbeat_timeout_s: float = 6.0
     reference: bool = True
     """Also run the job without events and compare the models."""
+    reference_model: Path | None = None
+    """Compare with this ``model.safetensors`` of the same job run elsewhere without events
+    (e.g. on loopback, while the chaos run goes on) instead of running the reference after."""
     log_dir: Path = Path("/tmp/fusion-chaos")
     disk_mb: int = 64
     kinds: tuple[str, ...] = KINDS
@@ -185,6 +188,9 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
     out["training_started"] = state == "running"
     before = leaks.snapshot(fleet.alive_started(), fleet.coordinator_proc.pid if fleet.coordinator_proc else None)
     records: list[dict[str, Any]] = []
+    sampler = leaks.CoordinatorSampler(
+        lambda: fleet.coordinator_proc.pid if fleet.coordinator_proc else None, poller.state
+    ).start()
     if events is not None and state == "running":
         echo(f"training started; {len(events)} event(s) over {opts.minutes:g} min (times from now)")
         stop_at = time.monotonic() + opts.minutes * 60.0 + 60.0
@@ -202,6 +208,7 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
     final = _wait_state(poller, TERMINAL_STATES, opts.job_timeout_s)
     time.sleep(3.0)  # the coordinator settles after the job's end (threads exit, files close)
     after = leaks.snapshot(fleet.alive_started(), fleet.coordinator_proc.pid if fleet.coordinator_proc else None)
+    samples = [{**x, "t_s": round(x["t"] - poller.t0, 1)} for x in sampler.stop()]
     last = poller.last_ok() or {}
     reason = last.get("reason")
     if final not in TERMINAL_STATES:
@@ -216,6 +223,8 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
         before=before,
         after=after,
         coordinator_starts=fleet.coordinator_starts,
+        coordinator_samples=samples,
+        restart_baseline=leaks.restart_baseline(samples, (after.get("coordinator") or {}).get("pid")),
         liveness=liveness(poller.records, records, poller.t0),
         events_before_first=attribute_reactions(poller.job_events, records, poller.t0),
     )
@@ -274,7 +283,17 @@ def run_chaos(opts: ChaosOptions, echo: Callable[[str], None] = print) -> dict[s
         out_dir = doc["chaos"].get("output_dir")
         if out_dir and (Path(out_dir) / "model.safetensors").exists():
             shutil.copy(Path(out_dir) / "model.safetensors", chaos_model)
-        if opts.reference:
+        if opts.reference_model is not None:
+            echo(f"reference: {opts.reference_model} (the same job, run elsewhere without events)")
+            doc["reference"] = {"model": str(opts.reference_model), "ran": "elsewhere"}
+            doc["model"] = compare_models(
+                chaos_model,
+                opts.reference_model,
+                compressed=spec.compression.mode != "none",
+                loss=doc["chaos"].get("loss"),
+                reference_loss=None,
+            )
+        elif opts.reference:
             echo("reference: the same job on the same testbed, no events")
             ref_job = _job_file(opts.job, log_dir / "job-reference.toml", log_dir / "out-reference", opts.steps)
             ref = ChaosFleet(tb, log_dir / "reference", heartbeat_timeout_s=opts.heartbeat_timeout_s, echo=echo)
