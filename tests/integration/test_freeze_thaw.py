@@ -65,9 +65,10 @@ def live_rows(client: CoordinatorClient, name: str) -> list[Any]:
     return [w for w in client.workers() if w.name == name and w.state in ("idle", "busy")]
 
 
-#: How long a job may take to notice a frozen worker and resume without it: a freeze between
-#: two steps holds the driver's RunStep to it for its whole deadline (120 s) before the step
-#: fails (executor.client.CONTROL_TIMEOUT_S; see the report on issue 32).
+#: How long a job may take to notice a frozen worker and resume without it. The driver
+#: abandons its calls to a worker once the coordinator declares it lost
+#: (``PipelineDriver.abandon``), so this is the heartbeat timeout and a recovery; the bound
+#: is generous for a loaded 2-core machine (``test_probe_failures`` times it tighter).
 RECOVER_S = 240.0
 
 
