@@ -30,28 +30,14 @@ from torch import fx
 
 from compress.base import get_compressor
 from fusion.config import JobSpec
+from fusion.job_sections import COMPRESSION_CANDIDATES
 from fusion.losses import get_loss
 from fusion.training import example_micro_batch
 
 logger = logging.getLogger(__name__)
 
-#: Candidate settings ``(codec, keep_ratio, bits)``: dense, top-k at several keep ratios,
-#: 8- and 4-bit block quantization, and top-k with quantized values.
-CANDIDATES: tuple[tuple[str, float, int], ...] = (
-    ("none", 1.0, 0),
-    ("topk", 0.5, 0),
-    ("topk", 0.25, 0),
-    ("topk", 0.1, 0),
-    ("topk", 0.03, 0),
-    ("topk", 0.01, 0),
-    ("quant", 1.0, 8),
-    ("quant", 1.0, 4),
-    ("topk-quant", 0.5, 8),
-    ("topk-quant", 0.25, 8),
-    ("topk-quant", 0.1, 8),
-    ("topk-quant", 0.25, 4),
-    ("topk-quant", 0.1, 4),
-)
+#: Candidate settings (:data:`fusion.job_sections.COMPRESSION_CANDIDATES`).
+CANDIDATES = COMPRESSION_CANDIDATES
 
 #: Entries of a tensor calibrated at most: a contiguous leading slice of the flattened tensor
 #: (whole quantization blocks, the same value distribution), so that the cost stays bounded.

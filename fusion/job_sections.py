@@ -37,6 +37,24 @@ COMPRESSION_CUTS: tuple[str, ...] = ("slow", "all")
 COMPRESSION_BITS: tuple[int, ...] = (4, 8)
 USE_JOINERS: tuple[str, ...] = ("if_faster", "always", "never")
 COMPRESSION_DIRECTIONS: tuple[str, ...] = ("activations", "gradients")
+#: The settings ``(codec, keep_ratio, bits)`` AdaTopK chooses among and the calibration
+#: measures (bits 0: not quantized): dense, top-k at several keep ratios, 8- and 4-bit block
+#: quantization, and top-k with quantized values.
+COMPRESSION_CANDIDATES: tuple[tuple[str, float, int], ...] = (
+    ("none", 1.0, 0),
+    ("topk", 0.5, 0),
+    ("topk", 0.25, 0),
+    ("topk", 0.1, 0),
+    ("topk", 0.03, 0),
+    ("topk", 0.01, 0),
+    ("quant", 1.0, 8),
+    ("quant", 1.0, 4),
+    ("topk-quant", 0.5, 8),
+    ("topk-quant", 0.25, 8),
+    ("topk-quant", 0.1, 8),
+    ("topk-quant", 0.25, 4),
+    ("topk-quant", 0.1, 4),
+)
 
 # --------------------------------------------------------------------------------------
 # Sections.

@@ -49,6 +49,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fusion.job_sections import COMPRESSION_CANDIDATES
+
 logger = logging.getLogger(__name__)
 
 #: ``c`` of ``m = 1 + c · Σ e²`` (see the module docstring for the fit).
@@ -57,22 +59,8 @@ COST_PER_ERROR2 = 3.2
 #: One setting: (codec name, keep ratio, bits; 0 when not quantized).
 Setting = tuple[str, float, int]
 DENSE: Setting = ("none", 1.0, 0)
-#: Candidates when no calibration names its own (as :data:`compress.calibration.CANDIDATES`).
-DEFAULT_CANDIDATES: tuple[Setting, ...] = (
-    DENSE,
-    ("topk", 0.5, 0),
-    ("topk", 0.25, 0),
-    ("topk", 0.1, 0),
-    ("topk", 0.03, 0),
-    ("topk", 0.01, 0),
-    ("quant", 1.0, 8),
-    ("quant", 1.0, 4),
-    ("topk-quant", 0.5, 8),
-    ("topk-quant", 0.25, 8),
-    ("topk-quant", 0.1, 8),
-    ("topk-quant", 0.25, 4),
-    ("topk-quant", 0.1, 4),
-)
+#: Candidates when no calibration names its own (:data:`fusion.job_sections.COMPRESSION_CANDIDATES`).
+DEFAULT_CANDIDATES: tuple[Setting, ...] = COMPRESSION_CANDIDATES
 DIRECTIONS = ("activations", "gradients")
 _ERROR_KEY = {"activations": "activation_error", "gradients": "gradient_error"}
 _BYTES_KEY = {"activations": "activation_bytes_ratio", "gradients": "gradient_bytes_ratio"}

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fusion.launch import child_env
 from fusion.profiling import measure_device
+from testbeds.net.launch import run_fusion_cli
 from testbeds.net.testbed import Testbed, TestbedError, stop_process_group, wait_for_line
 
 logger = logging.getLogger(__name__)
@@ -182,21 +183,7 @@ class ChaosFleet:
     def fusion(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
         """Run ``fusion ARGS`` on the first host against the coordinator."""
         env = {**self.env, "FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
-        proc = self.tb.spawn(
-            self.head,
-            [sys.executable, "-m", "fusion.cli.main", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            raise TestbedError(f"'fusion {' '.join(args)}' did not finish within {timeout_s:.0f}s") from None
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return run_fusion_cli(self.tb, self.head, env, args, timeout_s=timeout_s)
 
     def submit(self, job_file: Path) -> str:
         r = self.fusion("submit", str(Path(job_file).resolve()))

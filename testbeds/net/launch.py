@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,21 +205,7 @@ class TestbedRun:
     def fusion(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
         """Run ``fusion ARGS`` on the first host against this run's coordinator."""
         env = {**self.env, "FUSION_COORDINATOR": self.coordinator, "FUSION_TOKEN": self.token}
-        proc = self.tb.spawn(
-            self.head,
-            [sys.executable, "-m", "fusion.cli.main", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            raise TestbedError(f"'fusion {' '.join(args)}' did not finish within {timeout_s:.0f}s") from None
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return run_fusion_cli(self.tb, self.head, env, args, timeout_s=timeout_s)
 
     def submit(self, job_file: Path) -> str:
         spec = load_job(job_file)
@@ -341,3 +327,25 @@ def run_job_on_testbed(
             + ", ".join(f"{s}->{d} {n:,}" for (s, d), n in sorted(carried.items()))
         )
     return status
+
+
+def run_fusion_cli(
+    tb: Any, host: str, env: dict[str, str], args: Sequence[str], *, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """Run ``fusion ARGS`` in ``host``'s namespace with ``env`` (which names the coordinator
+    and the token) and return it finished; ``TestbedError`` when it outlasts ``timeout_s``."""
+    proc = tb.spawn(
+        host,
+        [sys.executable, "-m", "fusion.cli.main", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise TestbedError(f"'fusion {' '.join(args)}' did not finish within {timeout_s:.0f}s") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
