@@ -10,6 +10,7 @@ count it.
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ class NotInjected(FusionError):
     """This event could not be injected on this testbed (the message says why)."""
 
 
-class Injector:
+class Injector(abc.ABC):
     """Base: one event of one kind, started then ended."""
 
     def __init__(self, fleet: ChaosFleet, event: Event, *, disk_dir: Path | None = None) -> None:
@@ -39,8 +40,9 @@ class Injector:
         self.target = ""
         """The worker or host the event hit."""
 
+    @abc.abstractmethod
     def start(self) -> str:
-        raise NotImplementedError
+        """Inject the event; returns what was done, for the report."""
 
     def end(self) -> str:
         return ""
