@@ -15,6 +15,10 @@ fails the send with :class:`~fusion.errors.RemoteError` ``UNAVAILABLE``, and a r
 comes back as a ``RemoteError`` with the code and message the gRPC call would have
 carried. The connection is dropped after either. With TLS (a CA set for the pool or the
 process) connections are TLS, verified against that CA and the peer's host name.
+
+A peer on this machine is reached over its Unix socket (:mod:`executor.local_socket`) with
+the same frames, and over TCP when it has none; not when connections are opened through a
+custom :data:`ConnectionFactory`, which would be bypassed.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import torch
 
-from executor import frames
+from executor import frames, local_socket
 from executor.client import transfer_timeout_s
 from executor.stream_server import MAX_REPLY_BODY, REPLY, REPLY_MAGIC, recv_exact
 from executor.transport import scalar_to_wire
@@ -47,8 +51,10 @@ ConnectionFactory = Callable[[str, int], socket.socket]
 #: Seconds to wait for a data connection to open before falling back to gRPC (once per
 #: peer and port: an unreachable port is not tried again).
 CONNECT_TIMEOUT_S = 5.0
-#: Payloads up to this size go out with their header in one ``sendall``.
-COALESCE_BYTES = 256 << 10
+#: Most buffers handed to one ``sendmsg`` (Linux's ``UIO_MAXIOV``).
+_IOV_MAX = 1024
+#: Over TLS, a batch up to this size is joined into one write (one record, one syscall).
+_TLS_JOIN_BYTES = 256 << 10
 
 
 def default_connection(host: str, port: int) -> socket.socket:
@@ -57,11 +63,35 @@ def default_connection(host: str, port: int) -> socket.socket:
 
 
 class _Conn:
-    """One open data connection and its next frame's sequence number."""
+    """One open data connection, its path (``"tcp"``, ``"unix"``) and its next frame's
+    sequence number."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, path: str) -> None:
         self.sock = sock
+        self.path = path
         self.seq = 1
+
+
+def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes]) -> None:
+    """Send ``buffers`` in order without joining them: one gathering ``sendmsg`` per call the
+    kernel takes, resumed where a partial send stopped. A TLS socket has no ``sendmsg``:
+    there small buffers are joined (one TLS record) and large ones sent one by one."""
+    if isinstance(sock, ssl.SSLSocket):
+        if sum(len(b) for b in buffers) <= _TLS_JOIN_BYTES:
+            sock.sendall(b"".join(buffers))
+            return
+        for b in buffers:
+            sock.sendall(b)
+        return
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while pending:
+        sent = sock.sendmsg(pending[:_IOV_MAX])
+        while sent:
+            if sent >= len(pending[0]):
+                sent -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][sent:]
+                sent = 0
 
 
 class DataPlaneClient:
@@ -73,6 +103,8 @@ class DataPlaneClient:
         connect: how a connection is opened (:data:`ConnectionFactory`).
         ports: peer address -> data port, shared with whoever learns them
             (:attr:`executor.client.ChannelPool.data_ports`).
+        local_path: reach peers on this machine over their Unix socket (default: unless
+            ``connect`` is given).
     """
 
     def __init__(
@@ -82,10 +114,14 @@ class DataPlaneClient:
         tls_ca: bytes | None = None,
         connect: ConnectionFactory | None = None,
         ports: dict[str, int] | None = None,
+        local_path: bool | None = None,
     ) -> None:
         self.keyring = keyring
         self.tls_ca = tls_ca
+        self.local_path = connect is None if local_path is None else local_path
         self.connect = connect or default_connection
+        #: Frames sent and answered, by path (``"tcp"``, ``"unix"``).
+        self.num_frames: dict[str, int] = {"tcp": 0, "unix": 0}
         self._ports: dict[str, int] = ports if ports is not None else {}
         #: (address, port) pairs that could not be reached: a peer behind NAT or a firewall
         #: advertises a port nobody can dial, and keeps advertising it in every answer.
@@ -117,13 +153,16 @@ class DataPlaneClient:
 
     def _open(self, address: str, port: int) -> _Conn:
         host = address.rpartition(":")[0].strip("[]")
-        sock = self.connect(host, port)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = local_socket.connect(host, port, timeout_s=CONNECT_TIMEOUT_S) if self.local_path else None
+        path = "unix" if sock is not None else "tcp"
+        if sock is None:
+            sock = self.connect(host, port)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ca = self.tls_ca if self.tls_ca is not None else client_ca()
         if ca is not None:
             ctx = ssl.create_default_context(cadata=ca.decode())
             sock = ctx.wrap_socket(sock, server_hostname=host)
-        return _Conn(sock)
+        return _Conn(sock, path)
 
     def send(
         self,
@@ -172,6 +211,7 @@ class DataPlaneClient:
                 message = f"{what} on {address} failed with {e.code}: {e}"
                 raise RemoteError(message, code=e.code, peer=address, metadata=e.metadata) from None
         with self._lock:
+            self.num_frames[conn.path] += 1
             self._idle.setdefault(address, []).append(conn)
         return received
 
@@ -193,16 +233,20 @@ class DataPlaneClient:
         head, nonce = frames.encode_head(key, header, size, conn.seq)
         conn.seq += 1
         mac = frames.payload_mac(key, nonce)
-        if size <= COALESCE_BYTES:
-            for v in views:
-                mac.update(v)
-            sock.sendall(b"".join([head, *views, mac.finalize()]))
-        else:
-            sock.sendall(head)
-            for piece in frames.payload_pieces(views):
-                mac.update(piece)
-                sock.sendall(piece)
-            sock.sendall(mac.finalize())
+        # Each piece is MAC'd just before it is sent (still in cache), and pieces go out in
+        # batches of about PIECE_BYTES with one gathering send: a small frame is one
+        # syscall, header and tag included, and no payload byte is copied in user space.
+        batch: list[memoryview | bytes] = [head]
+        batch_bytes = 0
+        for piece in frames.payload_pieces(views):
+            mac.update(piece)
+            batch.append(piece)
+            batch_bytes += len(piece)
+            if batch_bytes >= frames.PIECE_BYTES:
+                send_buffers(sock, batch)
+                batch, batch_bytes = [], 0
+        batch.append(mac.finalize())
+        send_buffers(sock, batch)
         magic, status, received, body_len = REPLY.unpack(recv_exact(sock, REPLY.size, what="answer"))
         if magic != REPLY_MAGIC or body_len > MAX_REPLY_BODY:
             raise WireError("malformed answer from the data plane")

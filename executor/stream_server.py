@@ -1,5 +1,6 @@
 """The data plane's listener: a second port on each executor where peers send tensor frames
-(:mod:`executor.frames`) over plain TCP, or TLS when the executor serves TLS.
+(:mod:`executor.frames`) over plain TCP, or TLS when the executor serves TLS, and the same
+service on a Unix socket for peers on this machine (:mod:`executor.local_socket`).
 
 One thread per connection reads frames one after another; each gets one answer
 (:data:`REPLY`): ``ok`` with the payload bytes received, or an error with the code name a
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from cryptography.exceptions import InvalidSignature
 
-from executor import frames
+from executor import frames, local_socket
 from executor.client import transfer_timeout_s
 from executor.receive_buffers import ReceiveBuffers
 from executor.status import POISONED_SENDER_METADATA, status_code_of
@@ -144,6 +145,8 @@ class DataListener:
         tls: serve TLS with this certificate when given.
         failures: per-source budget of failed authentications.
         retired: job id -> its replaced keys, to name a frame of a replaced placement as stale.
+        local_path: also serve peers on this machine over a Unix socket (where the platform
+            has one; :mod:`executor.local_socket`).
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class DataListener:
         tls: ServerTls | None = None,
         failures: RateLimiter | None = None,
         retired: Callable[[str], list[bytes]] | None = None,
+        local_path: bool = True,
     ) -> None:
         self.keys = keys
         self.retired = retired
@@ -173,37 +177,54 @@ class DataListener:
         self._sock.bind((host.strip("[]"), 0))
         self._sock.listen(64)
         self.port: int = self._sock.getsockname()[1]
+        #: The Unix socket co-located peers reach this listener on (``None``: TCP only).
+        self.local = local_socket.listen(self._sock.getsockname()[0], self.port) if local_path else None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         self.num_refused = 0
-        threading.Thread(target=self._accept, name=f"data-plane-{self.port}", daemon=True).start()
+        #: Frames served whole, by path (``"tcp"``, ``"unix"``).
+        self.num_frames: dict[str, int] = {"tcp": 0, "unix": 0}
+        threading.Thread(target=self._accept, args=(self._sock,), name=f"data-plane-{self.port}", daemon=True).start()
+        if self.local is not None:
+            threading.Thread(
+                target=self._accept, args=(self.local,), name=f"data-plane-local-{self.port}", daemon=True
+            ).start()
 
-    def _accept(self) -> None:
+    def _accept(self, listening: socket.socket) -> None:
+        local = listening.family == getattr(socket, "AF_UNIX", None)
         while True:
             try:
-                conn, addr = self._sock.accept()
+                conn, addr = listening.accept()
             except OSError:
                 if not self._closed:
                     logger.exception("data plane on port %d stopped accepting", self.port)
                 return
+            try:
+                host = local_socket.accepted(conn) if local else str(addr[0])
+            except OSError as e:
+                logger.info("data plane: a connection closed on accept: %s", e)
+                conn.close()
+                continue
             with self._lock:
                 if len(self._conns) >= MAX_CONNECTIONS:
-                    logger.warning("data plane: refusing %s, %d connections already open", addr[0], MAX_CONNECTIONS)
+                    logger.warning("data plane: refusing %s, %d connections already open", host, MAX_CONNECTIONS)
                     conn.close()
                     continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, str(addr[0])), name="data-conn", daemon=True).start()
+            path = "unix" if local else "tcp"
+            threading.Thread(target=self._serve, args=(conn, host, path), name="data-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, host: str) -> None:
+    def _serve(self, conn: socket.socket, host: str, path: str) -> None:
         sock: socket.socket = conn
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if path == "tcp":
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(30.0)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(conn, server_side=True)
             seq = 1
-            while self._frame(sock, host, seq):
+            while self._frame(sock, host, seq, path):
                 seq += 1
         except (OSError, ssl.SSLError) as e:
             logger.info("data plane: connection from %s ended: %s", host, e)
@@ -214,7 +235,7 @@ class DataListener:
                 self._conns.discard(conn)
             sock.close()
 
-    def _frame(self, sock: socket.socket, host: str, seq: int) -> bool:
+    def _frame(self, sock: socket.socket, host: str, seq: int, path: str) -> bool:
         """Serve one frame; whether the connection stays open for the next."""
         sock.settimeout(IDLE_TIMEOUT_S)
         first = sock.recv(frames.PREFIX.size)
@@ -249,6 +270,8 @@ class DataListener:
             if not read_whole:
                 _linger(sock)
             return read_whole
+        with self._lock:
+            self.num_frames[path] += 1
         sock.sendall(REPLY.pack(REPLY_MAGIC, 0, prefix.payload_len, 0))
         return True
 
@@ -281,12 +304,15 @@ class DataListener:
     def close(self) -> None:
         """Stop accepting and close every open connection."""
         self._closed = True
+        listening = [self._sock] + ([self.local] if self.local is not None else [])
+        for s in listening:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            except OSError:
+                pass
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
-        except OSError:
-            pass
-        try:
-            self._sock.close()
+            for s in listening:
+                s.close()  # an abstract Unix name is released with its socket
         finally:
             with self._lock:
                 conns, self._conns = list(self._conns), set()

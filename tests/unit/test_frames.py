@@ -119,7 +119,7 @@ def test_round_trip_of_raw_encoded_and_scalar_values(served: tuple[DataListener,
         "b": torch.randn(3, 5).to(torch.bfloat16),
         "mask": torch.rand(7) > 0.5,
         "empty": torch.zeros(0, 3),
-        "big": torch.arange(300_000, dtype=torch.int64),  # past COALESCE_BYTES: sent in pieces
+        "big": torch.arange(300_000, dtype=torch.int64),  # a larger payload beside small ones
     }
     for step in (1, 2):  # the second frame reuses the connection (sequence 2)
         sent = client.send(address, header(step), tensors, {"n": 3, "dims": (2, 3)}, encoded={"g": (meta, blob)})
