@@ -10,8 +10,8 @@ are noisy and absolute numbers drift between runs; the ratios are the result.
 - **Transport** (:mod:`testbeds.bench.transport`): one executor process receives tensors
   through the gRPC tensor path and through its data plane; a second process receives the
   same number of bytes over a raw TCP socket into a preallocated buffer. MB/s for each
-  size, each path as a fraction of the socket (``ratio``: the data plane), and a 64 KiB
-  round trip on each.
+  size, each path as a fraction of the socket (``ratio``: the data plane over TCP;
+  ``unix_ratio``: over its local Unix socket), and a 64 KiB round trip on each.
 - **Step time**: GPT-2 trained on one process, then split evenly over K local worker
   processes (``uniform``, no compression). On one host the workers share its cores, so
   the ratio measures fusion's overhead, not a speed-up.
@@ -137,18 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     if "transport" in out:
         print("\ntensor transport on loopback (median of interleaved repeats)")
         print(
-            f"{'size':>8} {'gRPC MB/s':>10} {'data MB/s':>10} {'socket MB/s':>12} "
-            f"{'data/socket':>12} {'gRPC/socket':>12}"
+            f"{'size':>8} {'gRPC MB/s':>10} {'data MB/s':>10} {'unix MB/s':>10} {'socket MB/s':>12} "
+            f"{'data/socket':>12} {'unix/socket':>12} {'gRPC/socket':>12}"
         )
         for r in out["transport"]:
             print(
                 f"{r['size_mib']:>5} MiB {r['grpc_mb_per_s']:>10.1f} {r['data_plane_mb_per_s']:>10.1f} "
-                f"{r['socket_mb_per_s']:>12.1f} {r['ratio']:>12.2f} {r['grpc_ratio']:>12.2f}"
+                f"{r['unix_mb_per_s']:>10.1f} {r['socket_mb_per_s']:>12.1f} {r['ratio']:>12.2f} "
+                f"{r['unix_ratio']:>12.2f} {r['grpc_ratio']:>12.2f}"
             )
         rt = out["round_trip"]
         print(
             f"{rt['size_kib']} KiB round trip: gRPC {rt['grpc_ms']:.3f} ms, data plane {rt['data_plane_ms']:.3f} ms, "
-            f"socket {rt['socket_ms']:.3f} ms"
+            f"unix {rt['unix_ms']:.3f} ms, socket {rt['socket_ms']:.3f} ms"
         )
     if "steps" in out:
         c = out["steps_config"]

@@ -4,15 +4,18 @@ to the receiver's answer:
 
 - **gRPC**: the full gRPC tensor path (``ProbeWhole``, or the chunked ``Probe`` stream past
   one chunk: header validation, reassembly into one buffer);
-- **data plane**: a ``TRANSFER_KIND_PROBE`` frame on the executor's data port
+- **data plane**: a ``TRANSFER_KIND_PROBE`` frame on the executor's data port over TCP
   (:mod:`executor.frames`: header MAC, replay check, payload received into a preallocated
   buffer under its Poly1305 tag), signed with a job key the executor was admitted with;
+- **unix**: the same frames over the executor's local path, its Unix socket
+  (:mod:`executor.local_socket`), which co-located stages use;
 - **socket**: a second process that receives length-prefixed bytes over a raw TCP socket
   into a preallocated buffer and answers one byte -- the ceiling.
 
 The throughput rows keep the contract ``{size_mib, ratio, grpc_mb_per_s, socket_mb_per_s}``;
-``ratio`` is the data plane against the socket (``grpc_ratio``: gRPC against the socket).
-The round-trip row times a small transfer (64 KiB) on each path.
+``ratio`` is the data plane (TCP) against the socket (``grpc_ratio``: gRPC, ``unix_ratio``:
+the local path, both against the same TCP socket). The round-trip row times a small
+transfer (64 KiB) on each path.
 """
 
 from __future__ import annotations
@@ -91,11 +94,13 @@ class _Paths:
         self.client.admit_job(epb.AdmitJobRequest(job_id=BENCH_JOB, auth=wrap_job_key(control_key, job_key)))
         self.pool.keyring.set_job(BENCH_JOB, job_key)
         self.address = address
-        self.data = DataPlaneClient(self.pool.keyring)
+        self.data = DataPlaneClient(self.pool.keyring, local_path=False)
+        self.local = DataPlaneClient(self.pool.keyring, local_path=True)
         port = self.client.ping().data_port
         if not port:
             raise RuntimeError(f"the executor at {address} serves no data plane")
         self.data.learn(address, port)
+        self.local.learn(address, port)
         self.sink = SocketSink(max_bytes)
         self.payloads: dict[int, torch.Tensor] = {}
 
@@ -107,14 +112,20 @@ class _Paths:
     def grpc(self, n: int) -> float:
         return self.client.probe(n)[0]
 
-    def data_plane(self, n: int) -> float:
+    def _frame(self, client: Any, n: int) -> float:
         from fusion.wire import tensor_pb2 as pb
 
         header = pb.TransferHeader(job_id=BENCH_JOB, kind=pb.TRANSFER_KIND_PROBE)
         t0 = time.perf_counter()
-        if self.data.send(self.address, header, {"probe": self._payload(n)}) != n:
+        if client.send(self.address, header, {"probe": self._payload(n)}) != n:
             raise RuntimeError("the data plane did not take the probe")
         return time.perf_counter() - t0
+
+    def data_plane(self, n: int) -> float:
+        return self._frame(self.data, n)
+
+    def unix(self, n: int) -> float:
+        return self._frame(self.local, n)
 
     def socket(self, n: int) -> float:
         return self.sink.send(memoryview(self._payload(n).numpy()))
@@ -122,6 +133,7 @@ class _Paths:
     def close(self) -> None:
         self.sink.close()
         self.data.close()
+        self.local.close()
         self.pool.close()
 
 
@@ -133,7 +145,12 @@ SETTLE_S = 0.02
 
 def _medians(paths: _Paths, n: int, repeats: int) -> dict[str, float]:
     """Median seconds per path, the paths interleaved within each repeat."""
-    runs: dict[str, Callable[[int], float]] = {"data": paths.data_plane, "socket": paths.socket, "grpc": paths.grpc}
+    runs: dict[str, Callable[[int], float]] = {
+        "data": paths.data_plane,
+        "unix": paths.unix,
+        "socket": paths.socket,
+        "grpc": paths.grpc,
+    }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
         for name, run in runs.items():
@@ -162,8 +179,12 @@ def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
     with LocalCluster(1, torch_threads=1) as cluster:
         paths = _Paths(cluster.addresses[0], cluster.control_keys[0], max_bytes)
         try:
-            for warm in (paths.grpc, paths.data_plane, paths.socket):
+            for warm in (paths.grpc, paths.data_plane, paths.unix, paths.socket):
                 warm(1 << 20)
+            if paths.local.num_frames["unix"] != 1 or paths.data.num_frames["tcp"] != 1:
+                raise RuntimeError(
+                    f"the data plane took the wrong paths: {paths.local.num_frames, paths.data.num_frames}"
+                )
             _wait_idle(cluster.processes[0].pid)
             return body(paths)
         finally:
@@ -175,15 +196,17 @@ def _rates(paths: _Paths, sizes_mib: list[int], repeats: int) -> list[dict[str, 
     for mib in sizes_mib:
         n = mib << 20
         m = _medians(paths, n, repeats)
-        g, d, s = (n / m[k] / 1e6 for k in ("grpc", "data", "socket"))
+        g, d, u, s = (n / m[k] / 1e6 for k in ("grpc", "data", "unix", "socket"))
         rows.append(
             {
                 "size_mib": mib,
                 "grpc_mb_per_s": round(g, 1),
                 "data_plane_mb_per_s": round(d, 1),
+                "unix_mb_per_s": round(u, 1),
                 "socket_mb_per_s": round(s, 1),
                 "ratio": round(d / s, 3),
                 "grpc_ratio": round(g / s, 3),
+                "unix_ratio": round(u / s, 3),
             }
         )
     return rows
@@ -195,6 +218,7 @@ def _round_trip(paths: _Paths, size_kib: int, repeats: int) -> dict[str, Any]:
         "size_kib": size_kib,
         "grpc_ms": round(m["grpc"] * 1e3, 3),
         "data_plane_ms": round(m["data"] * 1e3, 3),
+        "unix_ms": round(m["unix"] * 1e3, 3),
         "socket_ms": round(m["socket"] * 1e3, 3),
     }
 
@@ -203,7 +227,7 @@ def measure_transport(
     sizes_mib: list[int], repeats: int, *, round_trip_kib: int = 64, round_trip_repeats: int = 200
 ) -> dict[str, Any]:
     """``{"transport": [row per size], "round_trip": {...}}`` from one executor: median MB/s of
-    gRPC, the data plane and a raw socket per size, and the median round trip of a
+    gRPC, the data plane (TCP and Unix socket) and a raw TCP socket per size, and the median round trip of a
     ``round_trip_kib`` KiB transfer on each, all interleaved per repeat."""
     return _with_paths(
         max(max(sizes_mib) << 20, round_trip_kib << 10),

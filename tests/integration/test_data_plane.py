@@ -29,16 +29,25 @@ def listening_ports(pid: int) -> set[int]:
     return {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
 
 
-def data_links(cluster: LocalCluster) -> set[tuple[int, int]]:
-    """(i, j) for every established connection from worker i to a data port of worker j
-    (a listening port of j that is not its gRPC port)."""
+def data_links(cluster: LocalCluster, path: str | None = None) -> set[tuple[int, int]]:
+    """(i, j) for every open data connection from worker i to worker j over ``path``
+    (``"tcp"``, ``"unix"``; default both): a TCP connection to a data port of j (a listening
+    port of j that is not its gRPC port), or a connection j accepted on its local Unix socket
+    (executor/local_socket.py). The kernel does not show who opened a Unix connection; with
+    two workers (all these tests run), it is the other one."""
     grpc_ports = {int(a.rpartition(":")[2]) for a in cluster.addresses}
     data_ports = {port: j for j, p in enumerate(cluster.processes) for port in listening_ports(p.pid) - grpc_ports}
     links = set()
     for i, p in enumerate(cluster.processes):
-        for c in psutil.Process(p.pid).net_connections("tcp"):
-            if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in data_ports:
-                links.add((i, data_ports[c.raddr.port]))
+        if path in (None, "tcp"):
+            for c in psutil.Process(p.pid).net_connections("tcp"):
+                if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in data_ports:
+                    links.add((i, data_ports[c.raddr.port]))
+        if path in (None, "unix"):
+            names = [c.laddr for c in psutil.Process(p.pid).net_connections("unix")]
+            if sum(str(n).startswith("@fusion-data/") for n in names) > 1:  # the listener and accepted ones
+                assert len(cluster.processes) == 2, "a local link's sender is only known with two workers"
+                links.add((1 - i, i))
     return links
 
 
@@ -47,7 +56,8 @@ def test_parity_over_the_data_plane() -> None:
         # Several steps and micro-batches: the first transfer to each peer goes over gRPC
         # (its answer names the data port), the rest over the data plane, both ways.
         assert_parity(job(micro_batches=4, schedule="1f1b", steps=3), cluster.addresses, steps=3)
-        assert data_links(cluster) == {(0, 1), (1, 0)}
+        # Co-located workers: the data plane took their local path, not TCP.
+        assert data_links(cluster, "unix") == {(0, 1), (1, 0)} and data_links(cluster, "tcp") == set()
 
 
 def test_paced_sends_take_the_data_plane() -> None:

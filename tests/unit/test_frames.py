@@ -68,8 +68,8 @@ def header(step: int = 1, job: str = JOB) -> pb.TransferHeader:
     return pb.TransferHeader(job_id=job, stage_idx=1, src_stage_idx=0, step=step, micro_batch_idx=0, kind=1)
 
 
-def client_for(listener: DataListener, keyring: KeyRing) -> tuple[DataPlaneClient, str]:
-    client = DataPlaneClient(keyring)
+def client_for(listener: DataListener, keyring: KeyRing, *, local_path: bool = True) -> tuple[DataPlaneClient, str]:
+    client = DataPlaneClient(keyring, local_path=local_path)
     address = f"127.0.0.1:{listener.port + 1}"  # the gRPC address; only its host is dialled
     client.learn(address, listener.port)
     return client, address
@@ -107,9 +107,12 @@ def assert_serves_next(listener: DataListener, sink: Sink, keyring: KeyRing) -> 
     client.close()
 
 
-def test_round_trip_of_raw_encoded_and_scalar_values(served: tuple[DataListener, Sink], keyring: KeyRing) -> None:
+@pytest.mark.parametrize("path", ["tcp", "unix"])
+def test_round_trip_of_raw_encoded_and_scalar_values(
+    served: tuple[DataListener, Sink], keyring: KeyRing, path: str
+) -> None:
     listener, sink = served
-    client, address = client_for(listener, keyring)
+    client, address = client_for(listener, keyring, local_path=path == "unix")
     codec = get_compressor(pb.CODEC_QUANT)
     g = torch.randn(64, 16)
     blob = codec.encode(g, bits=8).data
@@ -131,6 +134,7 @@ def test_round_trip_of_raw_encoded_and_scalar_values(served: tuple[DataListener,
         assert got[name].dtype == t.dtype and torch.equal(got[name], t)
     g_meta = next(m for m in h.tensors if m.name == "g")
     assert dtype_from_wire(g_meta.dtype) == torch.float32 and got["g"].shape == (64, 16)
+    assert listener.num_frames[path] == client.num_frames[path] == 2 and sum(listener.num_frames.values()) == 2
     client.close()
 
 
