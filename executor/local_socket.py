@@ -29,6 +29,8 @@ import socket
 import struct
 import sys
 
+import psutil
+
 logger = logging.getLogger(__name__)
 
 #: Send and receive buffer requested for local connections: a Unix socket's default (about
@@ -68,12 +70,12 @@ def is_local_address(host: str) -> bool:
         return False
     if ip.is_loopback:
         return True
-    try:  # only an address of one of this namespace's interfaces can be bound
-        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((host, 0))
-        return True
-    except OSError:
-        return False
+    # The interfaces' own list, not a trial bind: with ``ip_nonlocal_bind`` any address binds.
+    return any(
+        a.family in (socket.AF_INET, socket.AF_INET6) and _normal(a.address) == host
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+    )
 
 
 def _tune(sock: socket.socket) -> None:
@@ -98,10 +100,11 @@ def listen(host: str, port: int, *, backlog: int = 64) -> socket.socket | None:
 
 
 def accepted(conn: socket.socket) -> str:
-    """Tune an accepted local connection; a label for its peer (for logs and rate limits)."""
+    """Tune an accepted local connection; a label for its peer, by user id (the source that
+    logs name and failed authentications count against, as an IP address is for TCP)."""
     _tune(conn)
-    pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return f"local pid {pid} uid {uid}"
+    _, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return f"local uid {uid}"
 
 
 def connect(host: str, port: int, *, timeout_s: float) -> socket.socket | None:

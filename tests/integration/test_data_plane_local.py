@@ -5,6 +5,7 @@ there is answered and the next correct frame served; without the socket, TCP is 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 
@@ -104,7 +105,7 @@ def test_refusals_on_the_unix_socket_are_answered_and_the_next_frame_served(
             assert status == 1 and "truncated frame" in body, body
             serves_next_locally(listener, sink, keyring, step=12)
         assert listener.num_refused == 3 and listener.num_frames == {"tcp": 0, "unix": 4}
-        assert "local pid" in caplog.text  # refusals name the local peer's process
+        assert f"local uid {os.getuid()}" in caplog.text  # refusals name the local peer's user
         assert [h.step for h, _ in sink.delivered] == [10, 2, 11, 12]
     finally:
         listener.close()
@@ -145,5 +146,5 @@ def test_a_custom_connection_factory_is_never_bypassed(keyring: KeyRing) -> None
 
 def test_only_this_machines_addresses_look_for_a_local_socket() -> None:
     assert local_socket.is_local_address("127.0.0.1") and local_socket.is_local_address("localhost")
-    assert not local_socket.is_local_address("192.0.2.1")  # TEST-NET-1: never an interface here
+    assert not local_socket.is_local_address("203.0.113.77")  # TEST-NET-3 (RFC 5737): not an interface here
     assert local_socket.local_name("localhost", 7) == local_socket.local_name("127.0.0.1", 7)
