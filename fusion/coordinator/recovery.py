@@ -237,7 +237,8 @@ class Recovery:
 
         Every stage snapshots ``step`` first, so nothing is redone; the excluded workers
         stay in the job (serving their snapshots) until the caller lets them go. When the
-        workers that stay cannot hold the model, the leavers are not kept waiting with it:
+        workers that stay cannot hold the model (or none stays), the leavers are not kept
+        waiting with it:
         ``step`` is written as a durable checkpoint, ``let_go`` lets them go, and the job
         waits for memory to join (``pending``, :meth:`_replan_or_wait`), then resumes at ``step``.
         """
@@ -261,14 +262,17 @@ class Recovery:
             return staying
 
         # Plan over the ones that stay; the leavers still serve their snapshots.
-        try:
-            job.code_gate.attempt(
-                lambda: job.configure(job.planning_set(keep()), why=why, same_stages=False, held=keep())
-            )
-        except InsufficientMemoryError:
-            if not exclude:
-                raise
+        if exclude and all(w.worker_id in exclude for w in job.workers):  # the last ones leave
             held = self._part_then_wait(step, let_go)
+        else:
+            try:
+                job.code_gate.attempt(
+                    lambda: job.configure(job.planning_set(keep()), why=why, same_stages=False, held=keep())
+                )
+            except InsufficientMemoryError:
+                if not exclude:
+                    raise
+                held = self._part_then_wait(step, let_go)
         self._restore(old_keys, held, at_most=step)
         self._settled_keys = None
         job.event(
