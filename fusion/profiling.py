@@ -19,6 +19,8 @@ import psutil
 import torch
 from torch.utils import _pytree as pytree
 
+from fusion.saved_activations import SavedBytes, storage_key
+
 logger = logging.getLogger(__name__)
 
 
@@ -169,34 +171,24 @@ def _sync_all(device: torch.device) -> None:
 class _NodeTimer(torch.fx.Interpreter):
     """Runs a graph node by node, timing each and attributing saved activations to it."""
 
-    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, param_ptrs: set[int]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, params: set[int]) -> None:
         super().__init__(gm)
         self.device = device
-        self.param_ptrs = param_ptrs
+        self.saved_bytes = SavedBytes(params)
         self.times: dict[str, float] = {}
         self.bwd_times: dict[str, float] = {}
-        self.saved: dict[str, int] = {}
-        self._current = ""
-        self._seen: set[int] = set()
         # The autograd nodes each graph node created, kept alive so their ids stay unique.
         self._owned: dict[int, tuple[object, str]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._started: dict[int, float] = {}
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """saved_tensors_hooks pack: charge each saved activation storage once, to its node."""
-        try:
-            ptr = t.untyped_storage().data_ptr()
-            size = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):
-            return t
-        if ptr not in self._seen and ptr not in self.param_ptrs:
-            self._seen.add(ptr)
-            self.saved[self._current] = self.saved.get(self._current, 0) + size
-        return t
+    @property
+    def saved(self) -> dict[str, int]:
+        """Node name -> bytes its forward saved for backward (:class:`SavedBytes`)."""
+        return self.saved_bytes.saved
 
     def run_node(self, n: torch.fx.Node) -> object:
-        self._current = n.name
+        self.saved_bytes.current = n.name
         _sync_all(self.device)
         t0 = time.perf_counter()
         out = super().run_node(n)
@@ -289,7 +281,7 @@ def profile_graph(
     module = copy.deepcopy(gm).to(dev)
     module.train()
     inputs = tuple(x.to(dev) for x in example_inputs)
-    param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    params = {k[0] for p in module.parameters() if (k := storage_key(p)) is not None}
     rng = torch.random.get_rng_state()
     fwd_total, bwd_total = [], []
     node_times: list[dict[str, float]] = []
@@ -315,9 +307,9 @@ def profile_graph(
             i += 1
         # Then node by node, for the shares and the saved activations.
         for i in range(warmup + repeats):
-            timer = _NodeTimer(module, dev, param_ptrs)
+            timer = _NodeTimer(module, dev, params)
             try:
-                with torch.autograd.graph.saved_tensors_hooks(timer.pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(timer.saved_bytes.pack, lambda t: t):
                     out = timer.run(*inputs)
                 _scalar_loss(out).backward()
             finally:

@@ -206,6 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plan offline: the model is captured on the meta device (no weights are allocated)."""
     import torch
 
+    from fusion.saved_activations import with_static_saved_bytes
     from fusion.training import build_job_dataset, capture_job_model, example_micro_batch
     from scheduler.estimator import StepCosts
     from scheduler.planner import make_plan, request_for_job
@@ -229,7 +230,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
     x, y = example_micro_batch(spec, build_job_dataset(spec))
-    dag = capture_job_model(spec, model, x.to("meta")).dag
+    captured = capture_job_model(spec, model, x.to("meta"))
+    dag = with_static_saved_bytes(captured.dag, captured.graph_module, (x.to("meta"),))
     costs = StepCosts(target_bytes=y.numel() * y.element_size())
     request = request_for_job(spec, strategy=args.strategy, step_costs=costs)
     plan = make_plan(dag, topology, request)

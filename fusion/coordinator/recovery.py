@@ -132,6 +132,11 @@ class RecoveringJob(Protocol):
         """Wait (``pending``) saying ``text``, or with ``None`` go back to running."""
         ...
 
+    def checkpoint(self, step: int) -> bool:
+        """Write the durable checkpoint of ``step`` from the stages' snapshots of it, and wait
+        for it; whether it was written."""
+        ...
+
 
 class Recovery:
     """Restores a job's stages to one step after the job lost, shed or gained workers.
@@ -227,11 +232,15 @@ class Recovery:
         )
         return point.step
 
-    def move(self, step: int, *, exclude: set[str], why: str) -> None:
+    def move(self, step: int, *, exclude: set[str], why: str, let_go: Callable[[], None] | None = None) -> None:
         """Re-plan between steps without the ``exclude`` workers; every stage resumes at ``step``.
 
         Every stage snapshots ``step`` first, so nothing is redone; the excluded workers
-        stay in the job (serving their snapshots) until the caller lets them go.
+        stay in the job (serving their snapshots) until the caller lets them go. When the
+        workers that stay cannot hold the model (or none stays), the leavers are not kept
+        waiting with it:
+        ``step`` is written as a durable checkpoint, ``let_go`` lets them go, and the job
+        waits for memory to join (``pending``, :meth:`_replan_or_wait`), then resumes at ``step``.
         """
         job = self.job
         t0 = time.perf_counter()
@@ -253,7 +262,17 @@ class Recovery:
             return staying
 
         # Plan over the ones that stay; the leavers still serve their snapshots.
-        job.code_gate.attempt(lambda: job.configure(job.planning_set(keep()), why=why, same_stages=False, held=keep()))
+        if exclude and all(w.worker_id in exclude for w in job.workers):  # the last ones leave
+            held = self._part_then_wait(step, let_go)
+        else:
+            try:
+                job.code_gate.attempt(
+                    lambda: job.configure(job.planning_set(keep()), why=why, same_stages=False, held=keep())
+                )
+            except InsufficientMemoryError:
+                if not exclude:
+                    raise
+                held = self._part_then_wait(step, let_go)
         self._restore(old_keys, held, at_most=step)
         self._settled_keys = None
         job.event(
@@ -261,6 +280,25 @@ class Recovery:
             f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)",
             step=step,
         )
+
+    def _part_then_wait(self, step: int, let_go: Callable[[], None] | None) -> Holdings:
+        """Leavers that take memory the job cannot do without: keep ``step`` on disk (the
+        leavers' stages are in no other worker's memory at that step), let them go, and wait
+        until the job's workers hold the model again; returns the snapshots held then."""
+        job = self.job
+        if job.checkpoint(step):
+            job.event("handed_off", f"the state of step {step} is kept in a durable checkpoint", step=step)
+        else:
+            job.event(
+                "handed_off",
+                f"the state of step {step} could not be written to disk; the job resumes from the newest "
+                "step its replicas and durable checkpoints hold",
+                step=step,
+            )
+        if let_go is not None:
+            let_go()
+        self._replan_or_wait()
+        return snapshot_holdings(job.job_id, [w.address for w in job.workers], self.pool)
 
     def resume(self) -> RestorePoint | None:
         """After a coordinator restart: restore the newest durable checkpoint, if there is one."""

@@ -331,15 +331,27 @@ class JobRunner(threading.Thread):
         self._history.append((step, stats.loss))
         done = step + 1
         if done % self.spec.checkpoint.durable_every == 0 and done < self.spec.train.steps:
-            if self._durable is None:
-                self._durable = DurableWriter(
-                    job_id=self.job_id,
-                    pool=self.pool,
-                    checkpoints=self.checkpoints,
-                    records=self.store,
-                    keep=self.spec.checkpoint.keep,
-                )
-            self._durable.submit(done, self.driver)
+            self._durable_writer().submit(done, self.driver)
+
+    def _durable_writer(self) -> DurableWriter:
+        if self._durable is None:
+            self._durable = DurableWriter(
+                job_id=self.job_id,
+                pool=self.pool,
+                checkpoints=self.checkpoints,
+                records=self.store,
+                keep=self.spec.checkpoint.keep,
+            )
+        return self._durable
+
+    def checkpoint(self, step: int) -> bool:
+        """Write the durable checkpoint of ``step`` from the stages' snapshots of it, and wait
+        for it; whether it was written."""
+        writer = self._durable_writer()
+        writer.wait()  # one being written would make this one be skipped
+        writer.submit(step, self.driver)
+        writer.wait()
+        return any(c.step == step for c in self.checkpoints.list())
 
     def _write(self, what: str, write: Callable[[], None]) -> None:
         """Write one of the job's records in its output directory; a full (or failing) disk
@@ -763,7 +775,11 @@ class JobRunner(threading.Thread):
             f"{', '.join(names)} asked to leave; handing off their state at step {step}",
             workers=names,
         )
-        self.recovery.move(step, exclude=leaving, why="replanned")
+        self.recovery.move(step, exclude=leaving, why="replanned", let_go=lambda: self._let_go(leaving))
+        self._let_go(leaving)
+
+    def _let_go(self, leaving: set[str]) -> None:
+        """The job no longer needs the ``leaving`` workers: drop them and end their wait."""
         with self._lock:
             events = [self._leaving[wid] for wid in leaving]
         for w in [w for w in self.workers if w.worker_id in leaving]:

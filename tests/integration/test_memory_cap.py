@@ -6,13 +6,15 @@ the job must be split over three of them. Checked: the coordinator reports what 
 lends; the plan keeps every stage within its worker's cap and ``measured.json`` records the
 peaks the stages measured against the caps; a job that needs more than the workers lend is
 refused with the memory needed and lent; and a job that loses a worker it cannot do without
-waits, ``pending`` and saying what it needs and has, until a worker with enough memory joins,
-then finishes with the losses and parameters of an uninterrupted run.
+(killed, or leaving with Ctrl-C) waits, ``pending`` and saying what it needs and has, until a
+worker with enough memory joins, then finishes with the losses and parameters of an
+uninterrupted run.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -172,8 +174,11 @@ def test_workers_report_their_cap_and_jobs_are_planned_within_it(
 def test_a_job_that_loses_memory_waits_pending_and_resumes_when_memory_joins(
     fleet_of: Callable[[int], Fleet], tmp_path: Path
 ) -> None:
+    """Memory is lost twice: a stage worker is killed, then the worker that replaced it
+    leaves with Ctrl-C (SIGINT, the graceful leave). Each time the job waits until a worker
+    lending more joins; the leaver is not held up by the wait and nothing it held is redone."""
     fleet = fleet_of(3)
-    path = job_file(tmp_path / "job.toml", tmp_path / "out")
+    path = job_file(tmp_path / "job.toml", tmp_path / "out", steps=18)
     with CoordinatorClient(fleet.coordinator_address, TOKEN) as client:
         job_id = client.submit(load_job(path))
         s = wait_until(client, job_id, lambda s: s["state"] == "running" and s["step"] >= 6, 240.0)
@@ -190,13 +195,27 @@ def test_a_job_that_loses_memory_waits_pending_and_resumes_when_memory_joins(
         assert client.status(job_id)["state"] == "pending"
 
         fleet.start_worker("big", token=TOKEN, extra_args=["--memory-gb", "0.05"])
+        s = wait_until(client, job_id, lambda s: s["state"] == "running" and "big" in s["workers"], 120.0)
+        left_at = wait_until(client, job_id, lambda s: s["step"] >= 12, 120.0)["step"]
+        leaver = fleet.workers["big"]
+        leaver.send_signal(signal.SIGINT)
+        # The leave is not held up by the wait: the state is handed off, then the worker goes.
+        assert leaver.wait(timeout=60) == 0, fleet.log_of("worker-big")
+        s = wait_until(client, job_id, lambda s: s["state"] == "pending" and bool(s.get("waiting")), 60.0)
+        assert "has 13.31 MiB (2 workers)" in s["waiting"], s["waiting"]
+
+        fleet.start_worker("big2", token=TOKEN, extra_args=["--memory-gb", "0.05"])
         s = wait_end(client, job_id)
         assert s["state"] == "succeeded", s
         assert s.get("waiting") is None
         events = [r for r in map(json.loads, (Path(s["output_dir"]) / "metrics.jsonl").read_text().splitlines())]
         events = [r for r in events if "event" in r]
         kinds = [e["event"] for e in events]
-        assert "waiting_for_workers" in kinds and "resumed_at_step" in kinds, kinds
-        replanned = [e for e in events if e["event"] == "replanned"][-1]
-        assert "big" in replanned["stages"] and victim not in replanned["stages"], replanned
+        assert kinds.count("waiting_for_workers") == 2 and "worker_leaving" in kinds, kinds
+        replanned = [e for e in events if e["event"] == "replanned"]
+        assert "big" in replanned[-2]["stages"] and victim not in replanned[-2]["stages"], replanned
+        assert "big2" in replanned[-1]["stages"] and "big" not in replanned[-1]["stages"], replanned
+        # After the leave, nothing was redone: the job resumed at the step it was handed off at.
+        resumed = [e for e in events if e["event"] == "resumed_at_step"][-1]
+        assert resumed["step"] >= left_at and "nothing redone" in resumed["message"], resumed
     check_same_run(s, path)
