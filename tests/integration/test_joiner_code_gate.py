@@ -11,6 +11,10 @@ registration and fails only when a stage is loaded on it. Two placements load on
 
 Either way the job leaves ``nopath`` out with a ``left_out`` event saying why, carries on
 with the workers it has and succeeds.
+
+The job's model paces itself: while a gate file exists, a leaf module sleeps in every
+forward, so the job cannot run out of steps before the joiner starts on a loaded machine;
+the test removes the file once it has seen what it waits for, and the rest runs at speed.
 """
 
 from __future__ import annotations
@@ -30,15 +34,29 @@ from fusion.launch import Fleet, child_env
 pytestmark = pytest.mark.timeout(600)
 
 TOKEN = "joiner-code-token"
-#: Enough steps (~0.05 s each) for a worker to start mid-job on a loaded machine.
-STEPS = 1500
+#: Steps of the job; while the gate file exists each takes at least PACE_S, which leaves a
+#: joiner over a minute to start.
+STEPS = 300
+PACE_S = 0.2
 
 MODELS = """
+import os
+import time
+
 from torch import nn
+
+GATE = GATE_PATH
+
+
+class Pace(nn.Module):
+    def forward(self, x):
+        if os.path.exists(GATE):
+            time.sleep(PACE_S)
+        return x
 
 
 def make(hidden: int = 16) -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+    return nn.Sequential(nn.Flatten(), Pace(), nn.Linear(3 * 8 * 8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
 """
 
 
@@ -48,6 +66,7 @@ def job_file(path: Path, out: Path, *, workers: int, joiners: str, steps: int) -
         name = "joiner-code"
         [model]
         name = "joiner_models:make"
+        leaf_modules = ["1"]
         [data]
         name = "shapes"
         batch_size = 8
@@ -77,7 +96,9 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     """A coordinator and no workers yet; every process but ``nopath`` has the user's module on its path."""
     code = tmp_path / "code"
     code.mkdir()
-    (code / "joiner_models.py").write_text(MODELS)
+    gate = tmp_path / "gate"
+    gate.touch()
+    (code / "joiner_models.py").write_text(MODELS.replace("GATE_PATH", repr(str(gate))).replace("PACE_S", str(PACE_S)))
     with Fleet(tmp_path / "logs", extra_pythonpath=[str(code)]) as f:
         f.start_coordinator(
             token=TOKEN, state_dir=tmp_path / "state", heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0
@@ -157,6 +178,7 @@ def test_a_joiner_that_cannot_build_the_model_is_left_out_of_the_replan(fleet: F
     start_without_the_module(fleet, "nopath")
     job.wait_event("worker_joined", "nopath")
     job.wait_event("left_out", "nopath")
+    (tmp_path / "gate").unlink()
     s = job.wait_end()
     check_left_out(s, stages={"w0", "w1"})
     assert s["step"] == STEPS
@@ -172,6 +194,8 @@ def test_a_joiner_that_cannot_build_the_model_is_left_out_of_a_recovery(fleet: F
     start_without_the_module(fleet, "nopath")  # idle: the job takes joiners only to replace a lost worker
     fleet.workers["w2"].kill()
     job.wait_event("worker_lost", "w2")
+    job.wait_event("left_out", "nopath")
+    (tmp_path / "gate").unlink()
     s = job.wait_end()
     check_left_out(s, stages={"w0", "w1"})
     assert s["step"] == STEPS
