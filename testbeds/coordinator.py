@@ -28,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print()
-    channels = peer_map_channels(PeerMap(args.peer_map)) if args.peer_map else None
-    return coordinator_main(rest, channel_factory=channels)
+    peer_map = args.peer_map
+    channels = (lambda: peer_map_channels(PeerMap(peer_map))) if peer_map else None
+    return coordinator_main(rest, channels=channels)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
-from executor.hooks import ChannelFactory, default_channel
+if TYPE_CHECKING:
+    from executor.hooks import ChannelFactory
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ def peer_map_channels(peers: PeerMap) -> ChannelFactory:
     keeps it): expose a server before anything dials it."""
 
     def dial(address: str, options: Sequence[tuple[str, int | str]], tls_ca: bytes | None) -> grpc.Channel:
+        from executor.hooks import default_channel  # imports torch: only once a channel is dialled
+
         return default_channel(peers.resolve(address), options, tls_ca)
 
     return dial

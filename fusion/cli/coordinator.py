@@ -1,4 +1,9 @@
-"""``fusion-coordinator``: the long-running service workers join and jobs are submitted to."""
+"""``fusion-coordinator``: the long-running service workers join and jobs are submitted to.
+
+It binds its port and answers ``fusion status`` from its state file at once, then loads
+the service (torch, the planner: the slow part of a start) and serves everything
+(:mod:`fusion.coordinator.serving`); it prints that it listens once it serves everything.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ import secrets
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from executor.hooks import ChannelFactory
 from fusion.cli.env import (
     add_log_arg,
     env_calibrate_s,
@@ -19,12 +25,14 @@ from fusion.cli.env import (
     run_cli,
     setup_logging,
 )
-from fusion.coordinator.live_view import start_live_view, tls_context
-from fusion.coordinator.planning import CALIBRATE_MIN_S
-from fusion.coordinator.service import CoordinatorService, start_coordinator_server
+from fusion.coordinator.serving import open_server, requeue_after_restart, starting_handler
 from fusion.coordinator.store import Store
 from fusion.errors import ConfigError
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
+
+if TYPE_CHECKING:
+    from executor.hooks import ChannelFactory
+    from fusion.coordinator.service import CoordinatorService
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="compute seconds the executor calibration measures per model before planning "
-        f"(default: $FUSION_CALIBRATE_S or {CALIBRATE_MIN_S})",
+        "(default: $FUSION_CALIBRATE_S, else the planner's minimum)",
     )
     p.add_argument("--device", default="cpu", help="device stages run on (cpu, cuda, cuda:N; default: %(default)s)")
     p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate chain (PEM)")
@@ -131,8 +139,39 @@ def _token(args: argparse.Namespace, state_dir: Path) -> str:
     return token
 
 
-def main(argv: list[str] | None = None, *, channel_factory: ChannelFactory | None = None) -> int:
-    """``fusion-coordinator``; ``channel_factory`` is how it dials workers (:mod:`executor.hooks`)."""
+def _load_service(
+    args: argparse.Namespace, store: Store, token: str, channel_factory: ChannelFactory | None
+) -> CoordinatorService:
+    """Import the service (the slow part of a start) and build it."""
+    from fusion.coordinator.planning import CALIBRATE_MIN_S
+    from fusion.coordinator.service import CoordinatorService
+
+    calibrate_s = env_calibrate_s(CALIBRATE_MIN_S) if args.calibrate_seconds is None else args.calibrate_seconds
+    if not calibrate_s >= 0:
+        raise ConfigError(f"--calibrate-seconds must be >= 0, got {calibrate_s}")
+    return CoordinatorService(
+        store=store,
+        token=token,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        device=args.device,
+        calibrate_s=calibrate_s,
+        register_burst=args.register_burst,
+        registers_per_s=args.registers_per_s,
+        auth_failure_burst=args.auth_failure_burst,
+        auth_failures_per_s=args.auth_failures_per_s,
+        channel_factory=channel_factory,
+    )
+
+
+def main(
+    argv: list[str] | None = None,
+    *,
+    channel_factory: ChannelFactory | None = None,
+    channels: Callable[[], ChannelFactory | None] | None = None,
+) -> int:
+    """``fusion-coordinator``; ``channel_factory`` is how it dials workers (:mod:`executor.hooks`),
+    or ``channels`` builds it once status is answered (building one may import torch)."""
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
 
@@ -147,27 +186,26 @@ def main(argv: list[str] | None = None, *, channel_factory: ChannelFactory | Non
         if args.port < 0 or args.port > 65535:
             raise ConfigError(f"--port must be in 0..65535, got {args.port}")
         http = _http_address(args.http) if args.http else None
-        calibrate_s = env_calibrate_s(CALIBRATE_MIN_S) if args.calibrate_seconds is None else args.calibrate_seconds
-        if not calibrate_s >= 0:
-            raise ConfigError(f"--calibrate-seconds must be >= 0, got {calibrate_s}")
+        if args.calibrate_seconds is not None and not args.calibrate_seconds >= 0:
+            raise ConfigError(f"--calibrate-seconds must be >= 0, got {args.calibrate_seconds}")
         store = Store(state_dir / STATE_DB)
-        service = CoordinatorService(
-            store=store,
-            token=token,
-            heartbeat_interval_s=args.heartbeat_interval,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            device=args.device,
-            calibrate_s=calibrate_s,
-            register_burst=args.register_burst,
-            registers_per_s=args.registers_per_s,
-            auth_failure_burst=args.auth_failure_burst,
-            auth_failures_per_s=args.auth_failures_per_s,
-            channel_factory=channel_factory,
-        )
+        requeue_after_restart(store)  # before the first answer: no job shows as running that nothing runs
         try:
-            server, port = start_coordinator_server(service, args.host, args.port, tls=tls)
+            server, port, board = open_server(starting_handler(store, token), args.host, args.port, tls=tls)
         except OSError as e:
+            store.close()
             raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from e
+        try:
+            service = _load_service(args, store, token, channel_factory or (channels() if channels else None))
+        except BaseException:
+            server.stop(grace=0)
+            store.close()
+            raise
+        from fusion.coordinator.live_view import start_live_view, tls_context
+        from fusion.coordinator.service import coordinator_handler
+
+        board.ready(coordinator_handler(service))
+        service.start()
         view = None
         if http is not None:
             warn_if_exposed(http[0], tls, "the live view")

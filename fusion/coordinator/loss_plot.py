@@ -7,18 +7,32 @@ exponential moving average (EMA) whose span grows with the run (a tenth of it, 2
 steps); the legend names the span. Events (a worker lost or excluded, a re-plan, a stage
 replaced, a restore, …) are vertical lines at the number of steps done when they
 happened, each with a short label.
+
+The coordinator is a long-lived server: it never imports matplotlib itself (tens of MiB
+it would keep for as long as it runs). :func:`draw_in_child` draws in a short-lived
+``python -m fusion.coordinator.loss_plot`` process that reads the data as JSON on stdin
+and writes the PNG to the path it is given.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusion.errors import FusionError
+
 logger = logging.getLogger(__name__)
+
+#: How long the plotting process may take (importing matplotlib on a busy machine is slow).
+DRAW_TIMEOUT_S = 120.0
 
 #: Events worth a marker, and their short labels.
 EVENT_LABELS = {
@@ -157,13 +171,79 @@ def draw_loss_plot(data: LossPlotData, title: str, save: Callable[[Callable[[Pat
         plt.close(fig)
 
 
+def to_json(data: LossPlotData, title: str) -> str:
+    """What :func:`draw_in_child` sends the plotting process."""
+    return json.dumps(
+        {
+            "title": title,
+            "steps": data.steps,
+            "losses": data.losses,
+            "smoothed": data.smoothed,
+            "smoothing": data.smoothing,
+            "markers": data.markers,
+        }
+    )
+
+
+def from_json(text: str) -> tuple[LossPlotData, str]:
+    """The inverse of :func:`to_json`: the data and the title."""
+    doc = json.loads(text)
+    data = LossPlotData(
+        steps=[int(s) for s in doc["steps"]],
+        losses=[float(x) for x in doc["losses"]],
+        smoothed=[float(x) for x in doc["smoothed"]],
+        smoothing=str(doc["smoothing"]),
+        markers=[(int(step), str(label)) for step, label in doc["markers"]],
+    )
+    return data, str(doc["title"])
+
+
+def draw_in_child(data: LossPlotData, title: str, path: Path, *, timeout_s: float = DRAW_TIMEOUT_S) -> None:
+    """Draw ``data`` into the PNG file ``path`` in a separate, short-lived Python process
+    (so the caller never imports matplotlib). Raises :class:`FusionError` naming what went
+    wrong when that process fails, times out or cannot start."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory that holds the fusion package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, "-m", "fusion.coordinator.loss_plot", "--out", str(path)]
+    try:
+        done = subprocess.run(
+            argv, input=to_json(data, title), env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise FusionError(f"the plotting process took longer than {timeout_s:.0f}s and was stopped") from None
+    except OSError as e:
+        raise FusionError(f"the plotting process could not start ({e})") from e
+    if done.returncode != 0:
+        tail = (done.stderr or "").strip().splitlines()[-3:]
+        raise FusionError(f"the plotting process exited with status {done.returncode}: {' | '.join(tail)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fusion.coordinator.loss_plot --out PATH``: draw the JSON of
+    :func:`to_json` read from stdin into the PNG file ``PATH``."""
+    parser = argparse.ArgumentParser(prog="python -m fusion.coordinator.loss_plot", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="the PNG file to write")
+    args = parser.parse_args(argv)
+    data, title = from_json(sys.stdin.read())
+    draw_loss_plot(data, title, lambda write: write(args.out))
+    return 0
+
+
 __all__ = [
     "EVENT_LABELS",
     "LossPlotData",
+    "draw_in_child",
     "draw_loss_plot",
     "ema",
     "ema_span",
     "event_markers",
+    "from_json",
     "loss_plot_data",
     "read_records",
+    "to_json",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

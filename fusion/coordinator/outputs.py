@@ -20,6 +20,7 @@ import torch
 
 from executor.driver import StepStats
 from fusion.config import JobSpec
+from fusion.errors import FusionError
 from scheduler.convergence import convergence_cost
 
 logger = logging.getLogger(__name__)
@@ -144,13 +145,18 @@ class JobOutputs:
         self, steps: list[int], losses: list[float], title: str, *, records: Iterable[Mapping[str, Any]] = ()
     ) -> None:
         """``loss.png``: the raw and smoothed loss against steps done, with the events among
-        ``records`` (``metrics.jsonl``'s lines in order) marked (:mod:`fusion.coordinator.loss_plot`)."""
+        ``records`` (``metrics.jsonl``'s lines in order) marked (:mod:`fusion.coordinator.loss_plot`).
+        Drawn in a short-lived child process, so this process never imports matplotlib; when
+        that process fails the previous ``loss.png`` (if any) stays and a warning says why."""
         if not steps:
             return
-        from fusion.coordinator.loss_plot import draw_loss_plot, loss_plot_data
+        from fusion.coordinator.loss_plot import draw_in_child, loss_plot_data
 
         data = loss_plot_data(steps, losses, records)
-        draw_loss_plot(data, title, lambda write: atomic_write(self.dir / LOSS_PLOT_FILE, write))
+        try:
+            atomic_write(self.dir / LOSS_PLOT_FILE, lambda tmp: draw_in_child(data, title, tmp))
+        except FusionError as e:  # the plot is a view of metrics.jsonl: losing it does not fail the job
+            logger.warning("%s not drawn in %s: %s; metrics.jsonl has every loss", LOSS_PLOT_FILE, self.dir, e)
 
     def close(self) -> None:
         self._metrics.close()

@@ -40,16 +40,14 @@ from fusion.config import JobSpec
 from fusion.coordinator.fetch import stream_errors, stream_outputs
 from fusion.coordinator.planning import CALIBRATE_MIN_S, JobProfileCache, LinkTable, ProfileCache
 from fusion.coordinator.runner import JobRunner
+from fusion.coordinator.serving import credential, job_status, open_server, requeue_after_restart
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
 from fusion.errors import AuthError, ConfigError, FusionError, RateLimitError, StateError, WireError
-from fusion.tls import ServerTls, add_port
+from fusion.tls import ServerTls
 from fusion.wire import coordinator_pb2 as cpb
 
 logger = logging.getLogger(__name__)
 
-AUTH_METADATA = "fusion-auth"
-#: How many recent events ``fusion status --json`` carries (a first plan alone logs about a dozen).
-STATUS_EVENTS = 50
 #: Shortest token the coordinator accepts without a warning (16 URL-safe characters: 96 bits).
 MIN_TOKEN_CHARS = 16
 #: How long a leaving worker waits for its jobs to hand its state off.
@@ -58,13 +56,6 @@ HANDOFF_TIMEOUT_S = 120.0
 
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _credential(context: grpc.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == AUTH_METADATA:
-            return str(value)
-    return ""
 
 
 def validate_job(spec: JobSpec) -> None:
@@ -145,14 +136,7 @@ class CoordinatorService:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._background, name="coordinator-loop", daemon=True)
-        requeued = store.recover()
-        if requeued:
-            logger.warning(
-                "%d job(s) were running when the coordinator stopped; "
-                "they resume from their checkpoints once workers rejoin: %s",
-                len(requeued),
-                requeued,
-            )
+        requeue_after_restart(store)
 
     def start(self) -> None:
         self._loop.start()
@@ -198,7 +182,7 @@ class CoordinatorService:
         )
 
     def _is_owner(self, context: grpc.ServicerContext) -> bool:
-        return hmac.compare_digest(_credential(context).encode(), self._token.encode())
+        return hmac.compare_digest(credential(context).encode(), self._token.encode())
 
     def _check_owner(self, context: grpc.ServicerContext) -> None:
         if not self._is_owner(context):
@@ -213,7 +197,7 @@ class CoordinatorService:
             row = self.store.worker(worker_id)
         except NotFoundError:
             raise self._failed(context, AuthError(f"unknown worker {worker_id!r}: register first")) from None
-        if not hmac.compare_digest(_hash(_credential(context)), row.session_hash):
+        if not hmac.compare_digest(_hash(credential(context)), row.session_hash):
             raise self._failed(context, AuthError(f"wrong session credential for worker {worker_id!r}"))
 
     def malformed(self, context: grpc.ServicerContext, error: WireError) -> FusionError:
@@ -532,45 +516,9 @@ class CoordinatorService:
         ``waiting``: what a pending job waits for, in one line (``None`` otherwise);
         ``phase``: the planning step a job is in (``profiling``, ``probing links`` …; ``None``
         outside planning), ``phase_elapsed_s`` how long it has been in it."""
-        end = job.finished_at or time.time()
-        doc: dict[str, Any] = {
-            "id": job.job_id,
-            "name": job.name,
-            "state": job.state,
-            "reason": job.reason,
-            "step": job.step,
-            "steps": job.steps,
-            "loss": job.loss,
-            "samples_per_s": job.samples_per_s,
-            "workers": job.workers,
-            "output_dir": job.output_dir,
-            "created_at": job.created_at,
-            "started_at": job.started_at,
-            "finished_at": job.finished_at,
-            "elapsed_s": round(end - job.started_at, 3) if job.started_at else None,
-            "waiting": job.waiting if job.state == "pending" else None,
-            "phase": None,
-            "phase_elapsed_s": None,
-        }
         with self._lock:
             runner = self._runners.get(job.job_id)
-        phase = runner.phase() if runner is not None else None
-        if phase is not None:
-            doc["phase"], doc["phase_elapsed_s"] = phase[0], round(phase[1], 1)
-        if job.plan_json:
-            plan = json.loads(job.plan_json)
-            doc["plan"] = {
-                "strategy": plan["strategy"],
-                "stages": [{"worker": s["worker"], "nodes": len(s["nodes"])} for s in plan["stages"]],
-                "why": plan.get("extra", {}).get("why"),
-            }
-            doc["compression_note"] = plan.get("extra", {}).get("compression_note")
-        if events:
-            records = self.store.log_records(job.job_id, kind="event")
-            doc["events"] = [{"time": ts, **rec} for _, ts, _, rec in records[-STATUS_EVENTS:]]
-        else:
-            doc["events"] = []
-        return doc
+        return job_status(self.store, job, events=events, phase=runner.phase() if runner is not None else None)
 
     # ------------------------------------------------------------- background
     def _background(self) -> None:
@@ -732,11 +680,6 @@ def _log_line(ts: float, kind: str, record: dict[str, Any]) -> str:
 #: Longest text a worker may report about itself (names, devices, its machine).
 MAX_LABEL_CHARS = 255
 
-#: Largest request the coordinator reads (a job spec, a worker's resources): 4 MiB.
-MAX_MESSAGE_BYTES = 4 << 20
-#: Most calls in flight; more are refused (RESOURCE_EXHAUSTED) rather than queued.
-MAX_CONCURRENT_RPCS = 512
-
 
 def coordinator_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     """The Coordinator's methods, with requests that do not parse answered INVALID_ARGUMENT
@@ -771,17 +714,6 @@ def start_coordinator_server(
     service: CoordinatorService, host: str, port: int, *, tls: ServerTls | None = None
 ) -> tuple[grpc.Server, int]:
     """Serve ``service`` on ``host:port`` (port 0 picks a free one), with TLS when given."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", 64 << 20)],
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-    )
-    server.add_generic_rpc_handlers((coordinator_handler(service),))
-    bound = add_port(server, f"{host}:{port}", tls)
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    server.start()
+    server, bound, _ = open_server(coordinator_handler(service), host, port, tls=tls)
     service.start()
     return server, bound

@@ -18,9 +18,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fusion.launch import child_env
 from fusion.profiling import measure_device
@@ -74,6 +76,8 @@ class ChaosFleet:
         self.coordinator = ""
         self.coordinator_proc: subprocess.Popen | None = None
         self.coordinator_starts = 0
+        #: Each coordinator start: ``start``, ``pid``, ``spawned_at`` and ``listening_at`` (wall time).
+        self.coordinator_spawns: list[dict[str, Any]] = []
         self.workers: list[FleetWorker] = []
         self.started: list[subprocess.Popen] = []
         self._port = 0
@@ -113,9 +117,13 @@ class ChaosFleet:
             "--log-level",
             "INFO",
         ]
+        spawn = {"start": self.coordinator_starts, "spawned_at": time.time(), "listening_at": None}
         proc, log = self._spawn_logged(self.head, log.stem, argv)
+        spawn["pid"] = proc.pid
+        self.coordinator_spawns.append(spawn)
         self.coordinator_proc = proc
         m = wait_for_line(log, r"listening on (\S+:\d+)", proc, READY_TIMEOUT_S)
+        spawn["listening_at"] = time.time()
         self.coordinator = m.group(1)
 
     def coordinator_logs(self) -> list[Path]:

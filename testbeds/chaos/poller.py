@@ -5,6 +5,11 @@ Runs on the testbed's first host (where ``fusion status`` would run). Each poll 
 ``ok``, ``latency_s``, the error if any, and on success the job's ``state``, ``step``,
 ``loss`` and the job events not printed before. The chaos harness reads these lines for
 its liveness figures and for what the job did about each event.
+
+The channel reconnects at most :data:`RECONNECT_BACKOFF_MS` after a failed connection
+(gRPC's default backoff grows to minutes): a ``fusion status`` run once a second dials
+afresh each time, and the poller must not report a restarted coordinator later than that
+would.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ from fusion.tls import open_channel
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import coordinator_pb2_grpc as cgrpc
 
+#: The longest wait between the channel's connection attempts (the poll interval).
+RECONNECT_BACKOFF_MS = 1000
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ("grpc.use_local_subchannel_pool", 1),
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testbeds.chaos.poller", description=__doc__.splitlines()[0])
@@ -31,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=5.0, help="seconds a call may take")
     args = p.parse_args(argv)
     token = os.environ.get("FUSION_TOKEN", "")
-    channel = open_channel(args.coordinator)
+    channel = open_channel(args.coordinator, options=CHANNEL_OPTIONS)
     stub = cgrpc.CoordinatorStub(channel)
     seen: set[tuple[float, str, str]] = set()
     while True:

@@ -92,6 +92,23 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _restart_lines(live: dict[str, Any]) -> list[str]:
+    """Each coordinator restart's downtime, and what the report means by it."""
+    restarts = live.get("coordinator_restarts") or []
+    if not restarts:
+        return []
+    lines = [f"    ({live.get('down_definition', 'downtime: from the kill to the first answer')})"]
+    for r in restarts:
+        lines.append(
+            f"    restart #{r['idx']}: killed at {_fmt(r['killed_s'])}s, spawned at {_fmt(r['spawned_s'])}s, "
+            f"listening {_fmt(r['listening_after_spawn_s'])} s and first answer "
+            f"{_fmt(r['first_answer_after_spawn_s'])} s after spawn; down {_fmt(r['down_s'])} s"
+        )
+    for p in (live.get("failed_otherwise_polls") or [])[:10]:
+        lines.append(f"    failed poll at {_fmt(p['t_s'])}s: {p.get('error')}")
+    return lines
+
+
 def report_lines(doc: dict[str, Any]) -> list[str]:
     """The end report a user reads."""
     s = doc.get("summary") or summarise(doc)
@@ -152,9 +169,10 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
         )
     lines.append(
         f"  fusion status: {live.get('polls', 0)} polls, {live.get('failed_otherwise', 0)} failed "
-        f"(+{live.get('failed_while_coordinator_down', 0)} while the harness had it down), "
+        f"(+{live.get('failed_while_coordinator_down', 0)} while a restarted coordinator was down), "
         f"max latency {_fmt(live.get('max_latency_s'))} s"
     )
+    lines.extend(_restart_lines(live))
     for e in chaos.get("events") or []:
         seen = reaction_summary(e.get("reactions") or [])
         what = f"{e['kind']} {e.get('target') or ''}".strip()

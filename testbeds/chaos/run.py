@@ -225,7 +225,7 @@ def _run_job(fleet: ChaosFleet, job_file: Path, echo: Callable[[str], None], eve
         coordinator_starts=fleet.coordinator_starts,
         coordinator_samples=samples,
         restart_baseline=leaks.restart_baseline(samples, (after.get("coordinator") or {}).get("pid")),
-        liveness=liveness(poller.records, records, poller.t0),
+        liveness=liveness(poller.records, records, poller.t0, fleet.coordinator_spawns),
         events_before_first=attribute_reactions(poller.job_events, records, poller.t0),
     )
     status = fleet.fusion("status", job_id, "--json") if fleet.coordinator_proc else None
