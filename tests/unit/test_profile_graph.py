@@ -58,11 +58,12 @@ def test_whole_graph_timing_repeats_until_min_time() -> None:
     assert len(calls) == 2 * (1 + 3)
 
     gm, calls = traced_with_counter()
-    profile = profile_graph(gm, (torch.randn(8, 16),), repeats=3, warmup=1, min_time_s=0.1)
-    # A step of this model takes well under a millisecond: 0.1 s takes more repeats (how
-    # many depends on how busy the machine is, so only "more" is asserted).
+    profile = profile_graph(gm, (torch.randn(8, 16),), repeats=3, warmup=1, min_time_s=0.5)
+    # A step of this model takes well under a millisecond: 0.5 s takes more repeats (how
+    # many depends on how busy the machine is, so only "more" is asserted), and the time
+    # reported is one step's, not the 0.5 s of all of them.
     assert len(calls) > 2 * (1 + 3)
-    assert profile["__graph__"]["fwd_time_s"] < 0.01
+    assert profile["__graph__"]["fwd_time_s"] < 0.1
 
 
 class Skewed(torch.nn.Module):
