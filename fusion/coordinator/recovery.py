@@ -112,6 +112,10 @@ class RecoveringJob(Protocol):
         """Take idle workers from the coordinator; returns those that joined."""
         ...
 
+    def leaving(self) -> set[str]:
+        """Ids of the job's workers that asked to leave and are not let go yet."""
+        ...
+
     def drop(self, worker: WorkerRow, state: str) -> None:
         """Let ``worker`` go from the job, to the coordinator's ``state`` (``gone``, ``excluded``)."""
         ...
@@ -162,6 +166,8 @@ class Recovery:
         #: Stage keys of the last placement that trained, while a re-placement is unfinished
         #: (a worker lost during it leaves a driver whose stages never held a step).
         self._settled_keys: list[str] | None = None
+        #: Names of the workers dropped by the recovery under way, by address (its events name them).
+        self._names: dict[str, str] = {}
 
     def recover(self, error: FusionError, failed_step: int, flagged: Mapping[str, str]) -> int:
         """Recover from ``error`` at ``failed_step``; returns the step to resume at.
@@ -181,6 +187,7 @@ class Recovery:
         if self.count > MAX_RECOVERIES:
             raise StateError(f"gave up after {MAX_RECOVERIES} recoveries; last: {failure_reason(error)}")
         dropped = [w.address for w in job.workers if w.worker_id in lost]
+        self._names = {w.address: w.name for w in job.workers if w.worker_id in lost}
         for wid, (reason, state) in lost.items():
             w = next((w for w in job.workers if w.worker_id == wid), None)
             if w is None:
@@ -232,8 +239,10 @@ class Recovery:
         )
         return point.step
 
-    def move(self, step: int, *, exclude: set[str], why: str, let_go: Callable[[], None] | None = None) -> None:
-        """Re-plan between steps without the ``exclude`` workers; every stage resumes at ``step``.
+    def move(self, step: int, *, exclude: set[str], why: str, let_go: Callable[[], None] | None = None) -> int:
+        """Re-plan between steps without the ``exclude`` workers, nor any worker whose leave
+        request arrives while it plans (:meth:`RecoveringJob.leaving`); returns the step every
+        stage resumes at: ``step``, unless a snapshot of it could not be read from any holder.
 
         Every stage snapshots ``step`` first, so nothing is redone; the excluded workers
         stay in the job (serving their snapshots) until the caller lets them go. When the
@@ -255,8 +264,10 @@ class Recovery:
         held = snapshot_holdings(job.job_id, [w.address for w in job.workers], self.pool)
 
         def keep() -> list[WorkerRow]:
-            # Read at each try: a joiner that cannot build the model is gone after the first.
-            staying = [w for w in job.workers if w.worker_id not in exclude]
+            # Read at each try: a joiner that cannot build the model is gone after the first,
+            # and a worker that asked to leave meanwhile is never placed.
+            leaving = exclude | job.leaving()
+            staying = [w for w in job.workers if w.worker_id not in leaving]
             if not staying:
                 raise StateError("every worker of the job is leaving")
             return staying
@@ -273,13 +284,15 @@ class Recovery:
                 if not exclude:
                     raise
                 held = self._part_then_wait(step, let_go)
-        self._restore(old_keys, held, at_most=step)
+        point = self._restore(old_keys, held, at_most=step)
         self._settled_keys = None
+        redone = "nothing redone" if point.step == step else f"{step - point.step} step(s) redone"
         job.event(
             "resumed_at_step",
-            f"resumed at step {step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, nothing redone)",
-            step=step,
+            f"resumed at step {point.step} after a planned re-plan ({time.perf_counter() - t0:.2f}s, {redone})",
+            step=point.step,
         )
+        return point.step
 
     def _part_then_wait(self, step: int, let_go: Callable[[], None] | None) -> Holdings:
         """Leavers that take memory the job cannot do without: keep ``step`` on disk (the
@@ -404,9 +417,24 @@ class Recovery:
                 job.drop(w, "gone")
 
     def _restore(self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None) -> RestorePoint:
-        """Bring every stage of the job's driver to the newest step they can all reach."""
+        """Bring every stage of the job's driver to the newest step they can all reach.
+
+        A holder that fails a snapshot read (lost, leaving, refusing the new placement's
+        credential) is named in a ``snapshot_unavailable`` event and skipped: the other
+        holders are tried, and when none is left the restore point is chosen again without
+        it (an older step, a durable checkpoint), so the job fails only when no copy is left."""
         job = self.job
         bad: set[Path] = set()
+        names = {w.address: w.name for w in job.workers} | self._names
+
+        def warn(address: str, reason: str) -> None:
+            who = f"{names[address]} ({address})" if address in names else address
+            job.event(
+                "snapshot_unavailable",
+                f"a snapshot could not be read from worker {who}: {reason}; trying its other copies",
+                worker=names.get(address, address),
+            )
+
         while True:
             durable = [c for c in self.checkpoints.list() if c.path not in bad]
             point = choose_restore_point(old_keys, held, durable, at_most=at_most)
@@ -419,10 +447,16 @@ class Recovery:
                 checkpoints=self.checkpoints,
                 initial=self.initial,
                 canonical=job.driver.canonical,
+                warn=warn,
             )
+            copies = sum(len(v) for v in held.values())
             try:
-                sources = restore_stages(job.driver, point, held, whole)
+                sources = restore_stages(job.driver, point, held, whole, warn)
             except CheckpointError as e:
+                if point.source == "snapshots" and sum(len(v) for v in held.values()) < copies:
+                    # ``held`` lost the holders that failed: choose again among what is left.
+                    logger.warning("job %s: restoring step %d failed (%s); choosing again", job.job_id, point.step, e)
+                    continue
                 if point.durable is None:
                     raise
                 job.event("checkpoint_corrupt", f"{point.durable.path.name} failed its checks and was skipped: {e}")

@@ -17,13 +17,22 @@ placement must hold the state of one and the same step ``R`` before training res
 ``R`` is the newest step for which one of these covers every stage; the data of steps
 ``R``, ``R+1``, … is then replayed, so the result equals an uninterrupted run. When to
 restore, and what to do first, is :class:`fusion.coordinator.recovery.Recovery`'s.
+
+A snapshot read never depends on one holder: a holder that fails it (lost, leaving, or
+refusing the caller's credential after a re-placement) is reported through ``warn`` and
+struck from the holdings, and the next holder (a replica) is tried. When no holder of a
+needed snapshot is left, :class:`~fusion.errors.CheckpointError` says so; the caller then
+chooses the restore point again from the pruned holdings (an older step, a durable
+checkpoint: steps are redone, none is lost).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -37,12 +46,49 @@ from fusion.checkpoint import (
     model_state,
     stage_subset,
 )
-from fusion.errors import FusionError
+from fusion.errors import CheckpointError, FusionError
 
 logger = logging.getLogger(__name__)
 
 #: (stage key, step) -> addresses of the workers holding that snapshot.
 Holdings = dict[tuple[str, int], list[str]]
+#: ``warn(address, reason)``: a holder failed a snapshot read and is skipped.
+Warn = Callable[[str, str], None]
+T = TypeVar("T")
+
+_HOLDINGS_LOCK = threading.Lock()
+
+
+def from_holders(held: Holdings, key: str, step: int, read: Callable[[str], T], warn: Warn) -> T:
+    """``read(address)`` from the first holder of snapshot ``(key, step)`` that serves it.
+
+    Each holder that fails is reported (``warn``) and removed from ``held`` (so a restore
+    point chosen afterwards does not count on it); the next one is tried.
+
+    Raises:
+        CheckpointError: no holder of the snapshot served it.
+    """
+    failures: list[str] = []
+    while True:
+        with _HOLDINGS_LOCK:
+            holders = list(held.get((key, step), []))
+        if not holders:
+            tried = f" ({'; '.join(failures)})" if failures else ""
+            raise CheckpointError(f"no worker could serve the snapshot of stage {key} at step {step}{tried}")
+        address = holders[0]
+        try:
+            return read(address)
+        except FusionError as e:
+            reason = str(e)
+            failures.append(f"{address}: {reason}")
+            with _HOLDINGS_LOCK:
+                left = [a for a in held.get((key, step), []) if a != address]
+                if left:
+                    held[(key, step)] = left
+                else:
+                    held.pop((key, step), None)
+            logger.warning("snapshot of stage %s at step %d unreadable from %s: %s", key, step, address, reason)
+            warn(address, reason)
 
 
 def snapshot_holdings(job_id: str, addresses: Iterable[str], pool: ChannelPool) -> Holdings:
@@ -113,8 +159,10 @@ class WholeState:
         checkpoints: CheckpointDir,
         initial: Callable[[], Mapping[str, torch.Tensor]],
         canonical: Callable[[str], str],
+        warn: Warn = lambda address, reason: None,
     ) -> None:
         self.point = point
+        self.warn = warn
         self.job_id = job_id
         self.old_keys = list(old_keys)
         self.held = held
@@ -136,22 +184,36 @@ class WholeState:
         if p.source == "durable":
             assert p.durable is not None
             return self.checkpoints.load(p.durable)
-        fetched = run_parallel(
-            [
-                lambda k=k: (
-                    ExecutorClient(self.held[(k, p.step)][0], self.pool).get_snapshot(self.job_id, k, p.step).tensors()
-                )
-                for k in self.old_keys
-            ],
-            name="fetch-snapshot",
-        )
+
+        def fetch(key: str) -> dict[str, torch.Tensor]:
+            return from_holders(
+                self.held,
+                key,
+                p.step,
+                lambda a: ExecutorClient(a, self.pool).get_snapshot(self.job_id, key, p.step).tensors(),
+                self.warn,
+            )
+
+        fetched = run_parallel([lambda k=k: fetch(k) for k in self.old_keys], name="fetch-snapshot")
         return merge_states(fetched, self.canonical)
 
 
-def restore_stages(driver: PipelineDriver, point: RestorePoint, held: Holdings, whole: WholeState) -> dict[int, str]:
+def restore_stages(
+    driver: PipelineDriver,
+    point: RestorePoint,
+    held: Holdings,
+    whole: WholeState,
+    warn: Warn = lambda address, reason: None,
+) -> dict[int, str]:
     """Bring every stage of ``driver`` (loaded, parameters not yet set) to ``point.step``.
 
-    Returns, per stage, where its state came from (for the job's events).
+    A stage restored straight from a snapshot reads it from its own worker when that holds
+    one, else from the other holders in turn (:func:`from_holders`). Returns, per stage,
+    where its state came from (for the job's events).
+
+    Raises:
+        CheckpointError: no holder served a snapshot the restore needs (``held`` no longer
+            lists the holders that failed), or the durable checkpoint failed its checks.
     """
     job_id = driver.job_id
     step = point.step
@@ -170,11 +232,18 @@ def restore_stages(driver: PipelineDriver, point: RestorePoint, held: Holdings, 
         address = driver.addresses[idx]
         key = driver.stage_keys[idx]
         if idx in direct:
-            holders = held[(key, step)]
-            source = "" if address in holders else holders[0]
-            client.restore_stage(job_id, idx, step, source_address=source)
+            with _HOLDINGS_LOCK:  # its own copy first: nothing crosses the network
+                holders = held.get((key, step), [])
+                if address in holders:
+                    held[(key, step)] = [address, *[a for a in holders if a != address]]
+
+            def pull(source: str) -> str:
+                client.restore_stage(job_id, idx, step, source_address="" if source == address else source)
+                return source
+
+            source = from_holders(held, key, step, pull, warn)
             # Held locally: its own snapshot, or the replica it kept as the lost worker's buddy.
-            sources[idx] = "the snapshot on its worker" if not source else f"the replica on {source}"
+            sources[idx] = "the snapshot on its worker" if source == address else f"the replica on {source}"
             return
         state = stage_subset(whole.get(), driver.state_names(idx), driver.canonical)
         client.put_snapshot(make_snapshot(job_id, idx, key, step, state))

@@ -697,10 +697,19 @@ class JobRunner(threading.Thread):
             self.event("worker_joined", f"worker {w.name} ({w.address}) joined the job", worker=w.name)
         return joined
 
-    def _between_steps(self, step: int) -> int:
-        """Leavers hand off, silent spares are dropped, joiners are put to use."""
+    def leaving(self) -> set[str]:
+        """Ids of the job's workers that asked to leave and are not let go yet."""
         with self._lock:
-            leaving = {wid for wid, ev in self._leaving.items() if not ev.is_set() and wid in self.worker_ids}
+            return {wid for wid, ev in self._leaving.items() if not ev.is_set() and wid in self.worker_ids}
+
+    def _between_steps(self, step: int) -> int:
+        """Leavers hand off, silent spares are dropped, joiners are put to use; returns the
+        step to train next (earlier than ``step`` only when a snapshot of it was lost).
+
+        A leave that arrives while joiners are measured turns their re-plan into the
+        leavers' hand-off (joiners included): a leaving worker is never placed."""
+        leaving = self.leaving()
+        with self._lock:
             flagged = {wid: r for wid, r in self._lost.items() if wid not in {w.worker_id for w in self.stage_workers}}
             for wid in flagged:
                 self._lost.pop(wid, None)
@@ -713,8 +722,7 @@ class JobRunner(threading.Thread):
                     [w.address for w in self.stage_workers], [w.address for w in self.workers], self.links.get
                 )
         if leaving:
-            self._handoff(step, leaving)
-            return step
+            return self._handoff(step, leaving)
         policy = self.spec.cluster.use_joiners
         if policy == "never":
             return step
@@ -722,9 +730,12 @@ class JobRunner(threading.Thread):
         if not joined or not self._measure_with_joiners(joined):
             return step
         if policy == "if_faster" and not self.code_gate.attempt(self._faster_with_joiners):
-            return step
-        self.recovery.move(step, exclude=set(), why="replanned")
-        return step
+            leaving = self.leaving()
+            return self._handoff(step, leaving) if leaving else step
+        leaving = self.leaving()
+        if leaving:
+            return self._handoff(step, leaving)
+        return self.recovery.move(step, exclude=set(), why="replanned")
 
     def _measure_with_joiners(self, joined: Sequence[WorkerRow]) -> bool:
         """Measure the links of the job's workers with ``joined``; ``False`` keeps the current
@@ -768,15 +779,16 @@ class JobRunner(threading.Thread):
         )
         return faster
 
-    def _handoff(self, step: int, leaving: set[str]) -> None:
+    def _handoff(self, step: int, leaving: set[str]) -> int:
         names = [w.name for w in self.workers if w.worker_id in leaving]
         self.event(
             "worker_leaving",
             f"{', '.join(names)} asked to leave; handing off their state at step {step}",
             workers=names,
         )
-        self.recovery.move(step, exclude=leaving, why="replanned", let_go=lambda: self._let_go(leaving))
+        resumed = self.recovery.move(step, exclude=leaving, why="replanned", let_go=lambda: self._let_go(leaving))
         self._let_go(leaving)
+        return resumed
 
     def _let_go(self, leaving: set[str]) -> None:
         """The job no longer needs the ``leaving`` workers: drop them and end their wait."""

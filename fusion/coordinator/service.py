@@ -39,6 +39,7 @@ from fusion.auth import KeyRing, RateLimiter, control_key_from_hash, peer_host
 from fusion.config import JobSpec
 from fusion.coordinator.fetch import stream_errors, stream_outputs
 from fusion.coordinator.planning import CALIBRATE_MIN_S, JobProfileCache, LinkTable, ProfileCache
+from fusion.coordinator.recovery import answering
 from fusion.coordinator.runner import JobRunner
 from fusion.coordinator.serving import credential, job_status, open_server, requeue_after_restart
 from fusion.coordinator.store import TERMINAL_STATES, JobRow, Store, WorkerRow
@@ -132,6 +133,8 @@ class CoordinatorService:
         #: with (``GetProfile``); kept after the job ends, for as long as this process runs.
         self._job_profiles: dict[str, JobProfileCache] = {}
         self._runners: dict[str, JobRunner] = {}
+        #: Workers waiting in Deregister for their hand-off: alive (the call is open), not heart-beating.
+        self._departing: set[str] = set()
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -335,7 +338,13 @@ class CoordinatorService:
             runners = [r for r in self._runners.values() if request.worker_id in r.worker_ids]
         # A worker that leaves cleanly hands its state off first: its jobs move it elsewhere
         # at their next step boundary, and only then is it let go.
-        handed = all(r.worker_leaving(request.worker_id).wait(HANDOFF_TIMEOUT_S) for r in runners)
+        with self._lock:
+            self._departing.add(request.worker_id)
+        try:
+            handed = all(r.worker_leaving(request.worker_id).wait(HANDOFF_TIMEOUT_S) for r in runners)
+        finally:
+            with self._lock:
+                self._departing.discard(request.worker_id)
         self.store.set_worker_state(request.worker_id, "gone")
         logger.info("worker %s left: %s", row.name, reason)
         if not handed:
@@ -533,17 +542,20 @@ class CoordinatorService:
 
     def _reap_silent_workers(self) -> None:
         now = time.time()
+        with self._lock:
+            departing = set(self._departing)
         for w in self.store.workers("idle", "busy"):
             silent_s = now - w.last_heartbeat
-            if silent_s > self.heartbeat_timeout_s:
-                self.store.set_worker_state(w.worker_id, "gone")
-                logger.warning(
-                    "worker %s (%s) stopped heart-beating %.1fs ago; declared gone", w.name, w.address, silent_s
-                )
-                self._fail_jobs_of(
-                    w.worker_id,
-                    f"worker {w.name} ({w.address}) stopped heart-beating ({silent_s:.1f}s without a heartbeat)",
-                )
+            if silent_s <= self.heartbeat_timeout_s:
+                continue
+            if w.worker_id in departing and answering([w.address], self.pool, (1.0,))[0]:
+                continue  # waiting in Deregister for its hand-off, and answering: not lost
+            self.store.set_worker_state(w.worker_id, "gone")
+            logger.warning("worker %s (%s) stopped heart-beating %.1fs ago; declared gone", w.name, w.address, silent_s)
+            self._fail_jobs_of(
+                w.worker_id,
+                f"worker {w.name} ({w.address}) stopped heart-beating ({silent_s:.1f}s without a heartbeat)",
+            )
 
     def _fail_jobs_of(self, worker_id: str, reason: str) -> None:
         """Tell the jobs using a worker that it is gone; they recover without it."""
