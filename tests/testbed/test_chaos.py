@@ -1,7 +1,7 @@
 """The chaos harness on a real netns testbed: a short run, its report, and nothing left behind.
 
 Needs root (network namespaces, ``tc``, a tmpfs); skipped otherwise. Four hosts, GPT-2 tiny
-split over every worker, a two-minute window of events of several kinds (the seed's
+split over every worker, a one-minute window of events of several kinds (the seed's
 schedule is checked first), then the same job without events. The point is the harness:
 events are injected and reported with what the job did, the report has its structure, and
 every process, namespace and mount is gone at the end. A job that fails under the events
@@ -23,9 +23,9 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "testbeds" / "jobs" / "chaos-gpt2-tiny.toml"
-SEED = 4
-MINUTES = 2.0
-RATE = 4.0
+SEED = 2
+MINUTES = 1.0
+RATE = 8.0
 
 
 def test_short_chaos_run_reports_and_reaps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
