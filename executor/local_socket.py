@@ -8,8 +8,8 @@ loopback device), so a co-located pair of stages moves tensors with less CPU per
 Where the socket lives: Linux's abstract namespace, under a name derived from the data
 listener's bound TCP address, ``fusion-data/<ip>/<port>``. An abstract name has no file to
 clean up (it disappears with the socket, even when the process is killed) and, like a TCP
-port, it is scoped to the network namespace, so executors in different namespaces (the
-testbeds' emulated hosts) never see each other's local path. Since a TCP address is unique
+port, it is scoped to the network namespace, so executors in different namespaces (hosts
+that share one kernel, such as containers) never see each other's local path. Since a TCP address is unique
 within a namespace, so is the name; a peer's name is found from the address the sender
 already knows (the gRPC host and the advertised data port), so nothing new crosses the wire.
 

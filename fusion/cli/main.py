@@ -202,13 +202,32 @@ def cmd_workers(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Plan offline: the model is captured on the meta device (no weights are allocated)."""
+def offline_dag(spec: JobSpec) -> tuple[Any, Any, Any]:
+    """What ``fusion plan`` plans without workers: the job's model captured on the meta device
+    (no weights), each node's saved bytes counted as the live profile counts them
+    (:func:`fusion.saved_activations.with_static_saved_bytes`), an example micro-batch's
+    input ``x`` (on the CPU) and the step's fixed costs (the target's bytes):
+    ``(dag, x, step_costs)``."""
     import torch
 
+    from fusion.models import build_model
     from fusion.saved_activations import with_static_saved_bytes
     from fusion.training import build_job_dataset, capture_job_model, example_micro_batch
     from scheduler.estimator import StepCosts
+
+    torch.manual_seed(spec.train.seed)
+    with torch.device("meta"):
+        model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
+    x, y = example_micro_batch(spec, build_job_dataset(spec))
+    captured = capture_job_model(spec, model, x.to("meta"))
+    dag = with_static_saved_bytes(captured.dag, captured.graph_module, (x.to("meta"),))
+    return dag, x, StepCosts(target_bytes=y.numel() * y.element_size())
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan offline: the model is captured on the meta device (no weights are allocated)."""
+
+    from fusion.training import build_job_dataset, capture_job_model
     from scheduler.planner import make_plan, request_for_job
     from scheduler.topology import Topology, WorkerSpec
 
@@ -224,15 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         n = args.workers
         workers = [WorkerSpec(name=f"worker-{i}", cluster="local") for i in range(n)]
         topology = Topology.from_measurements(workers, [[0.0] * n for _ in range(n)], [[1.25e9] * n for _ in range(n)])
-    from fusion.models import build_model
-
-    torch.manual_seed(spec.train.seed)
-    with torch.device("meta"):
-        model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
-    x, y = example_micro_batch(spec, build_job_dataset(spec))
-    captured = capture_job_model(spec, model, x.to("meta"))
-    dag = with_static_saved_bytes(captured.dag, captured.graph_module, (x.to("meta"),))
-    costs = StepCosts(target_bytes=y.numel() * y.element_size())
+    dag, x, costs = offline_dag(spec)
     request = request_for_job(spec, strategy=args.strategy, step_costs=costs)
     plan = make_plan(dag, topology, request)
     if spec.compression.mode != "none" and not args.no_calibrate:

@@ -12,12 +12,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
-from fusion.cli.main import main
+from fusion.cli.main import main, offline_dag
 from fusion.config import load_job
 from fusion.graph.ir import OpDag
-from scheduler.estimator import StepCosts
 from scheduler.plan import Plan
 from scheduler.planner import PlanRequest, make_plan, request_for_job
 from scheduler.topology import Topology
@@ -34,19 +32,9 @@ SEARCH_BUDGET_S = 1.5
 
 
 def _offline_dag(job: str) -> tuple[OpDag, PlanRequest]:
-    """The DAG and request ``fusion plan`` builds for a job (see ``fusion.cli.main.cmd_plan``)."""
-    from fusion.models import build_model
-    from fusion.saved_activations import with_static_saved_bytes
-    from fusion.training import build_job_dataset, capture_job_model, example_micro_batch
-
+    """The DAG and request ``fusion plan`` builds for a job (:func:`fusion.cli.main.offline_dag`)."""
     spec = load_job(JOB_DIR / f"{job}.toml")
-    torch.manual_seed(spec.train.seed)
-    with torch.device("meta"):
-        model = build_model(spec.model.name, spec.model.preset, **spec.model.kwargs)
-    x, y = example_micro_batch(spec, build_job_dataset(spec))
-    captured = capture_job_model(spec, model, x.to("meta"))
-    dag = with_static_saved_bytes(captured.dag, captured.graph_module, (x.to("meta"),))
-    costs = StepCosts(target_bytes=y.numel() * y.element_size())
+    dag, _, costs = offline_dag(spec)
     return dag, dataclasses.replace(
         request_for_job(spec, strategy="opfence", step_costs=costs), time_budget_s=SEARCH_BUDGET_S
     )
