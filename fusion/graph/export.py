@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from fusion.errors import GraphExportError
 from fusion.graph.ir import OpDag, OpEdge, OpNode, ValueMeta
@@ -206,6 +206,23 @@ def describe_value(value: Any) -> ValueMeta:
     if isinstance(value, (tuple, list)):
         return ValueMeta(kind="tuple", size_bytes=sum(describe_value(v).size_bytes for v in value))
     return ValueMeta(kind="other", size_bytes=0)
+
+
+def _skip_the_dynamo_import() -> None:
+    """Spare each process the 2 s of CPU that its first FLOP count would spend importing
+    ``torch._dynamo``.
+
+    torch wraps every dispatch mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``,
+    whose first call imports ``torch._dynamo`` only to mark the function as never to be
+    compiled, and caches that answer on the function as ``__dynamo_disable``. Capture never
+    runs under ``torch.compile``, so the answer is the function itself: cache that. Where a
+    torch release no longer wraps the mode this does nothing (``__wrapped__`` is absent)."""
+    raw = getattr(_FlopCounterMode.__torch_dispatch__, "__wrapped__", None)
+    if raw is not None and getattr(raw, "__dynamo_disable", None) is None:
+        raw.__dynamo_disable = raw
+
+
+_skip_the_dynamo_import()
 
 
 class _Propagator(fx.Interpreter):

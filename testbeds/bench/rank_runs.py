@@ -1,6 +1,6 @@
 """The baselines' side of the side-by-side benchmark (:mod:`testbeds.bench.harness`): one
 ``torch.distributed`` rank per testbed host (:mod:`testbeds.bench.baselines`), rendezvous on
-the first, started in each host's namespace, retried once when a rank crashes, and read back
+the first, started in each host's namespace, retried when a rank crashes, and read back
 as a :class:`~testbeds.bench.runs.Run`; a system whose replica does not fit a host's
 ``memory_gb`` is reported infeasible instead of run."""
 
@@ -51,6 +51,8 @@ def run_ranks(
                 host,
                 [
                     sys.executable,
+                    "-X",
+                    "faulthandler",  # a rank killed by SIGABRT dumps its Python threads to its log
                     "-m",
                     module,
                     "--job",
@@ -78,11 +80,8 @@ def run_ranks(
         for rank, p in enumerate(procs):
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
             if p.returncode != 0:
-                log = workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log"
                 error = RankCrashed if p.returncode < 0 else FusionError
-                raise error(
-                    f"{module} rank {rank} exited with {p.returncode}: {log.read_text(errors='replace')[-1500:]}"
-                )
+                raise error(f"{module} rank {rank} exited with {p.returncode}: {_log_tails(module, workdir, procs)}")
     except subprocess.TimeoutExpired as e:
         raise FusionError(f"{module} did not finish within {timeout_s:.0f}s") from e
     finally:
@@ -92,6 +91,17 @@ def run_ranks(
             if p.poll() is None:
                 stop_process_group(p)
     return read_jsonl(metrics)
+
+
+def _log_tails(module: str, workdir: Path, procs: list[subprocess.Popen[bytes]]) -> str:
+    """The end of every rank's log, each headed by its rank and exit status: a rank that
+    crashes often does so because another one did."""
+    short = module.rsplit(".", 1)[-1]
+    tails = []
+    for rank, p in enumerate(procs):
+        text = (workdir / f"{short}-rank{rank}.log").read_text(errors="replace")[-1500:]
+        tails.append(f"[rank {rank}, exit {p.poll()}] {text}")
+    return "\n".join(tails)
 
 
 def _rank_emulation_args(factor: float | None, emulation: str, profiled: Path | None) -> list[str]:
@@ -108,16 +118,29 @@ class RankCrashed(FusionError):
     a rank with SIGABRT now and then: "terminate called without an active exception")."""
 
 
+#: Tries of a rank system before a crash fails it. CI once saw two crashes in a row (stop
+#: 36); every try starts fresh processes on a fresh rendezvous port.
+RANK_TRIES = 3
+
+
 def _run_ranks_retrying(
     tb: Any, module: str, spec_file: Path, hosts: list[str], **kwargs: Any
 ) -> tuple[list[dict[str, Any]], str]:
-    """:func:`run_ranks`, once more if a rank crashed; the records and a note saying so."""
-    try:
-        return run_ranks(tb, module, spec_file, hosts, **kwargs), ""
-    except RankCrashed as e:
-        first = str(e).splitlines()[0][:200]
-        logger.warning("%s; running it again", first)
-        return run_ranks(tb, module, spec_file, hosts, **kwargs), f"run again after a crash ({first})"
+    """:func:`run_ranks`, again while a rank crashed (at most :data:`RANK_TRIES` tries); the
+    records and a note naming the crashes."""
+    crashes: list[str] = []
+    while True:
+        try:
+            records = run_ranks(tb, module, spec_file, hosts, **kwargs)
+        except RankCrashed as e:
+            crashes.append(str(e).splitlines()[0][:200])
+            if len(crashes) >= RANK_TRIES:
+                raise
+            logger.warning("%s; running it again", crashes[-1])
+            continue
+        times = "a crash" if len(crashes) == 1 else f"{len(crashes)} crashes"
+        note = f"run again after {times} ({crashes[0]})" if crashes else ""
+        return records, note
 
 
 def run_baseline(

@@ -2,10 +2,12 @@
 
 Needs root (network namespaces, ``tc``, a tmpfs); skipped otherwise. Four hosts, GPT-2 tiny
 split over every worker, a one-minute window of events of several kinds (the seed's
-schedule is checked first), then the same job without events. The point is the harness:
-events are injected and reported with what the job did, the report has its structure, and
-every process, namespace and mount is gone at the end. A job that fails under the events
-is accepted only when the report names why.
+schedule is checked first). The point is the harness: events are injected and reported with
+what the job did, the report has its structure, and every process, namespace and mount is
+gone at the end. A job that fails under the events is accepted only when the report names
+why. The uninterrupted reference run is left out (``--no-reference``: it would double the
+test's two minutes); the model comparison is tested on its own
+(``tests/unit/test_chaos_compare.py``), and the committed soak compares for real.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def test_short_chaos_run_reports_and_reaps(tmp_path: Path, capsys: pytest.Captur
     out = tmp_path / "chaos.json"
     argv = ["--topology", "two-sites", "--job", str(JOB), "--minutes", str(MINUTES), "--seed", str(SEED),
             "--events-per-minute", str(RATE), "--steps", "300", "--json", str(out),
-            "--log-dir", str(tmp_path / "logs"), "--job-timeout", "420"]  # fmt: skip
+            "--log-dir", str(tmp_path / "logs"), "--job-timeout", "420", "--no-reference"]  # fmt: skip
     rc = main(argv)
     printed = capsys.readouterr().out
     doc = json.loads(out.read_text())
@@ -65,7 +67,7 @@ def test_short_chaos_run_reports_and_reaps(tmp_path: Path, capsys: pytest.Captur
     if chaos["finished"]:
         assert summary["events_injected"] >= 5, summary
         assert len(summary["injected_by_kind"]) >= 3, summary
-        assert summary["model_equal"] is not None, doc.get("model")
+        assert summary["model_equal"] is None and "not compared" in printed  # --no-reference
     else:
         assert chaos["state"] in ("failed", "cancelled", "running", None)
         assert chaos["reason"] or chaos["state"] != "failed", "a failed job's report names the reason"

@@ -1,5 +1,5 @@
-"""A baseline rank killed by a signal makes the benchmark run that system once more, and
-says so; a rank's own error, or a second crash, still fails. (``run_ranks`` itself is
+"""A baseline rank killed by a signal makes the benchmark run that system again, and says
+so; a rank's own error, or a third crash, still fails. (``run_ranks`` itself is
 exercised for real in tests/testbed/test_bench.py.)"""
 
 from __future__ import annotations
@@ -44,11 +44,19 @@ def test_a_crashed_rank_runs_the_system_again(system: str, tmp_path: Path, monke
     assert "run again after a crash (testbeds.bench.baselines.x rank 2 exited with -6" in run.note
 
 
-def test_a_second_crash_or_a_ranks_own_error_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tb = SimpleNamespace(hosts=["a", "b"])
+def test_two_crashes_are_run_again_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_ranks, calls = fake_ranks(
-        [bench.RankCrashed("rank 0 exited with -6"), bench.RankCrashed("rank 1 exited with -11")]
+        [bench.RankCrashed("rank 0 exited with -6"), bench.RankCrashed("rank 0 exited with -6")]
     )
+    monkeypatch.setattr(bench, "run_ranks", run_ranks)
+    run = bench.run_baseline(SimpleNamespace(hosts=["a", "b"]), "ddp", JOB, steps=2, workdir=tmp_path, timeout_s=10)
+    assert len(calls) == bench.RANK_TRIES == 3 and run.records
+    assert run.note == "run again after 2 crashes (rank 0 exited with -6)"
+
+
+def test_a_third_crash_or_a_ranks_own_error_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tb = SimpleNamespace(hosts=["a", "b"])
+    run_ranks, calls = fake_ranks([bench.RankCrashed(f"rank 0 exited with -{n}") for n in (6, 6, 11)])
     monkeypatch.setattr(bench, "run_ranks", run_ranks)
     with pytest.raises(bench.RankCrashed, match="-11"):
         bench.run_baseline(tb, "ddp", JOB, steps=2, workdir=tmp_path, timeout_s=10)
