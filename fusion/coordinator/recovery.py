@@ -215,7 +215,7 @@ class Recovery:
         old_keys = self._settled_keys
         # Snapshots are read before any worker is reloaded, from every worker still here and
         # from dropped ones that still answer (heart-beats late under load is not death).
-        held = snapshot_holdings(job.job_id, [w.address for w in job.workers] + dropped, self.pool)
+        held = snapshot_holdings(job.job_id, [w.address for w in job.workers], self.pool, dropped=dropped)
         t_held = time.perf_counter()
         self._place(replan=over_cap is not None)
         t_placed = time.perf_counter()
@@ -331,9 +331,10 @@ class Recovery:
         for wid, reason in flagged.items():
             lost.setdefault(wid, (reason, "gone"))
         # A refused connection is a dead process; a slow answer on a loaded machine is not,
-        # so it gets a second, longer chance before the worker is dropped.
-        addresses = [w.address for w in job.workers]
-        for w, ok in zip(job.workers, answering(addresses, self.pool, (2.0, 8.0)), strict=False):
+        # so it gets a second, longer chance before the worker is dropped. Workers already
+        # found lost are not asked: a frozen one would hold the recovery for both deadlines.
+        unknown = [w for w in job.workers if w.worker_id not in lost]
+        for w, ok in zip(unknown, answering([w.address for w in unknown], self.pool, (2.0, 8.0)), strict=True):
             if not ok:
                 lost.setdefault(
                     w.worker_id, (f"worker {w.name} ({w.address}) stopped answering: {failure_reason(error)}", "gone")

@@ -91,14 +91,28 @@ def from_holders(held: Holdings, key: str, step: int, read: Callable[[str], T], 
             warn(address, reason)
 
 
-def snapshot_holdings(job_id: str, addresses: Iterable[str], pool: ChannelPool) -> Holdings:
-    """Which worker holds which complete snapshot; workers that do not answer hold nothing."""
-    addresses = list(dict.fromkeys(addresses))
+#: Seconds a worker of the job has to list its snapshots.
+LIST_TIMEOUT_S = 5.0
+#: The same for a worker just declared gone: a frozen or cut-off one would hold the whole
+#: recovery for the full deadline, and its stages' replicas sit on other workers anyway.
+#: One that is only late under load still answers a listing this quickly.
+DROPPED_LIST_TIMEOUT_S = 2.0
+
+
+def snapshot_holdings(
+    job_id: str, addresses: Iterable[str], pool: ChannelPool, *, dropped: Iterable[str] = ()
+) -> Holdings:
+    """Which worker holds which complete snapshot; workers that do not answer hold nothing.
+    ``dropped``: workers just declared gone, asked too but with a shorter deadline."""
+    dropped = set(dropped)
+    addresses = list(dict.fromkeys([*addresses, *dropped]))
 
     def ask(address: str) -> list[tuple[str, int]]:
+        timeout_s = DROPPED_LIST_TIMEOUT_S if address in dropped else LIST_TIMEOUT_S
         try:
             return [
-                (i.stage_key, int(i.step)) for i in ExecutorClient(address, pool).list_snapshots(job_id, timeout_s=5.0)
+                (i.stage_key, int(i.step))
+                for i in ExecutorClient(address, pool).list_snapshots(job_id, timeout_s=timeout_s)
             ]
         except FusionError as e:
             logger.info("listing snapshots on %s failed: %s", address, e)

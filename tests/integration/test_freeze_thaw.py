@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(900)
 HEARTBEAT_TIMEOUT_S = 2.0
 #: Freeze/thaw cycles in one job, and its steps (enough to outlast them).
 CYCLES = 2
-STEPS = 600
+STEPS = 200
 #: Longest a test freeze lasts once the worker was declared gone, when the job does not
 #: resume without it first.
 HOLD_S = 20.0

@@ -54,7 +54,7 @@ def test_a_worker_cut_off_past_the_timeout_comes_back_when_the_link_heals(
     fleet_, cut_file = fleet
     job = Job(
         fleet_,
-        job_file(tmp_path / "job.toml", tmp_path / "out", workers=3, joiners="always", steps=300, optimizer=SGD),
+        job_file(tmp_path / "job.toml", tmp_path / "out", workers=3, joiners="always", steps=150, optimizer=SGD),
     )
     job.wait_step(3)
     assert VICTIM in job.stage_workers(), job.stage_workers()
