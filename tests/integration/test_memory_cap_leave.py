@@ -31,7 +31,9 @@ def test_a_job_whose_last_worker_leaves_waits_and_resumes_when_a_worker_joins(
     fleet_of: Callable[[int], Fleet], tmp_path: Path
 ) -> None:
     fleet = fleet_of(1)
-    path = job_file(tmp_path / "job.toml", tmp_path / "out", n_embd=32, steps=6, workers=1)
+    # Long enough (about 0.2 s a step) that the job is still running when the SIGINT lands:
+    # at 6 steps it could finish in the 0.1 s between the poll that saw step 2 and the leave.
+    path = job_file(tmp_path / "job.toml", tmp_path / "out", n_embd=32, steps=40, workers=1)
     with CoordinatorClient(fleet.coordinator_address, TOKEN) as client:
         job_id = client.submit(load_job(path))
         left_at = wait_until(client, job_id, lambda s: s["state"] == "running" and s["step"] >= 2, 240.0)["step"]
