@@ -178,7 +178,7 @@ def test_a_job_that_loses_memory_waits_pending_and_resumes_when_memory_joins(
     leaves with Ctrl-C (SIGINT, the graceful leave). Each time the job waits until a worker
     lending more joins; the leaver is not held up by the wait and nothing it held is redone."""
     fleet = fleet_of(3)
-    path = job_file(tmp_path / "job.toml", tmp_path / "out", steps=18)
+    path = job_file(tmp_path / "job.toml", tmp_path / "out", steps=30)  # steps 12-30 outlast the Ctrl-C below
     with CoordinatorClient(fleet.coordinator_address, TOKEN) as client:
         job_id = client.submit(load_job(path))
         s = wait_until(client, job_id, lambda s: s["state"] == "running" and s["step"] >= 6, 240.0)
