@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from testbeds.bench.transport import EXECUTOR_WARM_UP_S, measure_transport
+from testbeds.bench.transport import measure_transport, wait_until_warm
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def bench_steps(
     rows = [{"system": "single-process", "workers": 1, "step_s": round(single, 3), "ratio": 1.0}]
     for k in workers:
         with LocalCluster(k) as cluster:
-            time.sleep(EXECUTOR_WARM_UP_S)  # see bench_transport
+            wait_until_warm([p.pid for p in cluster.processes])
             result = train_distributed(
                 job,
                 cluster.addresses,

@@ -179,7 +179,7 @@ def measure_transfer_path(
     """
     from executor.client import ChannelPool, ExecutorClient
     from fusion.launch.executors import LocalCluster
-    from testbeds.bench.core import EXECUTOR_WARM_UP_S
+    from testbeds.bench.transport import wait_until_warm
 
     per_round = max(3, trials // rounds)
     echo(
@@ -193,7 +193,7 @@ def measure_transfer_path(
         try:
             client = ExecutorClient(cluster.addresses[0], pool)
             client.probe(1 << 20)
-            time.sleep(EXECUTOR_WARM_UP_S)  # the executor imports in the background for its first seconds
+            wait_until_warm([p.pid for p in cluster.processes])
             for r in range(rounds):
                 for k, size in enumerate(sizes):
                     times = median_after_pauses(
@@ -309,7 +309,7 @@ def measure_interference(
     from executor.server import ExecutorService, start_server
     from fusion.auth import new_key
     from fusion.launch.executors import LocalCluster
-    from testbeds.bench.core import EXECUTOR_WARM_UP_S
+    from testbeds.bench.transport import wait_until_warm
 
     block = probe_computation()
 
@@ -333,7 +333,7 @@ def measure_interference(
             try:
                 client = ExecutorClient(cluster.addresses[0], pool)
                 client.probe(sizes[-1])
-                time.sleep(EXECUTOR_WARM_UP_S)  # both executors import in the background for their first seconds
+                wait_until_warm([os.getpid(), *(p.pid for p in cluster.processes)])  # both services warm up
                 for _ in range(rounds):
                     for size in sizes:
                         receive[size].append(measure_receive(run, size, seconds, f"127.0.0.1:{port}", key))
@@ -375,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"rounds of the transfer interference (default {ROUNDS})",
     )
     p.add_argument(
+        "--transfer-rounds",
+        type=int,
+        default=TRANSFER_ROUNDS,
+        help=f"rounds of the transfer path over every size (default {TRANSFER_ROUNDS})",
+    )
+    p.add_argument(
         "--out",
         default=str(RESULTS / MACHINE_COSTS_FILE),
         help="JSON path (default: testbeds/results/bench/pause-cost.json)",
@@ -383,11 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.trials < 3:
         print("error: --trials must be at least 3", file=sys.stderr)
         return 2
-    if args.interference_seconds <= 0 or args.interference_rounds < 1:
-        print("error: --interference-seconds must be positive and --interference-rounds at least 1", file=sys.stderr)
+    if args.interference_seconds <= 0 or args.interference_rounds < 1 or args.transfer_rounds < 1:
+        print(
+            "error: --interference-seconds must be positive, --interference-rounds and --transfer-rounds at least 1",
+            file=sys.stderr,
+        )
         return 2
     cost = measure(trials=args.trials)
-    path, lowest, highest = measure_transfer_path(trials=args.trials)
+    path, lowest, highest = measure_transfer_path(trials=args.trials, rounds=args.transfer_rounds)
     interference, least, most = measure_interference(seconds=args.interference_seconds, rounds=args.interference_rounds)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,8 +48,9 @@ while True:
 """
 
 
-#: Seconds a new executor spends on its start-up imports (~3 s on 2 cores), with margin.
-EXECUTOR_WARM_UP_S = 6.0
+#: Seconds a new executor spends at least on its start-up imports (~3 s on 2 cores); then
+#: :func:`wait_until_warm` waits until it idles.
+EXECUTOR_WARM_UP_S = 2.0
 #: The job the benchmark admits on its executor to sign data-plane frames with.
 BENCH_JOB = "bench-transport"
 
@@ -159,18 +160,21 @@ def _medians(paths: _Paths, n: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _wait_idle(pid: int, *, idle_cpu_percent: float = 5.0, timeout_s: float = 120.0) -> None:
-    """Wait until the executor has finished warming up: for its first seconds (many more on a
-    loaded machine) a background thread imports torch's optimizer machinery
-    (``executor.server._warm_imports``) and holds the GIL, which times every call it serves at
-    several milliseconds more. At least :data:`EXECUTOR_WARM_UP_S`; then until it idles."""
+def wait_until_warm(pids: Sequence[int], *, idle_cpu_percent: float = 5.0, timeout_s: float = 120.0) -> None:
+    """Wait until new executor processes have finished warming up: for their first seconds
+    (many more on a loaded machine) a background thread imports torch's optimizer machinery
+    (``executor.server._warm_imports``) and holds the GIL, which times every call they serve
+    at several milliseconds more, and takes a core from whatever is timed beside them. At
+    least :data:`EXECUTOR_WARM_UP_S`; then until each uses at most ``idle_cpu_percent`` of a
+    core over a second (or ``timeout_s`` has passed)."""
     import psutil
 
     time.sleep(EXECUTOR_WARM_UP_S)
-    proc = psutil.Process(pid)
     deadline = time.monotonic() + timeout_s
-    while proc.cpu_percent(interval=1.0) > idle_cpu_percent and time.monotonic() < deadline:
-        pass
+    for pid in pids:
+        proc = psutil.Process(pid)
+        while proc.cpu_percent(interval=1.0) > idle_cpu_percent and time.monotonic() < deadline:
+            pass
 
 
 def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
@@ -185,7 +189,7 @@ def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
                 raise RuntimeError(
                     f"the data plane took the wrong paths: {paths.local.num_frames, paths.data.num_frames}"
                 )
-            _wait_idle(cluster.processes[0].pid)
+            wait_until_warm([cluster.processes[0].pid])
             return body(paths)
         finally:
             paths.close()

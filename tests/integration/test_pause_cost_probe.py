@@ -17,7 +17,8 @@ from testbeds.sim.machine import PauseCost, interference_beside, transfer_path_b
 def test_measure_writes_both_curves_and_stops_its_processes(tmp_path: Path) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     out = tmp_path / "pause-cost.json"
-    assert main(["--trials", "3", "--interference-seconds", "1", "--interference-rounds", "1", "--out", str(out)]) == 0
+    args = ["--trials", "3", "--transfer-rounds", "1", "--interference-seconds", "1", "--interference-rounds", "1"]
+    assert main([*args, "--out", str(out)]) == 0
     cost = PauseCost.from_dict(json.loads(out.read_text()))
     assert len(cost.pauses_s) == len(cost.idle_s) == len(cost.loaded_s) >= 3
     path = transfer_path_beside(tmp_path)
@@ -36,4 +37,5 @@ def test_too_few_trials_is_refused_before_measuring(tmp_path: Path) -> None:
     assert main(["--trials", "1", "--out", str(tmp_path / "x.json")]) == 2
     assert main(["--interference-seconds", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert main(["--interference-rounds", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert main(["--transfer-rounds", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert not list(tmp_path.iterdir())
