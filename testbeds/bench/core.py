@@ -12,9 +12,10 @@ are noisy and absolute numbers drift between runs; the ratios are the result.
   same number of bytes over a raw TCP socket into a preallocated buffer. MB/s for each
   size, each path as a fraction of the socket (``ratio``: the data plane over TCP;
   ``unix_ratio``: over its local Unix socket), and a 64 KiB round trip on each.
-- **Step time**: GPT-2 trained on one process, then split evenly over K local worker
-  processes (``uniform``, no compression). On one host the workers share its cores, so
-  the ratio measures fusion's overhead, not a speed-up.
+- **Step time**: GPT-2 trained on one process, then split over K local worker processes,
+  no compression: evenly by node count (``uniform``) and as fusion's planner balances the
+  profiled compute (``compute``, :func:`planned_split`). On one host the workers share its
+  cores, so the ratio measures fusion's overhead, not a speed-up.
 """
 
 from __future__ import annotations
@@ -72,26 +73,64 @@ def bench_steps(
     for k in workers:
         with LocalCluster(k) as cluster:
             wait_until_warm([p.pid for p in cluster.processes])
-            result = train_distributed(
-                job,
-                cluster.addresses,
-                device=device,
-                on_step=lambda s, k=k: print(
-                    f"  {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s", file=sys.stderr
-                ),
-            )
-        step_s = statistics.median([s.step_s for s in result.stats[1:]] or [s.step_s for s in result.stats])
-        link_bytes = max((b for s in result.stats[-1:] for b in s.sent_bytes.values()), default=0)
-        rows.append(
-            {
-                "system": f"fusion-uniform-{k}",
-                "workers": k,
-                "step_s": round(step_s, 3),
-                "ratio": round(step_s / single, 3),
-                "max_link_bytes_per_step": link_bytes,
-            }
-        )
+            split = {"uniform": None, "compute": planned_split(job, cluster.addresses, device)}
+            for name, placement in split.items():
+                result = train_distributed(
+                    job,
+                    cluster.addresses,
+                    assignment=placement[0] if placement else None,
+                    stage_workers=placement[1] if placement else None,
+                    device=device,
+                    on_step=lambda s, k=k, name=name: print(
+                        f"  {name} over {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s"
+                        f" (stage compute {', '.join(f'{c:.2f}' for _, c in sorted(s.compute_s.items()))} s)",
+                        file=sys.stderr,
+                    ),
+                )
+                step_s = statistics.median([s.step_s for s in result.stats[1:]] or [s.step_s for s in result.stats])
+                link_bytes = max((b for s in result.stats[-1:] for b in s.sent_bytes.values()), default=0)
+                rows.append(
+                    {
+                        "system": f"fusion-{name}-{k}",
+                        "workers": k,
+                        "step_s": round(step_s, 3),
+                        "ratio": round(step_s / single, 3),
+                        "max_link_bytes_per_step": link_bytes,
+                    }
+                )
     return rows
+
+
+def planned_split(job: Any, addresses: list[str], device: str) -> tuple[dict[str, int], list[int]]:
+    """The stages fusion's planner gives ``job`` over the executors at ``addresses`` with the
+    ``compute`` strategy (every worker used, stages balanced by the profiled compute, as the
+    coordinator measures and plans a job): node -> stage, and the address index of each stage.
+
+    An even split by node count leaves GPT-2's last stage with the LM head, a fifth of the
+    model's compute, and the step waits on it (``fusion-uniform``)."""
+    from executor.client import ChannelPool
+    from fusion.coordinator.planning import Endpoint, measure, plan_job
+    from fusion.profiling import measure_device
+    from fusion.training import build_job_dataset, build_job_model, capture_job_model, example_micro_batch
+
+    flops = measure_device(device).matmul_flops
+    endpoints = [
+        Endpoint(name=f"w{i}", address=a, matmul_flops=flops, machine="this-host") for i, a in enumerate(addresses)
+    ]
+    model = build_job_model(job)
+    dataset = build_job_dataset(job)
+    captured = capture_job_model(job, model, example_micro_batch(job, dataset)[0])
+    pool = ChannelPool()
+    try:
+        plan = plan_job(job, measure(job, model, captured, dataset, endpoints, pool, device=device), strategy="compute")
+    finally:
+        pool.close()
+    print(
+        f"  planned (compute): {', '.join(f'{len(st.nodes)} nodes on {st.worker}' for st in plan.stages)}",
+        file=sys.stderr,
+    )
+    index = {e.name: i for i, e in enumerate(endpoints)}
+    return plan.assignment(), [index[st.worker] for st in plan.stages]
 
 
 def main(argv: list[str] | None = None) -> int:
