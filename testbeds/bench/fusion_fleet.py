@@ -18,7 +18,7 @@ from fusion.config import JobSpec
 from fusion.errors import FusionError
 from fusion.launch import child_env
 from fusion.profiling import measure_device
-from testbeds.bench.runs import Run, job_toml, read_jsonl
+from testbeds.bench.runs import Run, job_toml, step_records
 from testbeds.bench.split_metrics import fleet_peak_memory
 from testbeds.dilation import dilated_timeout_s
 from testbeds.net.launch import host_memory_gb, worker_command
@@ -127,7 +127,7 @@ class FusionFleet:
                 raise FusionError(f"{system} job {job_id} did not finish within {timeout_s:.0f}s")
             time.sleep(0.5)
         summary = json.loads(summary_path.read_text())
-        run = Run(system=system, records=read_jsonl(job_dir / "metrics.jsonl"), wall_s=time.monotonic() - t0)
+        run = Run(system=system, records=step_records(job_dir / "metrics.jsonl"), wall_s=time.monotonic() - t0)
         if summary.get("state") != "succeeded":
             run.note = f"{summary.get('state')}: {summary.get('reason')}"
         run.final_loss = summary.get("final_loss")

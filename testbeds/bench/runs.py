@@ -40,6 +40,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def step_records(path: Path) -> list[dict[str, Any]]:
+    """The per-step records of a fusion job's ``metrics.jsonl``: the job's events written
+    between them (``{"event": ...}``: checkpoints, re-plans, compression changes) are left
+    out, so every record has its ``step``."""
+    return [r for r in read_jsonl(path) if "event" not in r]
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

@@ -5,6 +5,7 @@ ddp's infeasible note and the ``--json`` row keys (:mod:`testbeds.bench.systems`
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,22 @@ def test_the_json_rows_carry_the_contract_keys() -> None:
     assert rows["pipelining-best"]["time_to_target_s"] == pytest.approx(1.5)
     assert rows["ddp"]["time_to_target_s"] is None and rows["ddp"]["peak_memory_bytes"] == {"a-1": 9}
     assert set(SYSTEMS) >= {"fusion", "fusion-dense", "uniform", "compute", "pipelining", "pipelining-best", "fsdp"}
+
+
+def test_a_fusion_runs_step_records_leave_its_events_out(tmp_path: Path) -> None:
+    """A compressed job's metrics.jsonl holds events between its steps, some without a step
+    (the bench once failed with ``KeyError: 'step'`` after a 9-minute run)."""
+    import json
+
+    from testbeds.bench.runs import step_records
+
+    lines = [
+        {"step": 0, "loss": 3.0, "step_s": 0.5},
+        {"event": "compression", "message": "adatopk on the slow cut"},
+        {"step": 1, "loss": 2.5, "step_s": 0.5},
+        {"event": "checkpoint", "message": "durable checkpoint at step 2", "step": 2},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [r["step"] for r in step_records(path)] == [0, 1]
+    assert step_records(tmp_path / "missing.jsonl") == []
