@@ -73,13 +73,13 @@ def bench_steps(
     for k in workers:
         with LocalCluster(k) as cluster:
             wait_until_warm([p.pid for p in cluster.processes])
-            split = {"uniform": None, "compute": planned_split(job, cluster.addresses, device)}
-            for name, placement in split.items():
+            splits = {"uniform": (None, None), "compute": planned_split(job, cluster.addresses, device)}
+            for name, (assignment, stage_workers) in splits.items():
                 result = train_distributed(
                     job,
                     cluster.addresses,
-                    assignment=placement[0] if placement else None,
-                    stage_workers=placement[1] if placement else None,
+                    assignment=assignment,
+                    stage_workers=stage_workers,
                     device=device,
                     on_step=lambda s, k=k, name=name: print(
                         f"  {name} over {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s"
