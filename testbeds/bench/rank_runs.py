@@ -122,6 +122,9 @@ class RankCrashed(FusionError):
 #: 36); every try starts fresh processes on a fresh rendezvous port.
 RANK_TRIES = 3
 
+#: How the note of a system whose crashed rank was run again begins.
+RERUN_NOTE = "run again after"
+
 
 def _run_ranks_retrying(
     tb: Any, module: str, spec_file: Path, hosts: list[str], **kwargs: Any
@@ -139,7 +142,7 @@ def _run_ranks_retrying(
             logger.warning("%s; running it again", crashes[-1])
             continue
         times = "a crash" if len(crashes) == 1 else f"{len(crashes)} crashes"
-        note = f"run again after {times} ({crashes[0]})" if crashes else ""
+        note = f"{RERUN_NOTE} {times} ({crashes[0]})" if crashes else ""
         return records, note
 
 

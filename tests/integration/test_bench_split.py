@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from testbeds.bench.rank_runs import RERUN_NOTE
 from tests.support.bench import run_bench
 
 TOPOLOGY = """[[hosts]]
@@ -83,8 +84,12 @@ def test_the_split_bench_runs_every_system(tmp_path: Path) -> None:
         for key in ("step_s", "final_loss", "losses", "hosts_used", "slowest_link_bytes", "note", "time_to_target_s"):
             assert key in row, (name, key)
         assert "peak_memory_bytes" in row, name
-    for name in ("fusion", "fusion-dense", "pipelining-best", "fsdp"):
+    for name in ("fusion", "fusion-dense"):
         assert systems[name]["note"] == "", (name, systems[name]["note"])
+    for name in ("pipelining-best", "fsdp"):
+        # a gloo rank that crashed is run again (RANK_TRIES), and says so
+        note = systems[name]["note"]
+        assert note == "" or note.startswith(RERUN_NOTE), (name, note)
         assert len(systems[name]["losses"]) == 3, name
     assert len(systems["fusion"]["hosts_used"]) >= 2
     fsdp = systems["fsdp"]

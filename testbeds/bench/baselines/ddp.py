@@ -12,15 +12,13 @@ seeded), wraps it in DDP, and trains on its slice of each batch
 from __future__ import annotations
 
 import logging
-import sys
 
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fusion.training import build_job_model
 from testbeds.bench.baselines.data_parallel import rank_samples, train_data_parallel
 from testbeds.bench.baselines.profiled import ddp_attach_args
-from testbeds.bench.baselines.rank import init_gloo, parse_args
+from testbeds.bench.baselines.rank import gloo_group, parse_args, rank_main
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +26,12 @@ logger = logging.getLogger(__name__)
 def run(argv: list[str] | None = None) -> int:
     args = parse_args("python -m testbeds.bench.baselines.ddp", "DDP over gloo, one rank of N", argv)
     samples = rank_samples(args, "DDP")
-    init_gloo(args)
-    try:
+    with gloo_group(args):
         local = build_job_model(args.job)
         args.emulate(local, lambda doc: ddp_attach_args(doc, samples))
         train_data_parallel(args, DistributedDataParallel(local))
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    sys.exit(run())
+    rank_main(run)

@@ -18,10 +18,8 @@ with every rank's peak memory (:mod:`testbeds.bench.baselines.memory`) added to 
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -29,7 +27,7 @@ from fusion.errors import ConfigError
 from fusion.training import build_job_model
 from testbeds.bench.baselines.data_parallel import rank_samples, train_data_parallel
 from testbeds.bench.baselines.pipelining import tied_groups
-from testbeds.bench.baselines.rank import init_gloo, parse_args
+from testbeds.bench.baselines.rank import gloo_group, parse_args, rank_main
 from testbeds.sim.block_split import block_names
 
 logger = logging.getLogger(__name__)
@@ -55,19 +53,15 @@ def run(argv: list[str] | None = None) -> int:
     samples = rank_samples(args, "FSDP")
     if args.slowdown > 1.0 and args.emulation == "profile":
         raise ConfigError("the fsdp baseline emulates slower devices by wall time only (--emulation wall)")
-    init_gloo(args)
-    try:
+    with gloo_group(args):
         mesh = init_device_mesh("cpu", (args.world_size,))
         model = build_job_model(args.job)
         args.emulate(model, lambda doc: {"samples": samples})
         units = shard(model, mesh)
         logger.info("rank %d: %d block units and the root", args.rank, len(units))
         train_data_parallel(args, model, peak_of=model)
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    sys.exit(run())
+    rank_main(run)

@@ -25,7 +25,6 @@ the first hosts in join order, ``pipelining-best`` the cluster chain of
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterable
 
 import torch
@@ -45,8 +44,9 @@ from testbeds.bench.baselines.profiled import gpipe_attach_args
 from testbeds.bench.baselines.rank import (
     MetricsWriter,
     StepTimer,
-    init_gloo,
+    gloo_group,
     parse_args,
+    rank_main,
     token_count,
 )
 from testbeds.sim.block_split import block_names, even_split_points
@@ -81,8 +81,7 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args("python -m testbeds.bench.baselines.pipelining", "GPipe over gloo, one stage of S", argv)
     job = args.job
     num_stages, m = args.world_size, job.train.micro_batches
-    init_gloo(args)
-    try:
+    with gloo_group(args):
         model = build_job_model(job)
         dataset = build_job_dataset(job)
         example_x, _ = example_micro_batch(job, dataset)
@@ -159,11 +158,8 @@ def run(argv: list[str] | None = None) -> int:
                 bytes_per_link={f"{k - 1}->{k}": 2 * int(stats[step, 2 + k]) for k in range(1, num_stages)},
                 peak_memory_bytes={str(r): int(peaks[r]) for r in range(num_stages)},
             )
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    sys.exit(run())
+    rank_main(run)

@@ -12,11 +12,14 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import psutil
 import torch
@@ -135,6 +138,46 @@ def init_gloo(args: RankArgs, *, timeout_s: float = 300.0) -> None:
         world_size=args.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+@contextmanager
+def gloo_group(args: RankArgs) -> Iterator[None]:
+    """Inside: this rank is in the gloo group (:func:`init_gloo`). A body that returns waits
+    for every rank (a barrier) before the group is destroyed, so that no rank tears its pairs
+    down while a peer still sends on them; a body that raises destroys it at once."""
+    import torch.distributed as dist
+
+    init_gloo(args)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_main(run: Callable[[], int]) -> NoReturn:
+    """A rank module's ``__main__``: ``run()``, then leave the process without finalizing the
+    interpreter (``os._exit``, once the output is flushed).
+
+    gloo's worker threads can outlive :func:`~torch.distributed.destroy_process_group` and
+    abort the process from a C++ destructor while the interpreter shuts down ("terminate
+    called without an active exception", exit -6), after a run whose work is done and
+    written; skipping the finalization leaves nothing for them to abort. A raised error is
+    printed and exits 1, as Python would."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        code = run()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 #: Interfaces whose counters are not traffic onto a link: loopback, and the netns delay
