@@ -18,7 +18,14 @@ activation each way per micro-batch and is full duplex; and a stage paces its se
 destination at the link's bandwidth, :mod:`executor.sender`, so the link is busy for the
 bytes while the latencies overlap; where a stage sends one transfer at a time instead,
 each until its answer, :attr:`~scheduler.topology.Topology.paced_sends` false, a link is
-busy a round trip plus the bytes per transfer: :func:`link_busy_s`). Hence
+busy a round trip plus the bytes per transfer: :func:`link_busy_s`). The window bounds
+it too: a micro-batch stays in flight on stage ``s`` from its forward there until its
+backward there, at least ``loop_s`` (the time one micro-batch alone takes for that
+round: ``s``'s forward, everything downstream, ``s``'s backward), and 1F1B lets ``s`` hold
+at most ``min(M, depth_s + 1)`` micro-batches at once (:mod:`executor.schedule`; GPipe
+holds ``M``), so ``B >= loop_s / (depth_s + 1)`` wherever ``depth_s + 1 < M``. Over slow links this is the bound
+that binds: a stage two hops before the loss over 50 ms links loops in some 0.25 s and
+holds three, a period of 0.08 s where the compute alone allows 0.026 s. Hence
 
     T = P + (M - 1) * B + t_step,
 
@@ -380,6 +387,7 @@ def estimate(
         start = max((bwd_done[c] + g[(a, c)] for (a, c) in act if a == s), default=0.0)
         bwd_done[s] = max(start, fwd_done[s]) + b[s]
     critical = float(bwd_done.max()) if num_stages else 0.0
+    window = _window_s(sg, fwd_done - f, bwd_done, micro_batches, schedule)
     link = {
         (a, c): max(
             link_busy_s(topology, stage_workers[a], stage_workers[c], v),
@@ -392,6 +400,7 @@ def estimate(
         max(link.values(), default=0.0),
         float(feed.max()) if num_stages else 0.0,
         _shared_machine_s(f + b, stage_workers, topology),
+        window,
     )
 
     depth = sg.depth
@@ -419,6 +428,20 @@ def estimate(
         bottleneck_s=float(period),
         depth=tuple(depth),
     )
+
+
+def _window_s(sg: StageGraph, fwd_start: np.ndarray, bwd_done: np.ndarray, micro_batches: int, schedule: str) -> float:
+    """The period a stage's in-flight window allows (module docstring): a micro-batch stays
+    in flight on stage ``s`` from the start of its forward there to the end of its backward
+    there, ``loop_s`` (one micro-batch alone, so at least that long), and under 1F1B ``s``
+    holds at most ``depth_s + 1`` micro-batches at once, so it starts at most that many per
+    ``loop_s``. A stage that may hold all ``M`` (every stage under GPipe) never waits for a
+    backward before a forward, and its window sets no bound."""
+    if not sg.num_stages or schedule == "gpipe":
+        return 0.0
+    held = np.asarray(sg.depth, dtype=np.float64) + 1
+    bound = held < micro_batches
+    return float(((bwd_done - fwd_start)[bound] / held[bound]).max(initial=0.0))
 
 
 def answer_s(topology: Topology, i: int, j: int) -> float:

@@ -173,3 +173,19 @@ def test_profile_emulation_pays_the_machines_extra_once_and_sleeps_the_profile()
         for e in ("wall", "profile")
     ]
     assert plain[0] == pytest.approx(plain[1])
+
+
+def test_the_closed_form_prices_the_1f1b_window_over_slow_links() -> None:
+    """Three stages of 5 + 10 ms over 50 ms links, 8 micro-batches. Stage 0 (depth 2) holds
+    at most three micro-batches, and one loops through everything downstream in 5 + 50 + 5 +
+    50 + 5 + 10 + 50 + 10 + 50 + 10 = 245 ms, so it can start one every 245 / 3 ms, not one
+    every 15 ms as the compute alone would allow."""
+    wl = chain_workload([0.005] * 3, bwd_s=[0.01] * 3, edge_bytes=[1000, 1000], grad_bytes=[1000, 1000])
+    topology = make_topology(np.full((3, 3), 1e9), latency_s=0.05)
+    est = estimate(wl, [0, 1, 2], [0, 1, 2], topology, micro_batches=8)
+    assert est.bottleneck_s == pytest.approx(0.245 / 3, rel=0.02)
+    replay = replay_step(wl, [0, 1, 2], [0, 1, 2], topology, micro_batches=8)
+    assert est.step_s == pytest.approx(replay.step_s, rel=0.05)
+    # GPipe holds every micro-batch: the window does not bind, and compute sets the period.
+    gpipe = estimate(wl, [0, 1, 2], [0, 1, 2], topology, micro_batches=8, schedule="gpipe")
+    assert gpipe.bottleneck_s == pytest.approx(0.015)
