@@ -239,6 +239,8 @@ def probe_links(
     workers: Sequence[Endpoint], pool: ChannelPool, *, sizes: Sequence[int] = PROBE_SIZES
 ) -> tuple[list[list[float]], list[list[float]]]:
     """(latency_s, bandwidth_bytes_per_s) matrices between ``workers``, measured both ways.
+    The latency is one way, as :class:`~scheduler.topology.Topology` holds it: half the
+    fitted intercept, since each probe is timed from its first byte out to its answer back.
 
     Every worker probes (in parallel) however the others fare; any failure raises one
     :class:`LinkProbeError` that names every failed link and blames the workers it can."""
@@ -269,7 +271,7 @@ def probe_links(
             if fit is None or fit.error:
                 failed_links[(i, j)] = fit.error if fit else "no answer"
                 continue
-            lat[i][j] = fit.latency_s
+            lat[i][j] = fit.latency_s / 2  # a probe is timed until its answer: the intercept is a round trip
             bw[i][j] = fit.bandwidth_bytes_per_s
 
     run_parallel([lambda i=i: probe_from(i) for i in range(n)], name="probe-links")
@@ -644,7 +646,8 @@ def calibrated(plan: Plan, dag: OpDag, topology: Topology, request: PlanRequest,
 
 
 class LinkTable:
-    """Link fits between worker addresses, refreshed from training transfers."""
+    """Link fits between worker addresses, ``(one-way latency_s, bandwidth_bytes_per_s)``,
+    refreshed from training transfers."""
 
     def __init__(self) -> None:
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
@@ -677,7 +680,7 @@ class LinkTable:
             if current is None or size_bytes <= 0:
                 return
             latency, bandwidth = current
-            moving = seconds - latency
+            moving = seconds - 2 * latency  # a send is timed until its answer: the bytes and a round trip
             if moving <= 0:
                 return
             observed = size_bytes / moving
