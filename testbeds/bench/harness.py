@@ -34,7 +34,8 @@ on the slowest link it sends over (lowest configured bandwidth; both directions)
 loss, fusion's speed-up over it, and, for fusion, its **efficiency**: the estimator's
 predicted step time for the plan fusion ran (``predicted_step_s``, priced with the costs the
 coordinator measured: profiled nodes, probed links, calibrated executor overheads, no
-compression) divided by the measured step time. 1.0 means the run is as fast as the model
+compression) divided by the measured step time, the median over rounds of each round's
+own ratio (every round probes and plans afresh, and may run another plan). 1.0 means the run is as fast as the model
 of its own plan says it can be; below, the executor loses time the model does not see.
 
 A host with a ``slowdown`` ``k`` (the topology file's testbed emulation factor) stretches
@@ -113,10 +114,13 @@ def slowest_link_bytes(topology: Topology, bytes_per_link: dict[str, float]) -> 
 def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, Any]:
     """One system's rounds → its row: trimmed means over timed steps, medians over rounds."""
     per_round = []
+    ratios_of_rounds = []  # predicted over measured, each round against its own plan
     for run in runs:
         timed = [r for r in run.records if r["step"] >= warmup] or run.records
         if timed:
             per_round.append(trimmed_mean([r["step_s"] for r in timed]))
+            if run.predicted_step_s:
+                ratios_of_rounds.append(run.predicted_step_s / per_round[-1])
     last = runs[-1]
     row: dict[str, Any] = {
         "note": next((r.note for r in runs if r.note), ""),
@@ -150,6 +154,11 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
         row["tokens_per_s"] = tokens / step_s
     if last.predicted_step_s:
         row["predicted_step_s"] = last.predicted_step_s
+    if ratios_of_rounds:
+        # Every round plans afresh from its own probes, and may pick another plan: each
+        # round's prediction is set against that round's measurement.
+        row["predicted_step_s_rounds"] = [r.predicted_step_s for r in runs if r.predicted_step_s]
+        row["efficiency"] = statistics.median(ratios_of_rounds)
     if last.plan_stages:
         row["plan"] = last.plan_stages
     computed = [r["compute_s"] for r in timed if r.get("compute_s")]
@@ -168,9 +177,7 @@ def report(rows: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     for name, row in rows.items():
         if name != "fusion":
             speedup[name] = row["step_s"] / fusion["step_s"] if fusion.get("step_s") and row.get("step_s") else None
-    efficiency = None
-    if fusion.get("step_s") and fusion.get("predicted_step_s"):
-        efficiency = fusion["predicted_step_s"] / fusion["step_s"]
+    efficiency = fusion.get("efficiency")
     return {**meta, "systems": rows, "speedup": speedup, "efficiency": efficiency}
 
 

@@ -121,3 +121,20 @@ def test_a_fusion_runs_step_records_leave_its_events_out(tmp_path: Path) -> None
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert [r["step"] for r in step_records(path)] == [0, 1]
     assert step_records(tmp_path / "missing.jsonl") == []
+
+
+def test_efficiency_sets_each_round_against_its_own_plan() -> None:
+    """Every round of fusion plans afresh and may run another plan: a round's prediction
+    is divided by that round's measured step, and the rounds' median is reported."""
+    from testbeds.bench.harness import Run, report
+
+    t = Topology.load(TOPOLOGY_DIR / "two-sites-split.toml")
+
+    def run(step_s: float, predicted_s: float) -> Run:
+        records = [{"step": i, "loss": 1.0, "step_s": step_s, "samples_per_s": 8.0} for i in range(3)]
+        return Run(system="fusion", records=records, final_loss=1.0, hosts_used=["a-1"], predicted_step_s=predicted_s)
+
+    row = summarize([run(1.0, 0.9), run(2.0, 1.0), run(1.0, 0.8)], t, warmup=0)
+    assert row["efficiency"] == pytest.approx(0.8)  # median of 0.9, 0.5, 0.8
+    assert row["predicted_step_s_rounds"] == [0.9, 1.0, 0.8]
+    assert report({"fusion": row}, {})["efficiency"] == pytest.approx(0.8)
