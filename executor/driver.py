@@ -4,7 +4,10 @@ One step, as the driver sees it:
 
 1. ``RunStep`` on every stage (each starts its schedule on a compute thread);
 2. send each micro-batch's model inputs to the stages that read them, and its targets to
-   the loss stage — from then on stages talk to each other directly;
+   the loss stage — from then on stages talk to each other directly. Over a link whose
+   bandwidth the coordinator measured the sends are paced as a stage's are
+   (:mod:`executor.sender`), so a stage across a slow link is not fed one round trip per
+   micro-batch; elsewhere they go one at a time, each until its answer;
 3. poll ``WaitStep`` on every stage; the first failure aborts the step everywhere and is
    raised with the stage that caused it;
 4. ``SyncTied`` on the stages that share a parameter (tied embeddings): they exchange
@@ -30,6 +33,7 @@ import torch
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.compression import CutSetting, RatioController, link_codecs, setting_to_wire
 from executor.micro_batch import TARGET_NAME
+from executor.sender import PeerSender
 from executor.status import POISONED_SENDER_METADATA, memory_cap_error
 from executor.trace import tracer
 from executor.transport import DEFAULT_CHUNK_BYTES, dtype_to_wire
@@ -137,6 +141,7 @@ class PipelineDriver:
         cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
         ratio_controller: RatioController | None = None,
         link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
+        feed_bytes_per_s: Mapping[int, float] | None = None,
         planned_peak_memory_bytes: Sequence[int] = (),
     ) -> None:
         if len(addresses) != len(stages):
@@ -176,6 +181,10 @@ class PipelineDriver:
         #: Measured bandwidth between the workers of two stages, ``(src, dst) -> bytes/s``:
         #: each stage paces its sends to ``dst`` at it (:mod:`executor.sender`).
         self.link_bytes_per_s = {k: float(v) for k, v in (link_bytes_per_s or {}).items() if v > 0}
+        #: Measured bandwidth from the driver to each stage's worker, ``stage -> bytes/s``: the
+        #: feed of inputs and targets to a stage listed here is paced at it, not one send at a
+        #: time each until its answer (:mod:`executor.sender`).
+        self.feed_bytes_per_s = {k: float(v) for k, v in (feed_bytes_per_s or {}).items() if v > 0}
         # A fresh key per job: stages prove it to each other on Send; it reaches each worker
         # wrapped under that worker's control key (LoadStage.auth), never in clear.
         self.job_key = new_key()
@@ -308,19 +317,27 @@ class PipelineDriver:
                 for c in self.clients:
                     c.abort(self.job_id, f"stage {stage_idx} failed: {e}")
 
+        # A sender of its own per step: abandon() replaces the channels it sends over.
+        feeder = PeerSender(
+            self.job_id, dict(enumerate(self.addresses)), self._channels, link_bytes_per_s=self.feed_bytes_per_s
+        )
+
         def feed(spec: StageSpec) -> None:
+            names = [n for n, src in spec.inputs if src == DRIVER]
+            sent = []
             try:
-                names = [n for n, src in spec.inputs if src == DRIVER]
                 for mb in range(m):
                     if failure.is_set():
-                        return
+                        break
                     if names:
                         tensors = {n: chunks[input_names.index(n)][mb] for n in names}
                         header = self._header(spec.stage_idx, step, mb, pb.TRANSFER_KIND_ACTIVATION)
-                        self.clients[spec.stage_idx].send(header, tensors)
+                        sent.append(feeder(spec.stage_idx, header, tensors, {}, {}))
                     if spec.is_loss_stage:
                         header = self._header(spec.stage_idx, step, mb, pb.TRANSFER_KIND_TARGET)
-                        self.clients[spec.stage_idx].send(header, {TARGET_NAME: targets[mb]})
+                        sent.append(feeder(spec.stage_idx, header, {TARGET_NAME: targets[mb]}, {}, {}))
+                for done in sent:
+                    done.result()
             except FusionError as e:
                 fail(spec.stage_idx, e)
 
@@ -337,7 +354,10 @@ class PipelineDriver:
                 fail(spec.stage_idx, e)
 
         calls = [lambda s=s: feed(s) for s in self.stages] + [lambda s=s: wait(s) for s in self.stages]
-        run_parallel(calls, name=f"step{step}")
+        try:
+            run_parallel(calls, name=f"step{step}")
+        finally:
+            feeder.close()
         if errors:
             raise self._root_cause(step, errors)
         self._event("forward_backward", step)

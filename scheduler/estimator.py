@@ -40,10 +40,15 @@ from the same :class:`StageGraph`).
 (round trip ``r_w``, bandwidth ``β_w``), every step also pays ``2.5 · max r`` of control
 round trips over the stages' workers (start, the end of the wait, the optimizer call), and
 the feed: per micro-batch the driver sends its inputs to the stages that read them and
-its targets to the loss stage, one synchronous send after the other, ``φ_s = Σ_sends (r_w +
-bytes / β_w)``. The feed is one more element of the pipeline: the first micro-batch cannot
-start on stage ``s`` before ``φ_s`` and the period is at least ``max φ_s``. This is what
-keeps a one-stage plan off a worker 150 ms from the coordinator.
+its targets to the loss stage. The coordinator's driver paces them at the link's bandwidth
+as stages pace theirs (:attr:`~scheduler.topology.Topology.paced_sends`): the link is held
+``Σ_sends bytes / β_w`` per micro-batch and the first micro-batch's feed has arrived
+``r_w / 2`` after its bytes left; sent one synchronous send after the other instead, each
+holds the link ``r_w + bytes / β_w`` and arrives no sooner. The feed is one more element of
+the pipeline: the first micro-batch cannot start on stage ``s`` before its feed has
+arrived and the period is at least the time the feed holds the link. The control round
+trips (and an unpaced feed) are what keep a one-stage plan off a worker 150 ms from the
+coordinator.
 
 **Shared machines.** Stages whose workers compute on the same machine
 (:attr:`scheduler.topology.WorkerSpec.machine`; two stages on one worker, or two worker
@@ -370,7 +375,7 @@ def estimate(
         stash_in[a] += size  # so do the outputs a stage sent
     if workload.output_unit >= 0:
         stash_in[sg.loss_stage] += 2 * workload.output_bytes
-    feed, driver_control_s = _driver_path(sg, stage_workers, topology, workload.step.target_bytes)
+    feed, feed_period, driver_control_s = _driver_path(sg, stage_workers, topology, workload.step.target_bytes)
     if cut_bytes_scale:
         act = {k: v * cut_bytes_scale.get(k, (1.0, 1.0))[0] for k, v in act.items()}
         grad = {k: v * cut_bytes_scale.get(k, (1.0, 1.0))[1] for k, v in grad.items()}
@@ -398,7 +403,7 @@ def estimate(
     period = max(
         float((f + b).max()) if num_stages else 0.0,
         max(link.values(), default=0.0),
-        float(feed.max()) if num_stages else 0.0,
+        float(feed_period.max()) if num_stages else 0.0,
         _shared_machine_s(f + b, stage_workers, topology),
         window,
     )
@@ -473,25 +478,37 @@ def _shared_machine_s(compute: np.ndarray, stage_workers: Sequence[int], topolog
 
 def _driver_path(
     sg: StageGraph, stage_workers: Sequence[int], topology: Topology, target_bytes: int
-) -> tuple[np.ndarray, float]:
-    """Per stage, the feed time of one micro-batch ``φ_s``; and the control round trips per
-    step (module docstring). Zeros when the topology does not know the driver's links."""
-    feed = np.zeros(sg.num_stages)
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per stage, when the first micro-batch's feed has arrived ``φ_s`` and how long the feed
+    holds the driver's link per micro-batch; and the control round trips per step (module
+    docstring). Zeros when the topology does not know the driver's links."""
+    first, period = np.zeros(sg.num_stages), np.zeros(sg.num_stages)
     if topology.driver_links is None or not sg.num_stages:
-        return feed, 0.0
+        return first, period, 0.0
     rtts = []
     for s, w in enumerate(stage_workers):
         link = topology.driver_link(w)
         rtts.append(link[0])
-        feed[s] = feed_s(link, sg.feed_bytes(s, target_bytes))
-    return feed, DRIVER_CONTROL_ROUND_TRIPS * max(rtts)
+        sends = sg.feed_bytes(s, target_bytes)
+        first[s] = feed_s(link, sends, paced=topology.paced_sends)
+        period[s] = feed_s(link, sends, paced=topology.paced_sends, arrival=False)
+    return first, period, DRIVER_CONTROL_ROUND_TRIPS * max(rtts)
 
 
-def feed_s(driver_link: tuple[float, float], sends: Sequence[float]) -> float:
-    """Seconds the driver takes to make ``sends`` (bytes each) to one worker, one
-    synchronous send after another over ``driver_link`` (round trip, bandwidth)."""
+def feed_s(
+    driver_link: tuple[float, float], sends: Sequence[float], *, paced: bool = False, arrival: bool = True
+) -> float:
+    """Seconds the driver takes to make ``sends`` (bytes each) to one worker over
+    ``driver_link`` (round trip, bandwidth). One synchronous send after another: each
+    holds the link its bytes and a round trip. Paced (:mod:`executor.driver`): each starts
+    once the bytes of the one before it have left, so the link is held for the bytes, and
+    the last arrives half a round trip after its bytes left (``arrival``; else the seconds
+    the sends hold the link, which is what the next micro-batch's feed waits for)."""
     rtt, bw = driver_link
-    return sum(rtt + size / bw for size in sends)
+    if not paced:
+        return sum(rtt + size / bw for size in sends)
+    held = sum(size / bw for size in sends)
+    return held + rtt / 2 if arrival and sends else held
 
 
 def optimizer_s(workload: Workload, sg: StageGraph) -> float:

@@ -609,9 +609,19 @@ class JobRunner(threading.Thread):
             cut_settings=settings,
             ratio_controller=controller,
             link_bytes_per_s=self.links.bandwidths(addresses),
+            feed_bytes_per_s=self._feed_bandwidths(stage_workers),
             leaf_modules=spec.model.leaf_modules,
             planned_peak_memory_bytes=[s.peak_memory_bytes or 0 for s in plan.stages],
         )
+
+    def _feed_bandwidths(self, stage_workers: Sequence[WorkerRow]) -> dict[int, float]:
+        """Per stage, the measured bandwidth of the driver's link to its worker (none where
+        the driver's links were not probed)."""
+        topology = self._measurements.topology if self._measurements is not None else None
+        if topology is None or topology.driver_links is None:
+            return {}
+        index = {w.name: i for i, w in enumerate(topology.workers)}
+        return {s: topology.driver_link(index[w.name])[1] for s, w in enumerate(stage_workers) if w.name in index}
 
     @staticmethod
     def _name_of(address: str, workers: Sequence[WorkerRow]) -> str:

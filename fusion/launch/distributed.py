@@ -59,6 +59,7 @@ def train_distributed(
     cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
     ratio_controller: RatioController | None = None,
     link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
+    feed_bytes_per_s: Mapping[int, float] | None = None,
 ) -> DistributedResult:
     """Train ``job`` with its model split over the executors at ``addresses``.
 
@@ -79,6 +80,9 @@ def train_distributed(
         link_bytes_per_s: bandwidth between the workers of two stages, by (src, dst) stage:
             the stages pace their sends at it (:mod:`executor.sender`); unlisted pairs send
             one transfer at a time.
+        feed_bytes_per_s: bandwidth from this process to each stage's worker, by stage: the
+            driver paces its feed of inputs and targets at it; unlisted stages are fed one
+            send at a time.
     """
     model = build_job_model(job)
     dataset = build_job_dataset(job)
@@ -106,6 +110,7 @@ def train_distributed(
         cut_settings=cut_settings,
         ratio_controller=ratio_controller,
         link_bytes_per_s=link_bytes_per_s,
+        feed_bytes_per_s=feed_bytes_per_s,
     )
     result = DistributedResult(dag=captured.dag, stages=stages)
     try:

@@ -14,7 +14,8 @@ executor decide its step instead (each seen in a traced two-sites run):
   send is answered (with :attr:`~scheduler.topology.Topology.paced_sends` false, as runs
   before pacing sent, each transfer waits for the answer of the one before it);
 - **the driver's path**: ``RunStep`` reaches every stage first (the feed starts when all
-  have answered), the feed to each stage is one synchronous send after another, the driver
+  have answered), the feed to each stage is paced as a stage's sends are (one synchronous
+  send after another where sends are not paced), the driver
   hears a stage is done half a round trip after it is (and after its last send was
   answered), then come the tied-gradient exchange and the optimizer call.
 
@@ -328,7 +329,9 @@ def _feed(
     sg: StageGraph, workers: list[int], topology: Topology, target_bytes: int, m: int, *, start: float
 ) -> list[list[float]]:
     """Per stage and micro-batch, when the driver's inputs and targets for it have arrived
-    (one synchronous send after another per stage, the stages fed in parallel)."""
+    (the stages fed in parallel; to each, paced sends where the topology's are, each
+    starting as the bytes of the one before have left, else one synchronous send after
+    another)."""
     out = []
     for s, w in enumerate(workers):
         sends = sg.feed_bytes(s, target_bytes)
@@ -341,7 +344,7 @@ def _feed(
             last = t
             for size in sends:
                 last = t + rtt / 2 + size / bw
-                t += rtt + size / bw
+                t += size / bw if topology.paced_sends else rtt + size / bw
             arrivals.append(last)
         out.append(arrivals)
     return out

@@ -78,7 +78,8 @@ def test_five_steps_parameters_match(cluster: LocalCluster, device: str, family:
 def test_paced_sends_change_nothing_computed(cluster: LocalCluster, device: str, family: str) -> None:
     """Stages that pace their sends at a link's bandwidth (several transfers in flight, none
     waiting for the answer before) train exactly as one process: 4 stages with a skip, 1F1B,
-    4 micro-batches, every pair paced at 20 MB/s (a few ms per transfer here)."""
+    4 micro-batches, every pair paced at 20 MB/s (a few ms per transfer here), and the
+    driver's feed of inputs and targets paced too."""
     base = GPT2 if family == "gpt2" else RESNET
     job = make_job(base, steps=2, micro_batches=4, schedule="1f1b")
     links = {(a, b): 20e6 for a in range(4) for b in range(4) if a != b}
@@ -91,6 +92,7 @@ def test_paced_sends_change_nothing_computed(cluster: LocalCluster, device: str,
         accumulate=family == "resnet",
         device=device,
         link_bytes_per_s=links,
+        feed_bytes_per_s=dict.fromkeys(range(4), 20e6),
     )
 
 

@@ -40,6 +40,7 @@ def assert_parity(
     stage_workers: Sequence[int] | None = None,
     device: str = "cpu",
     link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
+    feed_bytes_per_s: Mapping[int, float] | None = None,
 ) -> DistributedResult:
     """Run ``job`` distributed and in one process, both on ``device``; assert they agree;
     return the distributed run."""
@@ -53,6 +54,7 @@ def assert_parity(
         stage_workers=stage_workers,
         device=device,
         link_bytes_per_s=link_bytes_per_s,
+        feed_bytes_per_s=feed_bytes_per_s,
     )
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=RTOL, atol=ATOL)
     assert set(got.gradients) == set(ref.gradients), set(got.gradients) ^ set(ref.gradients)

@@ -8,6 +8,7 @@ forward and bounding the period, plus ``2.5 · max r`` of control round trips.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -58,20 +59,27 @@ def test_bad_driver_links_are_refused(links: list, match: str) -> None:
         topo.with_driver_links(links)
 
 
-def test_one_stage_far_from_the_driver_pays_control_and_feed() -> None:
+@pytest.mark.parametrize("paced", [True, False])
+def test_one_stage_far_from_the_driver_pays_control_and_feed(paced: bool) -> None:
     m = 4
     target = 20_000
     wl = chain_workload([0.01, 0.02], input_bytes=[50_000, 0], step=StepCosts(target_bytes=target))
     rtt, bw = 0.1, 1e6
     topo = make_topology(np.full((2, 2), 1e9)).with_driver_links([(0.0, math.inf), (rtt, bw)])
+    topo = dataclasses.replace(topo, paced_sends=paced)
     near = estimate(wl, [0, 0], [0], topo, micro_batches=m)
     far = estimate(wl, [0, 0], [1], topo, micro_batches=m)
     compute = 0.03 + 0.06  # forward + backward per micro-batch
     assert near.step_s == pytest.approx(m * compute)
-    # One stage reads the inputs and computes the loss: two sends per micro-batch.
-    feed = (rtt + 50_000 / bw) + (rtt + target / bw)
-    assert far.bottleneck_s == pytest.approx(max(compute, feed))
-    assert far.step_s == pytest.approx(feed + compute + (m - 1) * max(compute, feed) + 2.5 * rtt)
+    # One stage reads the inputs and computes the loss: two sends per micro-batch. Paced,
+    # they hold the link for their bytes and the first arrives half a round trip after its
+    # bytes left; one at a time, each holds the link a round trip and its bytes.
+    if paced:
+        first, held = (50_000 + target) / bw + rtt / 2, (50_000 + target) / bw
+    else:
+        first = held = (rtt + 50_000 / bw) + (rtt + target / bw)
+    assert far.bottleneck_s == pytest.approx(max(compute, held))
+    assert far.step_s == pytest.approx(first + compute + (m - 1) * max(compute, held) + 2.5 * rtt)
 
 
 def test_feed_only_delays_the_stages_that_read_from_the_driver() -> None:

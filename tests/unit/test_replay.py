@@ -75,7 +75,8 @@ def test_the_driver_feeds_one_send_after_another() -> None:
     step = StepCosts(target_bytes=1000)
     wl = chain_workload([0.001], bwd_s=[0.002], input_bytes=[1000], step=step)
     topology = make_topology(np.array([[np.inf, 1e6], [1e6, np.inf]]), latency_s=0.05).with_driver_at(0)
-    replay = replay_step(wl, [0], [1], topology, micro_batches=3)
+    unpaced = dataclasses.replace(topology, paced_sends=False)
+    replay = replay_step(wl, [0], [1], unpaced, micro_batches=3)
     assert replay.stages_done_s == pytest.approx((0.709,))
     assert replay.apply_s == pytest.approx(0.1)
     assert replay.step_s == pytest.approx(0.809)
@@ -83,6 +84,22 @@ def test_the_driver_feeds_one_send_after_another() -> None:
     assert replay.run_step_s == pytest.approx(0.1)
     assert replay.fed_s == pytest.approx({0: 0.656})
     assert replay.finished_s == pytest.approx((0.659,))
+
+
+def test_a_paced_feed_holds_the_link_for_its_bytes() -> None:
+    """The same stage and feed, paced as the coordinator's driver sends it: each send starts
+    as the bytes of the one before have left (1 ms each), and arrives 50 + 1 ms after it
+    starts. RunStep returns after 100 ms; the targets arrive at 152, 154 and 156 ms; each
+    micro-batch computes 3 ms once its targets are in: done at 155, 158, 161 ms; the driver
+    hears it 50 ms later, and the optimizer call takes a round trip: 311 ms."""
+    step = StepCosts(target_bytes=1000)
+    wl = chain_workload([0.001], bwd_s=[0.002], input_bytes=[1000], step=step)
+    topology = make_topology(np.array([[np.inf, 1e6], [1e6, np.inf]]), latency_s=0.05).with_driver_at(0)
+    replay = replay_step(wl, [0], [1], topology, micro_batches=3)
+    assert replay.stages_done_s == pytest.approx((0.211,))
+    assert replay.step_s == pytest.approx(0.311)
+    assert replay.fed_s == pytest.approx({0: 0.156})
+    assert replay.finished_s == pytest.approx((0.161,))
 
 
 def test_stages_on_one_machine_take_turns_beyond_its_cores() -> None:

@@ -272,17 +272,19 @@ def test_uniform_pays_the_driver_path(tiny: costs.JobCosts) -> None:
     far = simulate.simulate_plan(tiny, topo, strategy="uniform", compression="none", driver=0)
     assert near.detail["driver_s"] == 0.0
     # The estimator's closed form (kept in detail): stage 1 (the loss stage) is remote: 2.5
-    # round trips, then the target feed as one more pipeline element: its first send delays
-    # that stage's start (by less than the whole feed when its input arrives later anyway),
-    # the later ones cost where slower than the period.
+    # round trips, then the paced target feed as one more pipeline element: its first send
+    # delays that stage's start by half a round trip and its bytes (by less when its input
+    # arrives later anyway), the later ones hold the link for their bytes, which cost where
+    # slower than the period.
     rtt = 0.02
-    feed = rtt + tiny.target_bytes / (100 * MBPS)
+    held = tiny.target_bytes / (100 * MBPS)
+    first = rtt / 2 + held
     period = far.detail["bottleneck_s"]
-    assert period >= feed
-    slower = 3 * max(0.0, feed - near.detail["bottleneck_s"])
+    assert period >= held
+    slower = 3 * max(0.0, held - near.detail["bottleneck_s"])
     # The tied embedding's holders exchange gradients between themselves (in both runs);
     # the remote driver adds the round trip that starts the exchange.
-    assert 2.5 * rtt + slower + rtt <= far.detail["driver_s"] <= 2.5 * rtt + feed + slower + rtt
+    assert 2.5 * rtt + slower + rtt <= far.detail["driver_s"] <= 2.5 * rtt + first + slower + rtt
     # The step itself is the event replay (tests/unit/test_replay.py): the remote driver
     # costs at least its control round trips (RunStep, the wait's answer, the optimizer call).
     assert far.step_s - near.step_s >= 2.5 * rtt + rtt - 1e-9
