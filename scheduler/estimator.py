@@ -21,11 +21,12 @@ each until its answer, :attr:`~scheduler.topology.Topology.paced_sends` false, a
 busy a round trip plus the bytes per transfer: :func:`link_busy_s`). The window bounds
 it too: a micro-batch stays in flight on stage ``s`` from its forward there until its
 backward there, at least ``loop_s`` (the time one micro-batch alone takes for that
-round: ``s``'s forward, everything downstream, ``s``'s backward), and 1F1B lets ``s`` hold
-at most ``min(M, depth_s + 1)`` micro-batches at once (:mod:`executor.schedule`; GPipe
-holds ``M``), so ``B >= loop_s / (depth_s + 1)`` wherever ``depth_s + 1 < M``. Over slow links this is the bound
-that binds: a stage two hops before the loss over 50 ms links loops in some 0.25 s and
-holds three, a period of 0.08 s where the compute alone allows 0.026 s. Hence
+round: ``s``'s forward, everything downstream, ``s``'s backward), and 1F1B lets ``s``
+hold at most ``min(M, depth_s + 1)`` micro-batches at once (:mod:`executor.schedule`;
+GPipe holds ``M``), so ``B >= loop_s / (depth_s + 1)`` wherever ``depth_s + 1 < M``.
+Over slow links this is the bound that binds: a stage two hops before the loss, over
+50 ms links, with 5-10 ms of compute a stage, loops in about 0.25 s and holds three
+micro-batches, a period of 0.08 s where the compute alone would allow 0.015 s. Hence
 
     T = P + (M - 1) * B + t_step,
 

@@ -35,8 +35,9 @@ loss, fusion's speed-up over it, and, for fusion, its **efficiency**: the estima
 predicted step time for the plan fusion ran (``predicted_step_s``, priced with the costs the
 coordinator measured: profiled nodes, probed links, calibrated executor overheads, no
 compression) divided by the measured step time, the median over rounds of each round's
-own ratio (every round probes and plans afresh, and may run another plan). 1.0 means the run is as fast as the model
-of its own plan says it can be; below, the executor loses time the model does not see.
+own ratio (every round probes and plans afresh, and may run another plan). 1.0 means the
+run is as fast as the model of its own plan says it can be; below, the executor loses
+time the model does not see.
 
 A host with a ``slowdown`` ``k`` (the topology file's testbed emulation factor) stretches
 each computation of every system to ``k`` times its length (:mod:`testbeds.emulation`;

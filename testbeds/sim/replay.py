@@ -15,9 +15,9 @@ executor decide its step instead (each seen in a traced two-sites run):
   before pacing sent, each transfer waits for the answer of the one before it);
 - **the driver's path**: ``RunStep`` reaches every stage first (the feed starts when all
   have answered), the feed to each stage is paced as a stage's sends are (one synchronous
-  send after another where sends are not paced), the driver
-  hears a stage is done half a round trip after it is (and after its last send was
-  answered), then come the tied-gradient exchange and the optimizer call.
+  send after another where sends are not paced), the driver hears a stage is done half a
+  round trip after it is (and after its last send was answered), then come the
+  tied-gradient exchange and the optimizer call.
 
 Compute is list-scheduled: a stage's action starts when its inputs are in and its machine
 has a free core (``cores`` per machine; stages on one machine take turns beyond that). A
