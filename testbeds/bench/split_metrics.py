@@ -3,7 +3,9 @@
 - ``time_to_target_s``: the target is the final loss of the dense ``pipelining-best`` run
   over the same steps (:data:`testbeds.bench.systems.TARGET_SYSTEM`). A system reaches it at
   the first step whose raw loss, or whose loss smoothed over the last :data:`SMOOTHING`
-  steps, is at or below it; its time to target is that step's count (``step + 1``) times
+  steps, is at or below it (within :data:`LOSS_RTOL`: the same loss summed in another order
+  differs in its last float32 bits, and a run that matches the target's curve step for
+  step must reach it); its time to target is that step's count (``step + 1``) times
   the system's measured step seconds (the row's ``step_s``, trimmed and warm). ``None`` when
   it never does, or when there is no target.
 - ``peak_memory_bytes``: ``{host: bytes}``, the most any step measured on that host, and
@@ -26,12 +28,18 @@ logger = logging.getLogger(__name__)
 #: Steps in the moving average a loss is smoothed over.
 SMOOTHING = 3
 
+#: Relative slack on the target: a few float32 roundings (a ResNet run equal to the target's
+#: step for step ended 1.5e-8 above it, 7.5e-8 relative).
+LOSS_RTOL = 1e-6
+
 
 def steps_to_target(losses: Sequence[float], target: float) -> int | None:
-    """The first step (0-based) whose raw or smoothed loss is at or below ``target``."""
+    """The first step (0-based) whose raw or smoothed loss is at or below ``target`` (within
+    :data:`LOSS_RTOL`)."""
+    bar = target + abs(target) * LOSS_RTOL
     for i, loss in enumerate(losses):
         window = losses[max(0, i + 1 - SMOOTHING) : i + 1]
-        if loss <= target or sum(window) / len(window) <= target:
+        if loss <= bar or sum(window) / len(window) <= bar:
             return i
     return None
 

@@ -60,6 +60,15 @@ def test_time_to_target_is_the_first_step_reaching_it_times_the_step() -> None:
     assert time_to_target([1.0], None, 2.0) is None and time_to_target([1.0], 1.0, None) is None
 
 
+def test_a_run_equal_to_the_target_up_to_float_rounding_reaches_it() -> None:
+    """The two-sites ResNet cell: fusion's curve equal to pipelining-best's step for step,
+    its last loss 1.5e-8 above the target (another summation order)."""
+    target = 0.19778195023536682
+    losses = [0.38795606791973114, 0.24050863087177277, 0.19778196513652802]
+    assert time_to_target(losses, 0.5, target) == pytest.approx(1.5)
+    assert time_to_target(losses[:-1] + [target * (1 + 1e-5)], 0.5, target) is None  # a real miss stays one
+
+
 def test_ddp_is_infeasible_when_a_replica_exceeds_a_hosts_cap() -> None:
     t = Topology.load(TOPOLOGY_DIR / "two-sites-split.toml")
     note = ddp_infeasible(40 * MIB, t)
