@@ -491,25 +491,21 @@ def _driver_path(
         link = topology.driver_link(w)
         rtts.append(link[0])
         sends = sg.feed_bytes(s, target_bytes)
-        first[s] = feed_s(link, sends, paced=topology.paced_sends)
-        period[s] = feed_s(link, sends, paced=topology.paced_sends, arrival=False)
+        period[s] = feed_s(link, sends, paced=topology.paced_sends)
+        # Paced, the last send arrives half a round trip after its bytes left; one at a
+        # time, each has arrived (and been answered) by the end of its round trip.
+        first[s] = period[s] + (link[0] / 2 if topology.paced_sends and sends else 0.0)
     return first, period, DRIVER_CONTROL_ROUND_TRIPS * max(rtts)
 
 
-def feed_s(
-    driver_link: tuple[float, float], sends: Sequence[float], *, paced: bool = False, arrival: bool = True
-) -> float:
-    """Seconds the driver takes to make ``sends`` (bytes each) to one worker over
-    ``driver_link`` (round trip, bandwidth). One synchronous send after another: each
-    holds the link its bytes and a round trip. Paced (:mod:`executor.driver`): each starts
-    once the bytes of the one before it have left, so the link is held for the bytes, and
-    the last arrives half a round trip after its bytes left (``arrival``; else the seconds
-    the sends hold the link, which is what the next micro-batch's feed waits for)."""
+def feed_s(driver_link: tuple[float, float], sends: Sequence[float], *, paced: bool = False) -> float:
+    """Seconds the driver's ``sends`` (bytes each) to one worker hold ``driver_link`` (round
+    trip, bandwidth), which is what the next micro-batch's feed waits for. One synchronous
+    send after another: each holds it its bytes and a round trip. Paced
+    (:mod:`executor.driver`): each starts once the bytes of the one before it have left, so
+    the link is held for the bytes."""
     rtt, bw = driver_link
-    if not paced:
-        return sum(rtt + size / bw for size in sends)
-    held = sum(size / bw for size in sends)
-    return held + rtt / 2 if arrival and sends else held
+    return sum((0.0 if paced else rtt) + size / bw for size in sends)
 
 
 def optimizer_s(workload: Workload, sg: StageGraph) -> float:

@@ -115,13 +115,13 @@ def slowest_link_bytes(topology: Topology, bytes_per_link: dict[str, float]) -> 
 def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, Any]:
     """One system's rounds → its row: trimmed means over timed steps, medians over rounds."""
     per_round = []
-    ratios_of_rounds = []  # predicted over measured, each round against its own plan
+    predicted_rounds = []  # each round's prediction, for the rounds with a measurement
     for run in runs:
         timed = [r for r in run.records if r["step"] >= warmup] or run.records
         if timed:
             per_round.append(trimmed_mean([r["step_s"] for r in timed]))
             if run.predicted_step_s:
-                ratios_of_rounds.append(run.predicted_step_s / per_round[-1])
+                predicted_rounds.append((run.predicted_step_s, per_round[-1]))
     last = runs[-1]
     row: dict[str, Any] = {
         "note": next((r.note for r in runs if r.note), ""),
@@ -155,11 +155,11 @@ def summarize(runs: list[Run], topology: Topology, *, warmup: int) -> dict[str, 
         row["tokens_per_s"] = tokens / step_s
     if last.predicted_step_s:
         row["predicted_step_s"] = last.predicted_step_s
-    if ratios_of_rounds:
+    if predicted_rounds:
         # Every round plans afresh from its own probes, and may pick another plan: each
         # round's prediction is set against that round's measurement.
-        row["predicted_step_s_rounds"] = [r.predicted_step_s for r in runs if r.predicted_step_s]
-        row["efficiency"] = statistics.median(ratios_of_rounds)
+        row["predicted_step_s_rounds"] = [predicted for predicted, _ in predicted_rounds]
+        row["efficiency"] = statistics.median(predicted / measured for predicted, measured in predicted_rounds)
     if last.plan_stages:
         row["plan"] = last.plan_stages
     computed = [r["compute_s"] for r in timed if r.get("compute_s")]
