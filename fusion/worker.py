@@ -72,7 +72,9 @@ class Worker:
 
     ``memory_cap_bytes`` is the memory the volunteer lends (``--memory-gb``; default: what
     the device has free at start-up): reported at join, and enforced by its executor on
-    every stage it loads and every step it runs.
+    every stage it loads and every step it runs. ``data_plane``: whether its executor serves
+    (and sends over) the direct tensor port (:mod:`executor.stream_server`); ``False``: tensors
+    go over the gRPC port only (``--no-data-plane``).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class Worker:
         tls: ServerTls | None = None,
         machine: str | None = None,
         memory_cap_bytes: int | None = None,
+        data_plane: bool = True,
         hooks: StageHooks | None = None,
         channel_factory: ChannelFactory | None = None,
         report: Callable[[DeviceProfile], DeviceProfile] | None = None,
@@ -105,7 +108,11 @@ class Worker:
         self.tls = tls
         self.memory_cap_bytes = memory_cap_bytes
         self.service = ExecutorService(
-            worker_name=name, allow_code=allow_code, hooks=hooks, channel_factory=channel_factory
+            worker_name=name,
+            allow_code=allow_code,
+            hooks=hooks,
+            channel_factory=channel_factory,
+            data_plane=data_plane,
         )
         self._report = report
         self.server: grpc.Server | None = None

@@ -78,6 +78,13 @@ def build_parser(prog: str = "fusion-worker") -> argparse.ArgumentParser:
     )
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument(
+        "--no-data-plane",
+        action="store_true",
+        help="send and receive tensors over the gRPC port only, with no second (data-plane) port: for a "
+        "firewall or NAT that forwards one port (peers fall back to gRPC on their own when the second "
+        "port is unreachable, after a connect timeout)",
+    )
+    p.add_argument(
         "--tls-cert",
         default=None,
         help="serve this worker's executor with TLS: certificate chain (PEM) valid for the advertised address",
@@ -132,6 +139,7 @@ def run_worker(
             tls=tls,
             machine=args.machine,
             memory_cap_bytes=None if args.memory_gb is None else gb_to_bytes(args.memory_gb),
+            data_plane=not args.no_data_plane,
             hooks=hooks,
             channel_factory=channel_factory,
             report=report,

@@ -37,12 +37,18 @@ class FusionFleet:
         emulation: str = "wall",
         allow_code: bool = False,
         dilation: float = 1.0,
+        data_plane: bool = True,
+        machine_flops: float | None = None,
     ) -> None:
         """Each host's worker lends the host's ``memory_gb``; ``allow_code``: the workers take
         job owners' own models, importable with this process's path (``child_env``);
-        ``dilation``: the testbed's time dilation (workers ``--dilate``, heartbeats waited for longer)."""
+        ``dilation``: the testbed's time dilation (workers ``--dilate``, heartbeats waited for
+        longer); ``data_plane=False``: the workers move tensors over gRPC only
+        (``--no-data-plane``); ``machine_flops``: the speed every worker reports (default:
+        measured here once)."""
         self.tb = tb
         self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         env = child_env()
         self.token = secrets.token_hex(16)
         self.host0 = tb.hosts[0]
@@ -81,7 +87,7 @@ class FusionFleet:
         # One worker at a time: each measures its matmul speed at start-up, and workers that
         # start together on one machine's cores would each measure a random share of it; and
         # each reports the machine's speed measured once here (testbeds.worker --machine-flops).
-        machine_flops = measure_device("cpu").matmul_flops
+        self.machine_flops = machine_flops if machine_flops is not None else measure_device("cpu").matmul_flops
         for host in tb.hosts:
             wport = tb.free_port(host)
             tb.expose(host, wport)
@@ -96,12 +102,13 @@ class FusionFleet:
                         name=host,
                         listen=f"{tb.address(host)}:{wport}",
                         torch_threads=torch_threads,
-                        machine_flops=machine_flops,
+                        machine_flops=self.machine_flops,
                         slowdown=(slowdowns or {}).get(host),
                         emulation=emulation,
                         memory_gb=host_memory_gb(tb.topology, host),
                         allow_code=allow_code,
                         dilation=dilation,
+                        data_plane=data_plane,
                     ),
                 ],
                 env=env,

@@ -15,6 +15,8 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
   take the job's own ``module:factory`` model, importable with this process's path.
 - ``fusion-dense``, ``uniform``, ``compute``: the same fleet, OP-Fence without compression,
   the naive even split in join order, and the compute-balanced split blind to links.
+- ``fusion-grpc`` (only when named): ``fusion`` on a second coordinator and workers that
+  run ``--no-data-plane``, so every tensor goes over gRPC: the data plane's before and after.
 - ``ddp``: :mod:`testbeds.bench.baselines.ddp`, one rank per host; reported infeasible
   (with the bytes it needs per host) when a whole replica exceeds a host's ``memory_gb``.
 - ``pipelining``: :mod:`testbeds.bench.baselines.pipelining`, GPipe over the first ``min(N,
@@ -80,7 +82,14 @@ from testbeds.bench.rank_runs import caps_of, run_baseline
 from testbeds.bench.report import markdown, write_chart
 from testbeds.bench.runs import Run
 from testbeds.bench.split_metrics import add_split_metrics
-from testbeds.bench.systems import FLEET_SYSTEMS, RANK_MODULES, SYSTEMS, system_job
+from testbeds.bench.systems import (
+    EXTRA_SYSTEMS,
+    FLEET_SYSTEMS,
+    GRPC_ONLY_SYSTEMS,
+    RANK_MODULES,
+    SYSTEMS,
+    system_job,
+)
 from testbeds.dilation import check_dilation, dilated_slowdowns, dilation_label, undilate_row
 from testbeds.emulation import EMULATIONS
 from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
@@ -189,9 +198,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     spec = load_job(args.job)
     steps = args.steps or spec.train.steps
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in SYSTEMS + EXTRA_SYSTEMS]
     if unknown:
-        raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+        raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     topology, label = resolve_topology(args.topology)
     dilation = check_dilation(args.dilate)
     slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
@@ -211,13 +220,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     fleet_profile: dict[str, Any] | None = None
     with open_testbed(args.topology, backend=args.backend, dilation=dilation) as tb:
         workdir = Path(tb.workdir)
-        fleet = (
-            FusionFleet(
-                tb, workdir, slowdowns=slowdowns, emulation=emulation, allow_code=args.allow_code, dilation=dilation
+        # A fleet per data path its systems need: the data plane's, and gRPC only.
+        fleets: dict[bool, FusionFleet] = {}
+        for data_plane in sorted({s not in GRPC_ONLY_SYSTEMS for s in systems if s in FLEET_SYSTEMS}, reverse=True):
+            fleets[data_plane] = FusionFleet(
+                tb,
+                workdir if data_plane else workdir / "grpc-fleet",
+                slowdowns=slowdowns,
+                emulation=emulation,
+                allow_code=args.allow_code,
+                dilation=dilation,
+                data_plane=data_plane,
+                machine_flops=fleets[True].machine_flops if True in fleets else None,
             )
-            if set(FLEET_SYSTEMS) & set(systems)
-            else None
-        )
+        fleet = fleets.get(True) or fleets.get(False)
         profiled: Path | None = None
         for round_idx in range(args.repeats):
             for system in systems:
@@ -225,7 +241,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.monotonic()
                 job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
                 if system in FLEET_SYSTEMS:
-                    run = fleet.run(job, system, timeout_s=args.timeout)
+                    run = fleets[system not in GRPC_ONLY_SYSTEMS].run(job, system, timeout_s=args.timeout)
                 else:
                     if rank_slowdowns and emulation == "profile" and profiled is None:
                         assert fleet is not None
@@ -299,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--topology", help="topology file or shipped name (two-sites, three-continents, volunteers, ...)")
     p.add_argument("--job", help="job file (TOML)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default: %(default)s)")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated (default: %(default)s; also: {', '.join(EXTRA_SYSTEMS)})",
+    )
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's)")
     p.add_argument(
         "--warmup", type=int, default=1, help="first steps of a run left out of the timing (default: %(default)s)"

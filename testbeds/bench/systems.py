@@ -4,7 +4,9 @@
   with the job's ``[plan]`` and ``[compression]`` set by :func:`system_job`:
   ``fusion`` (OP-Fence + the job's own compression), ``fusion-dense`` (OP-Fence, no
   compression), ``uniform`` (even split in join order, dense) and ``compute``
-  (compute-balanced, blind to links, dense).
+  (compute-balanced, blind to links, dense). ``fusion-grpc`` is ``fusion`` on a second
+  fleet whose workers run ``--no-data-plane``: tensors over the gRPC port only, the data
+  plane's before and after in one run (not in the default list).
 - Rank systems start one torch process per host over gloo (:mod:`testbeds.bench.baselines`):
   ``ddp``, ``pipelining`` (GPipe, even split over the first hosts in join order),
   ``pipelining-best`` (GPipe over :func:`best_pipeline_hosts`) and ``fsdp`` (FSDP2, one
@@ -42,8 +44,12 @@ from scheduler.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-#: Every system, in the order the table lists them.
+#: The systems run by default, in the order the table lists them.
 SYSTEMS = ("fusion", "fusion-dense", "uniform", "compute", "pipelining", "pipelining-best", "fsdp", "ddp")
+#: Systems run only when named.
+EXTRA_SYSTEMS = ("fusion-grpc",)
+#: Fleet systems whose workers move tensors over gRPC only (``fusion-worker --no-data-plane``).
+GRPC_ONLY_SYSTEMS = frozenset({"fusion-grpc"})
 #: Systems run by the coordinator and workers: ``system -> (plan strategy, compression mode)``;
 #: ``None`` keeps the job's own compression.
 FLEET_SYSTEMS: dict[str, tuple[str, str | None]] = {
@@ -51,6 +57,7 @@ FLEET_SYSTEMS: dict[str, tuple[str, str | None]] = {
     "fusion-dense": ("opfence", "none"),
     "uniform": ("uniform", "none"),
     "compute": ("compute", "none"),
+    "fusion-grpc": ("opfence", None),
 }
 #: Rank systems and the module each rank runs.
 RANK_MODULES = {

@@ -74,8 +74,10 @@ def worker_command(
     memory_gb: float | None = None,
     allow_code: bool = False,
     dilation: float = 1.0,
+    data_plane: bool = True,
 ) -> list[str]:
-    """The arguments after ``python`` that start one testbed worker (``testbeds.worker``)."""
+    """The arguments after ``python`` that start one testbed worker (``testbeds.worker``);
+    ``data_plane=False``: tensors over gRPC only (``--no-data-plane``)."""
     return [
         "-m",
         "testbeds.worker",
@@ -97,6 +99,7 @@ def worker_command(
         *(["--allow-code"] if allow_code else []),
         *slowdown_args(slowdown, emulation=emulation),
         *(["--dilate", repr(dilation)] if dilation != 1.0 else []),
+        *([] if data_plane else ["--no-data-plane"]),
     ]
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from executor.client import ChannelPool, ExecutorClient
 from fusion.config import JobSpec
+from fusion.coordinator.client import CoordinatorClient
+from fusion.launch import Fleet
 from fusion.launch.executors import LocalCluster
 from fusion.tls import set_client_ca
 from tests.integration.test_tls import make_ca, make_server_cert
@@ -72,6 +75,31 @@ def test_a_worker_without_the_data_plane_is_reached_over_grpc() -> None:
         assert_parity(job(micro_batches=2, steps=2), cluster.addresses, steps=2)
         assert data_links(cluster) == set()
         assert all(len(listening_ports(p.pid)) == 1 for p in cluster.processes)
+
+
+def test_fusion_worker_no_data_plane_serves_only_its_grpc_port(tmp_path: Path) -> None:
+    """``fusion-worker --no-data-plane`` (a volunteer whose firewall forwards one port) opens
+    no second port and advertises none; a worker without the flag does."""
+    token = "no-data-plane-token-01"
+    with Fleet(tmp_path / "logs") as fleet:
+        fleet.start_coordinator(token=token, state_dir=tmp_path / "state")
+        procs = {
+            "plain": fleet.start_worker("plain", token=token),
+            "grpc-only": fleet.start_worker("grpc-only", token=token, extra_args=["--no-data-plane"]),
+        }
+        client = CoordinatorClient(fleet.coordinator_address, token)
+        try:
+            addresses = {w.name: w.address for w in client.workers()}
+        finally:
+            client.close()
+        pool = ChannelPool()
+        try:
+            ports = {name: ExecutorClient(addresses[name], pool).ping().data_port for name in procs}
+        finally:
+            pool.close()
+        assert ports["grpc-only"] == 0 and ports["plain"] > 0
+        assert listening_ports(procs["grpc-only"].pid) == {int(addresses["grpc-only"].rpartition(":")[2])}
+        assert ports["plain"] in listening_ports(procs["plain"].pid)
 
 
 def test_tls_workers_use_a_tls_data_plane(tmp_path: Path) -> None:
