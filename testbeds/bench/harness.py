@@ -75,7 +75,7 @@ from typing import Any
 
 from fusion.config import load_job
 from fusion.errors import FusionError
-from fusion.profiling import trimmed_mean
+from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench.fusion_fleet import FusionFleet, write_profiled
 from testbeds.bench.rank_runs import caps_of, run_baseline
@@ -220,10 +220,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     fleet_profile: dict[str, Any] | None = None
     with open_testbed(args.topology, backend=args.backend, dilation=dilation) as tb:
         workdir = Path(tb.workdir)
-        # A fleet per data path its systems need: the data plane's, and gRPC only.
-        fleets: dict[bool, FusionFleet] = {}
-        for data_plane in sorted({s not in GRPC_ONLY_SYSTEMS for s in systems if s in FLEET_SYSTEMS}, reverse=True):
-            fleets[data_plane] = FusionFleet(
+        # A fleet per data path its systems need (the data plane's, gRPC only), every worker
+        # reporting one speed measured once here.
+        data_paths = {s not in GRPC_ONLY_SYSTEMS for s in systems if s in FLEET_SYSTEMS}
+        machine_flops = measure_device("cpu").matmul_flops if data_paths else None
+        fleets = {
+            data_plane: FusionFleet(
                 tb,
                 workdir if data_plane else workdir / "grpc-fleet",
                 slowdowns=slowdowns,
@@ -231,8 +233,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 allow_code=args.allow_code,
                 dilation=dilation,
                 data_plane=data_plane,
-                machine_flops=fleets[True].machine_flops if True in fleets else None,
+                machine_flops=machine_flops,
             )
+            for data_plane in data_paths
+        }
         fleet = fleets.get(True) or fleets.get(False)
         profiled: Path | None = None
         for round_idx in range(args.repeats):
