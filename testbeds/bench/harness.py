@@ -79,7 +79,7 @@ from fusion.profiling import measure_device, trimmed_mean
 from scheduler.topology import Topology
 from testbeds.bench.fusion_fleet import FusionFleet, write_profiled
 from testbeds.bench.rank_runs import caps_of, run_baseline
-from testbeds.bench.report import markdown, write_chart
+from testbeds.bench.report import markdown, write_chart, write_loss_chart
 from testbeds.bench.runs import Run
 from testbeds.bench.split_metrics import add_split_metrics
 from testbeds.bench.systems import (
@@ -273,7 +273,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fleet_profile = fleet.model_profile()
         backend, latency_mode = tb.backend, tb.latency_mode
     rows = {s: undilate_row(summarize(runs[s], topology, warmup=args.warmup), dilation) for s in systems}
-    target_loss = add_split_metrics(rows, caps_of(topology))
+    target_system, target_loss = add_split_metrics(rows, caps_of(topology))
     meta = {
         "dilation": dilation,
         "topology": label,
@@ -288,6 +288,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "emulate_speeds": bool(args.emulate_speeds),
         "steps": steps,
         "warmup": args.warmup,
+        "target_system": target_system,
         "target_loss": target_loss,
         "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]),
@@ -396,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(f"{out}.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
         Path(f"{out}.md").write_text(text)
         write_chart(doc, Path(f"{out}.png"))
+        write_loss_chart(doc, Path(f"{out}-loss.png"))
     print(json.dumps(doc, indent=2, default=_json_default) if args.json else text)
     return 0
 

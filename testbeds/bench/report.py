@@ -1,4 +1,4 @@
-"""How a side-by-side benchmark result reads: its markdown table and its PNG chart.
+"""How a side-by-side benchmark result reads: its markdown table and its PNG charts.
 
 Both are made from the result document alone (``python -m testbeds.bench --json``'s), so a
 committed result can be re-rendered (``--render RESULT.json``) without running anything.
@@ -164,3 +164,36 @@ def write_chart(doc: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def write_loss_chart(doc: dict[str, Any], path: Path) -> bool:
+    """A PNG of each system's loss against wall time (step ``i`` at ``(i + 1) * step_s``,
+    the clock ``time_to_target_s`` uses), with the target loss as a dashed line: how a
+    compressed run's faster steps weigh against its slower learning. Returns ``False``
+    (and writes nothing) when no system has a loss curve."""
+    curves = {
+        name: (r["losses"], r["step_s"])
+        for name, r in doc["systems"].items()
+        if len(r.get("losses") or []) > 1 and r.get("step_s")
+    }
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
+    for name, (losses, step_s) in curves.items():
+        ax.plot([(i + 1) * step_s for i in range(len(losses))], losses, label=name, linewidth=1)
+    if doc.get("target_loss") is not None:
+        ax.axhline(doc["target_loss"], color="#444", linestyle="--", linewidth=0.8, label="target")
+    ax.set_xlabel("wall time s (steps x measured step time)")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{doc['topology']}: {doc['job_name']}, loss against time")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return True

@@ -1,7 +1,8 @@
 """The split regime's metrics per system: time to a target loss and each host's peak memory.
 
-- ``time_to_target_s``: the target is the final loss of the dense ``pipelining-best`` run
-  over the same steps (:data:`testbeds.bench.systems.TARGET_SYSTEM`). A system reaches it at
+- ``time_to_target_s``: the target is the final loss of a dense run over the same steps,
+  ``pipelining-best``'s or, without it, ``fusion-dense``'s
+  (:data:`testbeds.bench.systems.TARGET_SYSTEMS`). A system reaches it at
   the first step whose raw loss, or whose loss smoothed over the last :data:`SMOOTHING`
   steps, is at or below it (within :data:`LOSS_RTOL`: the same loss summed in another order
   differs in its last float32 bits, and a run that matches the target's curve step for
@@ -21,7 +22,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from testbeds.bench.systems import TARGET_SYSTEM
+from testbeds.bench.systems import TARGET_SYSTEMS
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,19 @@ def rank_peak_memory(records: Sequence[Mapping[str, Any]], hosts: Sequence[str])
     return out
 
 
-def add_split_metrics(rows: dict[str, dict[str, Any]], caps: Mapping[str, int | None]) -> float | None:
+def target_system(systems: Sequence[str]) -> str | None:
+    """The system whose final loss is the target: the first of :data:`TARGET_SYSTEMS` run."""
+    return next((s for s in TARGET_SYSTEMS if s in systems), None)
+
+
+def add_split_metrics(
+    rows: dict[str, dict[str, Any]], caps: Mapping[str, int | None]
+) -> tuple[str | None, float | None]:
     """Add ``time_to_target_s`` to every row, and fill each row's ``memory_cap_bytes`` from
-    ``caps`` (the topology's, ``{host: bytes}``) for the hosts it used; returns the target."""
-    target_row = rows.get(TARGET_SYSTEM) or {}
-    target = target_row.get("final_loss")
+    ``caps`` (the topology's, ``{host: bytes}``) for the hosts it used; returns the target's
+    system and loss."""
+    system = target_system(list(rows))
+    target = (rows.get(system) or {}).get("final_loss") if system else None
     for row in rows.values():
         row["target_loss"] = target
         row["time_to_target_s"] = time_to_target(row.get("losses") or [], row.get("step_s"), target)
@@ -90,7 +99,7 @@ def add_split_metrics(rows: dict[str, dict[str, Any]], caps: Mapping[str, int | 
         for host in row.get("hosts_used") or []:
             if caps.get(host) is not None:
                 lent.setdefault(host, caps[host])
-    return target
+    return system, target
 
 
 def split_lines(doc: Mapping[str, Any]) -> list[str]:
@@ -103,7 +112,8 @@ def split_lines(doc: Mapping[str, Any]) -> list[str]:
     target = doc.get("target_loss")
     lines = [
         "",
-        f"target loss: {'-' if target is None else f'{target:.4f}'} ({TARGET_SYSTEM}'s final loss)",
+        f"target loss: {'-' if target is None else f'{target:.4f}'} "
+        f"({doc.get('target_system') or TARGET_SYSTEMS[0]}'s final loss)",
         "",
         "| system | time to target s | peak memory / cap per host |",
         "|---|---:|---|",

@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.topology import Topology
 from testbeds.bench.harness import summarize
-from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, time_to_target
+from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, target_system, time_to_target
 from testbeds.bench.systems import SYSTEMS, best_pipeline_hosts, cluster_chain, ddp_infeasible
 from testbeds.net.testbed import TOPOLOGY_DIR
 
@@ -103,7 +103,7 @@ def test_the_json_rows_carry_the_contract_keys() -> None:
         "ddp": [Run(system="ddp", note="infeasible: needs ...", hosts_used=["a-1"], peak_memory_bytes={"a-1": 9})],
     }
     rows = {s: summarize(r, t, warmup=0) for s, r in runs.items()}
-    assert add_split_metrics(rows, {w.name: w.memory_bytes for w in t.workers}) == 1.0
+    assert add_split_metrics(rows, {w.name: w.memory_bytes for w in t.workers}) == ("pipelining-best", 1.0)
     for row in rows.values():
         for key in ("samples_per_s", "step_s", "final_loss", "losses", "hosts_used", "slowest_link_bytes", "note"):
             assert key in row
@@ -111,6 +111,19 @@ def test_the_json_rows_carry_the_contract_keys() -> None:
     assert rows["pipelining-best"]["time_to_target_s"] == pytest.approx(1.5)
     assert rows["ddp"]["time_to_target_s"] is None and rows["ddp"]["peak_memory_bytes"] == {"a-1": 9}
     assert set(SYSTEMS) >= {"fusion", "fusion-dense", "uniform", "compute", "pipelining", "pipelining-best", "fsdp"}
+
+
+def test_the_target_is_gpipes_loss_else_fusion_denses() -> None:
+    """A compression cell run without GPipe is judged against fusion's own dense run."""
+    assert target_system(["fusion", "fusion-dense", "pipelining-best"]) == "pipelining-best"
+    assert target_system(["fusion", "fusion-dense"]) == "fusion-dense"
+    assert target_system(["fusion", "uniform"]) is None
+    rows = {
+        "fusion": {"losses": [3.0, 2.0, 1.0], "step_s": 0.5},
+        "fusion-dense": {"final_loss": 2.0, "losses": [3.0, 2.0], "step_s": 1.0},
+    }
+    assert add_split_metrics(rows, {}) == ("fusion-dense", 2.0)
+    assert rows["fusion"]["time_to_target_s"] == pytest.approx(1.0)
 
 
 def test_a_fusion_runs_step_records_leave_its_events_out(tmp_path: Path) -> None:

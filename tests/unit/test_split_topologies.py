@@ -23,7 +23,7 @@ from testbeds.net.testbed import TOPOLOGY_DIR
 
 JOB_DIR = Path(__file__).resolve().parents[2] / "testbeds" / "jobs"
 JOBS = ("bench-gpt2-split", "bench-resnet-split")
-TOPOLOGIES = ("two-sites-split", "three-continents-split", "volunteers-split")
+TOPOLOGIES = ("two-sites-split", "two-sites-slow-split", "three-continents-split", "volunteers-split")
 #: Caps scaled by these still force the regime: live peaks a few percent under or over the estimate.
 HEADROOM = (0.96, 1.0, 1.04)
 #: OP-Fence's local search runs to a wall-clock deadline (0.5 s here by default): on a busy
