@@ -6,7 +6,9 @@
   compression), ``uniform`` (even split in join order, dense) and ``compute``
   (compute-balanced, blind to links, dense). ``fusion-grpc`` is ``fusion`` on a second
   fleet whose workers run ``--no-data-plane``: tensors over the gRPC port only, the data
-  plane's before and after in one run (not in the default list).
+  plane's before and after in one run. ``fusion-quant8``, ``fusion-quant4``, ``fusion-topk``,
+  ``fusion-topk-quant`` and ``fusion-adatopk`` run OP-Fence with one fixed compression
+  setting each (:data:`CODEC_SYSTEMS`). These are not in the default list.
 - Rank systems start one torch process per host over gloo (:mod:`testbeds.bench.baselines`):
   ``ddp``, ``pipelining`` (GPipe, even split over the first hosts in join order),
   ``pipelining-best`` (GPipe over :func:`best_pipeline_hosts`) and ``fsdp`` (FSDP2, one
@@ -46,18 +48,30 @@ logger = logging.getLogger(__name__)
 
 #: The systems run by default, in the order the table lists them.
 SYSTEMS = ("fusion", "fusion-dense", "uniform", "compute", "pipelining", "pipelining-best", "fsdp", "ddp")
+#: Fixed compression settings run as ``fusion-NAME`` systems (OP-Fence with the job's
+#: ``[compression]`` replaced by these keys), to set every codec beside AdaTopK and dense in
+#: one run (issue 28): 8- and 4-bit quantization, top-k at 10 %, top-k at 10 % with 4-bit values.
+CODEC_SYSTEMS: dict[str, dict[str, object]] = {
+    "quant8": {"mode": "quant", "bits": 8},
+    "quant4": {"mode": "quant", "bits": 4},
+    "topk": {"mode": "topk", "keep_ratio": 0.1},
+    "topk-quant": {"mode": "topk-quant", "keep_ratio": 0.1, "bits": 4},
+    "adatopk": {"mode": "adatopk"},
+}
 #: Systems run only when named.
-EXTRA_SYSTEMS = ("fusion-grpc",)
+EXTRA_SYSTEMS = ("fusion-grpc", *(f"fusion-{name}" for name in CODEC_SYSTEMS))
 #: Fleet systems whose workers move tensors over gRPC only (``fusion-worker --no-data-plane``).
 GRPC_ONLY_SYSTEMS = frozenset({"fusion-grpc"})
-#: Systems run by the coordinator and workers: ``system -> (plan strategy, compression mode)``;
-#: ``None`` keeps the job's own compression.
-FLEET_SYSTEMS: dict[str, tuple[str, str | None]] = {
+#: Systems run by the coordinator and workers: ``system -> (plan strategy, [compression]
+#: keys)``; ``None`` keeps the job's own compression.
+_DENSE = {"mode": "none"}
+FLEET_SYSTEMS: dict[str, tuple[str, dict[str, object] | None]] = {
     "fusion": ("opfence", None),
-    "fusion-dense": ("opfence", "none"),
-    "uniform": ("uniform", "none"),
-    "compute": ("compute", "none"),
+    "fusion-dense": ("opfence", _DENSE),
+    "uniform": ("uniform", _DENSE),
+    "compute": ("compute", _DENSE),
     "fusion-grpc": ("opfence", None),
+    **{f"fusion-{name}": ("opfence", keys) for name, keys in CODEC_SYSTEMS.items()},
 }
 #: Rank systems and the module each rank runs.
 RANK_MODULES = {
@@ -81,11 +95,11 @@ _OPTIMIZER_SLOTS = {"adamw": 2, "adam": 2, "sgd": 1}
 def system_job(spec: JobSpec, system: str, *, steps: int, num_hosts: int, out_dir: object) -> JobSpec:
     """The job as ``system`` runs it: a fleet system's plan strategy and compression
     (:data:`FLEET_SYSTEMS`); a rank system's job is dense, its plan untouched."""
-    plan, compression = FLEET_SYSTEMS.get(system, ("opfence", "none"))
+    plan, compression = FLEET_SYSTEMS.get(system, ("opfence", _DENSE))
     return spec.replace(
         train={"steps": steps},
         plan={"strategy": plan},
-        compression={"mode": compression or spec.compression.mode},
+        compression=compression or {},
         cluster={"min_workers": num_hosts},
         output={"dir": str(out_dir)},
     )

@@ -12,7 +12,14 @@ import pytest
 from scheduler.topology import Topology
 from testbeds.bench.harness import summarize
 from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, target_system, time_to_target
-from testbeds.bench.systems import SYSTEMS, best_pipeline_hosts, cluster_chain, ddp_infeasible
+from testbeds.bench.systems import (
+    EXTRA_SYSTEMS,
+    SYSTEMS,
+    best_pipeline_hosts,
+    cluster_chain,
+    ddp_infeasible,
+    system_job,
+)
 from testbeds.net.testbed import TOPOLOGY_DIR
 
 MIB = 1 << 20
@@ -111,6 +118,27 @@ def test_the_json_rows_carry_the_contract_keys() -> None:
     assert rows["pipelining-best"]["time_to_target_s"] == pytest.approx(1.5)
     assert rows["ddp"]["time_to_target_s"] is None and rows["ddp"]["peak_memory_bytes"] == {"a-1": 9}
     assert set(SYSTEMS) >= {"fusion", "fusion-dense", "uniform", "compute", "pipelining", "pipelining-best", "fsdp"}
+
+
+def test_each_system_runs_the_job_with_its_own_compression(tmp_path: Path) -> None:
+    """``fusion`` keeps the job's ``[compression]``; the dense systems drop it; each codec
+    system sets its one fixed setting; the rest of the job is left as it was."""
+    from fusion.config import load_job
+
+    spec = load_job(Path(__file__).resolve().parents[2] / "testbeds" / "jobs" / "bench-gpt2-split-adatopk.toml")
+
+    def compression(system: str) -> tuple[str, float, int]:
+        c = system_job(spec, system, steps=5, num_hosts=3, out_dir=tmp_path).compression
+        return c.mode, c.keep_ratio, c.bits
+
+    assert compression("fusion") == ("adatopk", 0.1, 8) == compression("fusion-adatopk")
+    assert compression("fusion-dense")[0] == compression("uniform")[0] == compression("pipelining-best")[0] == "none"
+    assert compression("fusion-quant4") == ("quant", 0.1, 4)
+    assert compression("fusion-topk-quant") == ("topk-quant", 0.1, 4)
+    assert compression("fusion-topk")[:2] == ("topk", 0.1)
+    job = system_job(spec, "fusion-quant8", steps=5, num_hosts=3, out_dir=tmp_path)
+    assert (job.train.steps, job.train.lr, job.model, job.cluster.min_workers) == (5, spec.train.lr, spec.model, 3)
+    assert {"fusion-grpc", "fusion-quant8", "fusion-adatopk"} <= set(EXTRA_SYSTEMS)
 
 
 def test_the_target_is_gpipes_loss_else_fusion_denses() -> None:
