@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.render:
             doc = json.loads(Path(args.render).read_text())
+            if "target_loss" in doc:  # a split-regime result: its targets as this code reads them
+                doc["target_system"], doc["target_loss"] = add_split_metrics(doc["systems"], {})
             if args.simulate:
                 from testbeds.sim.validation import add_simulation
 

@@ -2,13 +2,17 @@
 
 - ``time_to_target_s``: the target is the final loss of a dense run over the same steps,
   ``pipelining-best``'s or, without it, ``fusion-dense``'s
-  (:data:`testbeds.bench.systems.TARGET_SYSTEMS`). A system reaches it at
-  the first step whose raw loss, or whose loss smoothed over the last :data:`SMOOTHING`
-  steps, is at or below it (within :data:`LOSS_RTOL`: the same loss summed in another order
-  differs in its last float32 bits, and a run that matches the target's curve step for
-  step must reach it); its time to target is that step's count (``step + 1``) times
-  the system's measured step seconds (the row's ``step_s``, trimmed and warm). ``None`` when
-  it never does, or when there is no target.
+  (:data:`testbeds.bench.systems.TARGET_SYSTEMS`). A run's per-step loss is noisy (each
+  step sees another batch), so for a run of ``n`` steps the final loss is the mean of its
+  last :func:`loss_window` ``(n)`` steps (5 %: the last step alone below 40 steps, the
+  last 50 of 1,000). A system reaches the target at the first step whose loss averaged over
+  the same window ending there is at or below it (within :data:`LOSS_RTOL`: the same loss
+  summed in another order differs in its last float32 bits, and a run that matches the
+  target's curve step for step must reach it); below 40 steps, where the window is one
+  step, the raw loss or its mean over the last :data:`SMOOTHING` steps counts. Its time to
+  target is that step's count (``step + 1``) times the system's measured step seconds (the
+  row's ``step_s``, trimmed and warm). ``None`` when it never does, or when there is no
+  target.
 - ``peak_memory_bytes``: ``{host: bytes}``, the most any step measured on that host, and
   ``memory_cap_bytes``: ``{host: bytes}``, what the host lends (its ``memory_gb``). Fleet
   systems read both from ``measured.json``'s ``memory`` section (each stage's
@@ -34,22 +38,41 @@ SMOOTHING = 3
 LOSS_RTOL = 1e-6
 
 
-def steps_to_target(losses: Sequence[float], target: float) -> int | None:
-    """The first step (0-based) whose raw or smoothed loss is at or below ``target`` (within
-    :data:`LOSS_RTOL`)."""
+def loss_window(steps: int) -> int:
+    """Steps a final loss is averaged over at the end of a run of ``steps`` (5 %, at least 1)."""
+    return max(1, steps // 20)
+
+
+def final_loss(losses: Sequence[float]) -> float | None:
+    """The mean of the last :func:`loss_window` losses (``None`` without any)."""
+    if not losses:
+        return None
+    tail = losses[-loss_window(len(losses)) :]
+    return sum(tail) / len(tail)
+
+
+def steps_to_target(losses: Sequence[float], target: float, *, window: int = 1) -> int | None:
+    """The first step (0-based) whose loss, averaged over ``window`` steps ending there, is at
+    or below ``target`` (within :data:`LOSS_RTOL`); with ``window == 1``, the raw loss or
+    its mean over the last :data:`SMOOTHING` steps (module docstring)."""
     bar = target + abs(target) * LOSS_RTOL
+    smooth = max(SMOOTHING, window)
     for i, loss in enumerate(losses):
-        window = losses[max(0, i + 1 - SMOOTHING) : i + 1]
-        if loss <= bar or sum(window) / len(window) <= bar:
+        recent = losses[max(0, i + 1 - smooth) : i + 1]
+        if window == 1 and loss <= bar:
+            return i
+        if i + 1 >= window and sum(recent) / len(recent) <= bar:
             return i
     return None
 
 
-def time_to_target(losses: Sequence[float], step_s: float | None, target: float | None) -> float | None:
+def time_to_target(
+    losses: Sequence[float], step_s: float | None, target: float | None, *, window: int = 1
+) -> float | None:
     """Seconds to reach ``target`` at ``step_s`` a step (module docstring)."""
     if target is None or step_s is None or not losses:
         return None
-    step = steps_to_target(losses, target)
+    step = steps_to_target(losses, target, window=window)
     return None if step is None else (step + 1) * step_s
 
 
@@ -90,16 +113,24 @@ def add_split_metrics(
     ``caps`` (the topology's, ``{host: bytes}``) for the hosts it used; returns the target's
     system and loss."""
     system = target_system(list(rows))
-    target = (rows.get(system) or {}).get("final_loss") if system else None
+    target_row = rows.get(system) or {}
+    target_losses = target_row.get("losses") or []
+    window = loss_window(len(target_losses))
+    target = final_loss(target_losses) if window > 1 else target_row.get("final_loss")
     for row in rows.values():
         row["target_loss"] = target
-        row["time_to_target_s"] = time_to_target(row.get("losses") or [], row.get("step_s"), target)
+        row["time_to_target_s"] = time_to_target(row.get("losses") or [], row.get("step_s"), target, window=window)
         row.setdefault("peak_memory_bytes", {})
         lent = row.setdefault("memory_cap_bytes", {})
         for host in row.get("hosts_used") or []:
             if caps.get(host) is not None:
                 lent.setdefault(host, caps[host])
     return system, target
+
+
+def _window_words(doc: Mapping[str, Any]) -> str:
+    window = loss_window(int(doc.get("steps") or 0))
+    return f", the mean of its last {window} steps" if window > 1 else ""
 
 
 def split_lines(doc: Mapping[str, Any]) -> list[str]:
@@ -113,7 +144,7 @@ def split_lines(doc: Mapping[str, Any]) -> list[str]:
     lines = [
         "",
         f"target loss: {'-' if target is None else f'{target:.4f}'} "
-        f"({doc.get('target_system') or TARGET_SYSTEMS[0]}'s final loss)",
+        f"({doc.get('target_system') or TARGET_SYSTEMS[0]}'s final loss{_window_words(doc)})",
         "",
         "| system | time to target s | peak memory / cap per host |",
         "|---|---:|---|",

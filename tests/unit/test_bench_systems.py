@@ -154,6 +154,18 @@ def test_the_target_is_gpipes_loss_else_fusion_denses() -> None:
     assert rows["fusion"]["time_to_target_s"] == pytest.approx(1.0)
 
 
+def test_a_long_runs_target_is_its_last_twentieth_averaged() -> None:
+    """Over 1,000 noisy steps the target is the mean of the dense run's last 50 losses, and a
+    run reaches it when its 50-step mean does: one lucky batch early on does not count."""
+    dense = [2.0 + (0.5 if i % 2 else -0.5) for i in range(1000)]  # mean 2.0, swings +-0.5
+    lucky = [3.0] * 100 + [1.0] + [3.0] * 399 + [1.0] * 500  # a dip at 100; at 1.0 from step 500
+    rows = {"fusion-dense": {"losses": dense, "step_s": 1.0}, "fusion": {"losses": lucky, "step_s": 0.5}}
+    assert add_split_metrics(rows, {}) == ("fusion-dense", pytest.approx(2.0))
+    # Step 524: its last 50 losses are 25 at 3.0 and 25 at 1.0, a mean of 2.0.
+    assert rows["fusion"]["time_to_target_s"] == pytest.approx(0.5 * 525)
+    assert rows["fusion-dense"]["time_to_target_s"] == pytest.approx(50.0)  # its mean is 2.0 from step 49
+
+
 def test_a_fusion_runs_step_records_leave_its_events_out(tmp_path: Path) -> None:
     """A compressed job's metrics.jsonl holds events between its steps, some without a step
     (the bench once failed with ``KeyError: 'step'`` after a 9-minute run)."""
