@@ -148,8 +148,7 @@ def _medians(paths: _Paths, n: int, repeats: int) -> dict[str, float]:
     """Median seconds per path, the paths interleaved within each repeat in an order rotated
     from one repeat to the next, so that each path comes first after the gRPC call's settle
     pause equally often: that transfer meets caches the pause has cooled and a core that has
-    gone idle, and takes about a third longer (1 MiB frames: 1.77 ms first, 1.29-1.45 ms
-    later in the repeat, on this 2-core VM)."""
+    gone idle, and takes longer (``testbeds/results/transport/README.md``)."""
     runs: list[tuple[str, Callable[[int], float]]] = [
         ("data", paths.data_plane),
         ("unix", paths.unix),
