@@ -32,12 +32,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from scheduler.convergence import (
-    COST_PER_ERROR2,
     DENSE,
     DIRECTIONS,
     CutValue,
     ErrorModel,
     Setting,
+    cost_per_error2,
 )
 from scheduler.estimator import Estimate, estimate, workload_from_dag
 
@@ -122,14 +122,19 @@ class _Costs:
             self._memo[key] = self.errors.cut(self.values.get(cut, ()), direction, setting)
         return self._memo[key]
 
+    def cost(self, cut: tuple[int, int], direction: str, setting: Setting) -> float:
+        """``c · e²``: this stream's share of ``m - 1``."""
+        return cost_per_error2(setting[0]) * self(cut, direction, setting)[0]
+
+    def convergence_cost(self, chosen: Mapping[tuple[tuple[int, int], str], Setting]) -> float:
+        """``m`` of all the chosen streams together."""
+        return 1.0 + sum(self.cost(cut, d, s) for (cut, d), s in chosen.items())
+
     def time_to_loss(self, chosen: Mapping[tuple[tuple[int, int], str], Setting], step_s_of: StepTime) -> float:
         scales: dict[tuple[int, int], list[float]] = {}
-        error2 = 0.0
         for (cut, direction), setting in chosen.items():
-            e2, ratio = self(cut, direction, setting)
-            scales.setdefault(cut, [1.0, 1.0])[DIRECTIONS.index(direction)] = ratio
-            error2 += e2
-        return step_s_of({cut: (a, g) for cut, (a, g) in scales.items()}) * (1.0 + COST_PER_ERROR2 * error2)
+            scales.setdefault(cut, [1.0, 1.0])[DIRECTIONS.index(direction)] = self(cut, direction, setting)[1]
+        return step_s_of({cut: (a, g) for cut, (a, g) in scales.items()}) * self.convergence_cost(chosen)
 
 
 def compression_marks(
@@ -179,7 +184,7 @@ def compression_marks(
         marks[cut] = CutChoice(
             *(owner_setting(request) if fixed_mode else act),
             *((None, None, None) if fixed_mode or grad == act else grad),
-            convergence_cost=1.0 + COST_PER_ERROR2 * (ea2 + eg2),
+            convergence_cost=1.0 + costs.cost(cut, "activations", act) + costs.cost(cut, "gradients", grad),
             activation_error=ea2**0.5,
             gradient_error=eg2**0.5,
             time_to_loss_vs_dense=t_loss / costs.time_to_loss(without, step_s_of),
@@ -232,7 +237,7 @@ def compression_summary(
     chosen = _chosen_of(marks, request)
     dense = step_s_of({})
     t_loss = costs.time_to_loss(chosen, step_s_of)
-    m = 1.0 + COST_PER_ERROR2 * sum(costs(cut, d, s)[0] for (cut, d), s in chosen.items())
+    m = costs.convergence_cost(chosen)
     return {
         "dense_step_s": dense,
         "step_s": t_loss / m,

@@ -53,8 +53,11 @@ from fusion.job_sections import COMPRESSION_CANDIDATES
 
 logger = logging.getLogger(__name__)
 
-#: ``c`` of ``m = 1 + c · Σ e²`` (see the module docstring for the fit).
+#: ``c`` of ``m = 1 + c · Σ e²`` for top-k's errors, alone or with quantized values (see the
+#: module docstring for the fit).
 COST_PER_ERROR2 = 3.2
+#: ``c`` for block quantization's errors (see the module docstring for the fit).
+QUANT_COST_PER_ERROR2 = 3.2
 
 #: One setting: (codec name, keep ratio, bits; 0 when not quantized).
 Setting = tuple[str, float, int]
@@ -66,9 +69,16 @@ _ERROR_KEY = {"activations": "activation_error", "gradients": "gradient_error"}
 _BYTES_KEY = {"activations": "activation_bytes_ratio", "gradients": "gradient_bytes_ratio"}
 
 
-def convergence_cost(errors: Iterable[float], *, c: float = COST_PER_ERROR2) -> float:
-    """``m = 1 + c · Σ e²`` over the relative errors of every compressed tensor stream."""
-    return 1.0 + c * sum(e * e for e in errors if math.isfinite(e))
+def cost_per_error2(codec: str) -> float:
+    """``c`` for a codec's errors: :data:`QUANT_COST_PER_ERROR2` for ``quant``,
+    :data:`COST_PER_ERROR2` for the others (top-k's bias dominates ``topk-quant``)."""
+    return QUANT_COST_PER_ERROR2 if codec == "quant" else COST_PER_ERROR2
+
+
+def convergence_cost(errors: Iterable[tuple[str, float]]) -> float:
+    """``m = 1 + Σ c(codec) · e²`` over ``(codec, relative error)`` of every compressed
+    tensor stream."""
+    return 1.0 + sum(cost_per_error2(codec) * e * e for codec, e in errors if math.isfinite(e))
 
 
 def prior_error2(setting: Setting) -> float:

@@ -202,7 +202,8 @@ def metrics_record(
             }
             for (s, d), codec in sorted(stats.link_codecs.items())
         }
-        record["convergence_cost"] = round(convergence_cost(stats.compression_error.values()), 6)
+        streams = ((stats.link_codecs.get(link, {}).get("codec", ""), e) for link, e in stats.compression_error.items())
+        record["convergence_cost"] = round(convergence_cost(streams), 6)
     if predicted_step_s is not None:
         record["predicted_step_s"] = round(predicted_step_s, 6)
     return record

@@ -10,9 +10,11 @@ from scheduler.compression import compression_marks, compression_note, compressi
 from scheduler.convergence import (
     COST_PER_ERROR2,
     DEFAULT_CANDIDATES,
+    QUANT_COST_PER_ERROR2,
     CutValue,
     ErrorModel,
     convergence_cost,
+    cost_per_error2,
     prior_bytes_ratio,
     prior_error2,
 )
@@ -62,9 +64,11 @@ def request(**kwargs: object) -> PlanRequest:
 
 
 def test_the_cost_model_is_one_for_dense_and_grows_with_the_error() -> None:
-    assert convergence_cost([]) == 1.0 and convergence_cost([0.0, 0.0]) == 1.0
-    assert convergence_cost([0.5]) == pytest.approx(1 + COST_PER_ERROR2 * 0.25)
-    assert convergence_cost([0.5, 0.5]) > convergence_cost([0.5]) > convergence_cost([0.1])
+    assert convergence_cost([]) == 1.0 and convergence_cost([("topk", 0.0), ("quant", 0.0)]) == 1.0
+    assert convergence_cost([("topk", 0.5)]) == pytest.approx(1 + COST_PER_ERROR2 * 0.25)
+    assert convergence_cost([("quant", 0.5)]) == pytest.approx(1 + QUANT_COST_PER_ERROR2 * 0.25)
+    assert convergence_cost([("topk", 0.5)] * 2) > convergence_cost([("topk", 0.5)]) > convergence_cost([("topk", 0.1)])
+    assert cost_per_error2("topk-quant") == COST_PER_ERROR2 and cost_per_error2("quant") == QUANT_COST_PER_ERROR2
     # The prior: quantization at 8 bits costs less than at 4, top-k less the more it keeps.
     assert prior_error2(("none", 1.0, 0)) == 0.0
     assert prior_error2(("quant", 1.0, 8)) < prior_error2(("quant", 1.0, 4)) < prior_error2(("topk", 0.5, 0))
