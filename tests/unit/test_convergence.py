@@ -115,7 +115,7 @@ def test_a_compressed_setting_wins_on_a_slow_link_with_small_errors() -> None:
     summary = compression_summary(marks, request(calibration=LOW), values=VALUES, step_s_of=lambda s: 1.0)
     assert summary["calibrated"] is True and summary["convergence_cost"] == pytest.approx(choice.convergence_cost)
     # Where the errors cost more, the same link keeps more bits.
-    costly = calibration([0.0, 0.75, 0.006, 0.5], [0.0, 0.6, 0.007, 0.5])
+    costly = calibration([0.0, 0.75, 0.006, 0.9], [0.0, 0.6, 0.007, 0.9])
     assert compression_marks(slow, request(calibration=costly), values=VALUES)[(0, 1)][:3] == ("quant", 1.0, 8)
 
 
