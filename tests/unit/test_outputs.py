@@ -26,7 +26,7 @@ from fusion.coordinator.outputs import (
     write_json,
 )
 from fusion.models import build_model
-from scheduler.convergence import COST_PER_ERROR2
+from scheduler.convergence import COST_PER_ERROR2, QUANT_COST_PER_ERROR2
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -272,7 +272,8 @@ def test_metrics_record_names_links_by_worker() -> None:
             "rel_error": 0.1,
         },
     }
-    assert record["convergence_cost"] == pytest.approx(1 + COST_PER_ERROR2 * (0.25 + 0.01))
+    # Each link priced by its codec: top-k 0.5 on a->b, 4-bit quantization 0.1 on b->a.
+    assert record["convergence_cost"] == pytest.approx(1 + COST_PER_ERROR2 * 0.25 + QUANT_COST_PER_ERROR2 * 0.01)
     assert record["predicted_step_s"] == 0.4
     images = torch.zeros(4, 3, 8, 8)
     plain = metrics_record(StepStats(step=0, loss=1.0, step_s=0.0), images, ["a"], lambda s, d: None, None)
