@@ -73,8 +73,10 @@ def measure(
     """Encode/decode times and sizes of one codec on ``tensor`` (``bits`` for the quantized ones)."""
     compressor = get_compressor(codec)
     ratio = 1.0 if keep_ratio is None else keep_ratio
-    options: dict[str, Any] = {"keep_ratio": ratio} if bits is None else {"keep_ratio": ratio, "bits": bits}
-    encode_s, enc = _median_time_s(lambda: compressor.encode(tensor, **options), repeats)
+    # Every encoder takes ``bits`` (the dense codecs and top-k ignore it); 8 is its default.
+    encode_s, enc = _median_time_s(
+        lambda: compressor.encode(tensor, keep_ratio=ratio, bits=8 if bits is None else bits), repeats
+    )
     decode_s, _ = _median_time_s(
         lambda: compressor.decode(enc.data, dtype=tensor.dtype, shape=tuple(tensor.shape)), repeats
     )
