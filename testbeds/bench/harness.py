@@ -25,7 +25,10 @@ user-space proxy) runs every system on the same hosts and links; the systems tak
 - ``fsdp``: :mod:`testbeds.bench.baselines.fsdp`, FSDP2 with one rank per host.
 
 :mod:`testbeds.bench.systems` defines them; :mod:`testbeds.bench.split_metrics` adds each
-system's time to the target loss and its hosts' peak memory against their caps.
+system's time to the target loss and its hosts' peak memory against their caps. The target
+is a dense system's final loss over ``--steps``; with ``--overrun F`` every other system
+runs ``ceil(steps * (1 + F))`` steps, so that a compressed run whose loss trails dense's at
+the last shared step is timed to the target rather than reported as never reaching it.
 
 Per system: the step seconds of each round, a mean over its timed steps with the extremes
 trimmed (the first ``--warmup`` steps of a run are left out; this VM switches between
@@ -81,7 +84,7 @@ from testbeds.bench.fusion_fleet import FusionFleet, write_profiled
 from testbeds.bench.rank_runs import caps_of, run_baseline
 from testbeds.bench.report import markdown, write_chart, write_loss_chart
 from testbeds.bench.runs import Run
-from testbeds.bench.split_metrics import add_split_metrics
+from testbeds.bench.split_metrics import add_split_metrics, target_system
 from testbeds.bench.systems import (
     EXTRA_SYSTEMS,
     FLEET_SYSTEMS,
@@ -191,6 +194,15 @@ def report(rows: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     return {**meta, "systems": rows, "speedup": speedup, "efficiency": efficiency}
 
 
+def run_steps(systems: list[str], steps: int, overrun: float) -> dict[str, int]:
+    """Steps each system runs: ``steps`` for the target system (whose final loss over them is
+    the target), ``ceil(steps * (1 + overrun))`` for the others (module docstring)."""
+    if overrun < 0:
+        raise FusionError(f"--overrun must be 0 or more, got {overrun:g}")
+    target = target_system(systems)
+    return {s: steps if s == target else math.ceil(steps * (1 + overrun)) for s in systems}
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from testbeds.net.backend import open_testbed
     from testbeds.net.testbed import resolve_topology
@@ -215,6 +227,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "--emulation profile prices the emulated computations from fusion's coordinator profile: "
                 "list fusion or uniform before ddp and pipelining in --systems"
             )
+    steps_of = run_steps(systems, steps, args.overrun)
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
@@ -243,7 +256,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for system in systems:
                 logger.info("round %d: %s", round_idx + 1, system)
                 t0 = time.monotonic()
-                job = system_job(spec, system, steps=steps, num_hosts=len(tb.hosts), out_dir=workdir / "out")
+                job = system_job(spec, system, steps=steps_of[system], num_hosts=len(tb.hosts), out_dir=workdir / "out")
                 if system in FLEET_SYSTEMS:
                     run = fleets[system not in GRPC_ONLY_SYSTEMS].run(job, system, timeout_s=args.timeout)
                 else:
@@ -254,7 +267,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         tb,
                         system,
                         job,
-                        steps=steps,
+                        steps=steps_of[system],
                         workdir=workdir,
                         timeout_s=args.timeout,
                         slowdowns=rank_slowdowns,
@@ -273,7 +286,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fleet_profile = fleet.model_profile()
         backend, latency_mode = tb.backend, tb.latency_mode
     rows = {s: undilate_row(summarize(runs[s], topology, warmup=args.warmup), dilation) for s in systems}
-    target_system, target_loss = add_split_metrics(rows, caps_of(topology))
+    target_name, target_loss = add_split_metrics(rows, caps_of(topology))
     meta = {
         "dilation": dilation,
         "topology": label,
@@ -287,8 +300,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "emulation": emulation,
         "emulate_speeds": bool(args.emulate_speeds),
         "steps": steps,
+        "overrun": args.overrun,
         "warmup": args.warmup,
-        "target_system": target_system,
+        "target_system": target_name,
         "target_loss": target_loss,
         "repeats": args.repeats,
         "command": "python -m testbeds.bench " + " ".join(sys.argv[1:]),
@@ -326,6 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated (default: %(default)s; also: {', '.join(EXTRA_SYSTEMS)})",
     )
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the job's)")
+    p.add_argument(
+        "--overrun",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="let every system but the target (pipelining-best, else fusion-dense) run F times more steps, "
+        "to time a compressed run that reaches the target loss after the target's last step (default: %(default)s)",
+    )
     p.add_argument(
         "--warmup", type=int, default=1, help="first steps of a run left out of the timing (default: %(default)s)"
     )

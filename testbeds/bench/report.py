@@ -6,6 +6,7 @@ committed result can be re-rendered (``--render RESULT.json``) without running a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         (
             f"Testbed: {doc['backend']} backend, latency {doc['latency_mode']}; {doc['num_hosts']} hosts; "
-            f"{doc['steps']} steps per run ({doc['warmup']} warm-up), {doc['repeats']} interleaved rounds; "
+            f"{doc['steps']} steps per run{_overrun_words(doc)} ({doc['warmup']} warm-up), "
+            f"{doc['repeats']} interleaved rounds; "
             f"{statistic}."
         ),
         "",
@@ -113,6 +115,13 @@ def markdown(doc: dict[str, Any]) -> str:
         if r.get("slowest_link_bytes_note")
     ]
     return "\n".join(lines) + "\n"
+
+
+def _overrun_words(doc: dict[str, Any]) -> str:
+    overrun = doc.get("overrun") or 0.0
+    if not overrun:
+        return ""
+    return f" for {doc.get('target_system') or 'the target'}, {math.ceil(doc['steps'] * (1 + overrun))} for the others"
 
 
 def emulation_lines(doc: dict[str, Any]) -> list[str]:

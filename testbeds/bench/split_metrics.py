@@ -12,7 +12,10 @@
   step, the raw loss or its mean over the last :data:`SMOOTHING` steps counts. Its time to
   target is that step's count (``step + 1``) times the system's measured step seconds (the
   row's ``step_s``, trimmed and warm). ``None`` when it never does, or when there is no
-  target.
+  target. A compressed run may be given more steps than the target's (``--overrun``), so
+  that one whose loss trails the target's at the last shared step can still reach it; its
+  ``loss_at_target_steps`` is then its final loss over the target's steps only, the
+  like-for-like "final loss vs dense".
 - ``peak_memory_bytes``: ``{host: bytes}``, the most any step measured on that host, and
   ``memory_cap_bytes``: ``{host: bytes}``, what the host lends (its ``memory_gb``). Fleet
   systems read both from ``measured.json``'s ``memory`` section (each stage's
@@ -118,8 +121,10 @@ def add_split_metrics(
     window = loss_window(len(target_losses))
     target = final_loss(target_losses) if window > 1 else target_row.get("final_loss")
     for row in rows.values():
+        losses = row.get("losses") or []
         row["target_loss"] = target
-        row["time_to_target_s"] = time_to_target(row.get("losses") or [], row.get("step_s"), target, window=window)
+        row["time_to_target_s"] = time_to_target(losses, row.get("step_s"), target, window=window)
+        row["loss_at_target_steps"] = final_loss(losses[: len(target_losses)]) if target_losses else None
         row.setdefault("peak_memory_bytes", {})
         lent = row.setdefault("memory_cap_bytes", {})
         for host in row.get("hosts_used") or []:
@@ -131,6 +136,10 @@ def add_split_metrics(
 def _window_words(doc: Mapping[str, Any]) -> str:
     window = loss_window(int(doc.get("steps") or 0))
     return f", the mean of its last {window} steps" if window > 1 else ""
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def split_lines(doc: Mapping[str, Any]) -> list[str]:
@@ -146,8 +155,8 @@ def split_lines(doc: Mapping[str, Any]) -> list[str]:
         f"target loss: {'-' if target is None else f'{target:.4f}'} "
         f"({doc.get('target_system') or TARGET_SYSTEMS[0]}'s final loss{_window_words(doc)})",
         "",
-        "| system | time to target s | peak memory / cap per host |",
-        "|---|---:|---|",
+        "| system | steps run | loss at the target's steps | time to target s | peak memory / cap per host |",
+        "|---|---:|---:|---:|---|",
     ]
     for name, r in rows.items():
         caps = r.get("memory_cap_bytes") or {}
@@ -155,6 +164,8 @@ def split_lines(doc: Mapping[str, Any]) -> list[str]:
             f"{h} {format_bytes(b)}" + (f" / {format_bytes(caps[h])}" if caps.get(h) else "")
             for h, b in (r.get("peak_memory_bytes") or {}).items()
         )
-        ttt = r.get("time_to_target_s")
-        lines.append(f"| {name} | {'-' if ttt is None else f'{ttt:.4g}'} | {mem or '-'} |")
+        lines.append(
+            f"| {name} | {len(r.get('losses') or []) or '-'} | {_fmt(r.get('loss_at_target_steps'), '.4f')} | "
+            f"{_fmt(r.get('time_to_target_s'), '.4g')} | {mem or '-'} |"
+        )
     return lines

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from fusion.errors import FusionError
 from scheduler.topology import Topology
-from testbeds.bench.harness import summarize
+from testbeds.bench.harness import run_steps, summarize
 from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, target_system, time_to_target
 from testbeds.bench.systems import (
     EXTRA_SYSTEMS,
@@ -164,6 +165,34 @@ def test_a_long_runs_target_is_its_last_twentieth_averaged() -> None:
     # Step 524: its last 50 losses are 25 at 3.0 and 25 at 1.0, a mean of 2.0.
     assert rows["fusion"]["time_to_target_s"] == pytest.approx(0.5 * 525)
     assert rows["fusion-dense"]["time_to_target_s"] == pytest.approx(50.0)  # its mean is 2.0 from step 49
+
+
+def test_an_overrun_lets_a_trailing_run_reach_the_target_after_its_last_step() -> None:
+    """With ``--overrun`` the compressed systems run past the target's steps: one whose loss
+    trails dense's at step 1,000 is timed at the step it reaches dense's final loss, and its
+    loss at the target's steps stays the like-for-like comparison."""
+    assert run_steps(["fusion-dense", "fusion", "fusion-quant4"], 1000, 0.3) == {
+        "fusion-dense": 1000,
+        "fusion": 1300,
+        "fusion-quant4": 1300,
+    }
+    assert run_steps(["fusion", "fusion-dense"], 8, 0.0) == {"fusion": 8, "fusion-dense": 8}
+    with pytest.raises(FusionError, match="--overrun"):
+        run_steps(["fusion"], 8, -0.1)
+    dense = [3.0 - i / 1000 for i in range(1000)]  # its last 50 average 3 - 0.9745 = 2.0255
+    trailing = [3.0 - i / 1100 for i in range(1300)]  # 10 % slower to learn
+    rows = {"fusion-dense": {"losses": dense, "step_s": 1.0}, "fusion": {"losses": trailing, "step_s": 0.5}}
+    _, target = add_split_metrics(rows, {})
+    assert target == pytest.approx(2.0255)
+    assert rows["fusion"]["loss_at_target_steps"] == pytest.approx(sum(trailing[950:1000]) / 50)
+    assert rows["fusion"]["loss_at_target_steps"] > target
+    # Its 50-step mean ending at step i is 3 - (i - 24.5) / 1100: at most 2.0255 from i = 1,097.
+    assert rows["fusion"]["time_to_target_s"] == pytest.approx(0.5 * 1098)
+    assert rows["fusion"]["time_to_target_s"] < 1000 * 1.0
+    assert (
+        rows["fusion"]["time_to_target_s"] is not None
+        and time_to_target(trailing[:1000], 0.5, target, window=50) is None
+    )
 
 
 def test_a_fusion_runs_step_records_leave_its_events_out(tmp_path: Path) -> None:
