@@ -62,6 +62,9 @@ Latency: this kernel has no ``sch_netem``; the netns backend adds every link's l
 every packet with a TUN delay line per host (``latency_mode = "tun"``), so gloo's traffic
 (ddp, pipelining) is delayed as fusion's is. Where TUN devices are missing too, latency is
 added on fusion's gRPC path only (``"userspace"``). The JSON says which.
+
+With ``--bandwidth-floor MBPS`` every link carries at least that bandwidth at its own
+latency (:mod:`testbeds.free_bytes`): a dense run there measures the step no codec can beat.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ from testbeds.bench.systems import (
 )
 from testbeds.dilation import check_dilation, dilated_slowdowns, dilation_label, undilate_row
 from testbeds.emulation import EMULATIONS
+from testbeds.free_bytes import floor_bandwidth, floor_label
 from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
 
 logger = logging.getLogger(__name__)
@@ -214,6 +218,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise FusionError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     topology, label = resolve_topology(args.topology)
+    if args.bandwidth_floor is not None:
+        topology, label = (
+            floor_bandwidth(topology, args.bandwidth_floor),
+            f"{label}, {floor_label(args.bandwidth_floor)}",
+        )
     dilation = check_dilation(args.dilate)
     slowdowns = emulated_slowdowns(topology, speeds=args.emulate_speeds)
     rank_slowdowns = dilated_slowdowns(slowdowns, topology.names(), dilation)
@@ -231,7 +240,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     fleet_costs = None
     fleet_profile: dict[str, Any] | None = None
-    with open_testbed(args.topology, backend=args.backend, dilation=dilation) as tb:
+    with open_testbed(topology, backend=args.backend, dilation=dilation) as tb:
         workdir = Path(tb.workdir)
         # A fleet per data path its systems need (the data plane's, gRPC only), every worker
         # reporting one speed measured once here.
@@ -382,6 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="D",
         help="time dilation: every host computes and every link carries D times slower; times reported are "
         "divided by D and labelled 'dilated xD' (default: %(default)s, none; testbeds.dilation)",
+    )
+    p.add_argument(
+        "--bandwidth-floor",
+        type=float,
+        default=None,
+        metavar="MBPS",
+        help="raise every link's bandwidth to at least MBPS, latencies kept: a dense system's step there is the "
+        "least any codec could reach on the cell (testbeds.free_bytes; labelled in the output)",
     )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
