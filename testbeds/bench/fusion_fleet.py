@@ -145,7 +145,7 @@ class FusionFleet:
         plan_path = job_dir / "plan.json"
         if plan_path.exists():
             plan = json.loads(plan_path.read_text())
-            run.predicted_step_s = plan.get("predicted_step_s")
+            run.predicted_step_s = planned_step_s(plan)
             run.hosts_used = [s["worker"] for s in plan.get("stages", [])]
             run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
         return run
@@ -207,3 +207,10 @@ def write_profiled(fleet: FusionFleet, spec: JobSpec, num_hosts: int, path: Path
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def planned_step_s(plan: Mapping[str, Any]) -> float | None:
+    """The step a ``plan.json`` predicts for the run: with the chosen codecs' bytes where
+    AdaTopK compresses (``extra.compression.step_s``), else the plan's dense prediction."""
+    chosen = (plan.get("extra") or {}).get("compression") or {}
+    return chosen.get("step_s") or plan.get("predicted_step_s")

@@ -38,9 +38,10 @@ them), the median of the rounds, samples (and tokens) per second, the bytes per 
 on the slowest link it sends over (lowest configured bandwidth; both directions), its final
 loss, fusion's speed-up over it, and, for fusion, its **efficiency**: the estimator's
 predicted step time for the plan fusion ran (``predicted_step_s``, priced with the costs the
-coordinator measured: profiled nodes, probed links, calibrated executor overheads, no
-compression) divided by the measured step time, the median over rounds of each round's
-own ratio (every round probes and plans afresh, and may run another plan). 1.0 means the
+coordinator measured: profiled nodes, probed links, calibrated executor overheads, and the
+bytes of the codecs AdaTopK chose where it chose any) divided by the measured step time,
+the median over rounds of each round's own ratio (every round probes and plans afresh, and
+may run another plan). 1.0 means the
 run is as fast as the model of its own plan says it can be; below, the executor loses
 time the model does not see.
 

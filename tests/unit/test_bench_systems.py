@@ -11,6 +11,7 @@ import pytest
 
 from fusion.errors import FusionError
 from scheduler.topology import Topology
+from testbeds.bench.fusion_fleet import planned_step_s
 from testbeds.bench.harness import run_steps, summarize
 from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, target_system, time_to_target
 from testbeds.bench.systems import (
@@ -229,3 +230,13 @@ def test_efficiency_sets_each_round_against_its_own_plan() -> None:
     assert row["efficiency"] == pytest.approx(0.8)  # median of 0.9, 0.5, 0.8
     assert row["predicted_step_s_rounds"] == [0.9, 1.0, 0.8]
     assert report({"fusion": row}, {})["efficiency"] == pytest.approx(0.8)
+
+
+def test_a_compressing_plan_is_held_to_its_compressed_prediction() -> None:
+    """fusion's efficiency sets the measured step against the step its plan predicted with
+    the codecs AdaTopK chose, not against the plan's dense prediction."""
+    dense = {"predicted_step_s": 0.60, "extra": {"clusters": []}}
+    assert planned_step_s(dense) == 0.60
+    compressed = {"predicted_step_s": 0.60, "extra": {"compression": {"dense_step_s": 0.60, "step_s": 0.41}}}
+    assert planned_step_s(compressed) == 0.41
+    assert planned_step_s({}) is None
