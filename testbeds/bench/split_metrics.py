@@ -59,7 +59,7 @@ def steps_to_target(losses: Sequence[float], target: float, *, window: int = 1) 
     or below ``target`` (within :data:`LOSS_RTOL`); with ``window == 1``, the raw loss or
     its mean over the last :data:`SMOOTHING` steps (module docstring)."""
     bar = target + abs(target) * LOSS_RTOL
-    smooth = max(SMOOTHING, window)
+    smooth = SMOOTHING if window == 1 else window  # the target's own window: dense reaches its target
     for i, loss in enumerate(losses):
         recent = losses[max(0, i + 1 - smooth) : i + 1]
         if window == 1 and loss <= bar:

@@ -168,6 +168,17 @@ def test_a_long_runs_target_is_its_last_twentieth_averaged() -> None:
     assert rows["fusion-dense"]["time_to_target_s"] == pytest.approx(50.0)  # its mean is 2.0 from step 49
 
 
+@pytest.mark.parametrize("steps", [40, 59, 60, 1000])
+def test_a_dense_run_reaches_its_own_target_at_its_last_step_at_the_latest(steps: int) -> None:
+    """A falling loss's final loss is the mean of its last ``steps // 20``; the run reaches it
+    over that same window (a 3-step mean over 40 steps, whose target is a 2-step mean, never
+    did)."""
+    falling = [3.0 - i / steps for i in range(steps)]
+    rows = {"fusion-dense": {"losses": falling, "step_s": 1.0}}
+    add_split_metrics(rows, {})
+    assert rows["fusion-dense"]["time_to_target_s"] == pytest.approx(steps)
+
+
 def test_an_overrun_lets_a_trailing_run_reach_the_target_after_its_last_step() -> None:
     """With ``--overrun`` the compressed systems run past the target's steps: one whose loss
     trails dense's at step 1,000 is timed at the step it reaches dense's final loss, and its
