@@ -1,14 +1,16 @@
-"""The bytes-free bound: how short a step could get if a codec sent almost nothing.
+"""The cell with its bytes made free: how much of a step the links' bandwidth costs.
 
 A codec changes one thing about a step: the bytes its cuts put on the wire (and the compute
 it spends encoding them). However small it makes them, the step keeps its compute, the
-links' latencies and the executor's own costs, so no codec can make a step shorter than the
-same plan's step on the same links with their bandwidth made plentiful and their latency
-kept. :func:`floor_bandwidth` builds that topology: every link at least ``mbps`` Mbps (the
-driver's links too), each latency as it was, the hosts unchanged. A dense run on it
-(``python -m testbeds.bench --bandwidth-floor 10000``, side by side with a dense run on the
-real links) measures the bound; the ratio of the two steps is the least time, relative to
-dense, that any compression can reach on that cell at the same convergence per step.
+links' latencies and the executor's own costs. :func:`floor_bandwidth` builds the cell
+where bytes cost (almost) nothing: every link at least ``mbps`` Mbps (the driver's links
+too), each latency as it was, the hosts unchanged. A dense run there
+(``python -m testbeds.bench --bandwidth-floor 10000``, beside a dense run on the real
+links) shows how much of the real step the bandwidth accounts for. Where the two steps are
+about equal, no codec can shorten the step much, and a target such as "time to loss at most
+0.7x dense's" is out of reach by compression. It is an estimate, not a strict bound: the
+planner sees the free links and may place the model otherwise (a plan that a codec on the
+real links would not get, better or worse), and the machine drifts between the two runs.
 """
 
 from __future__ import annotations

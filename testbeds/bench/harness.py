@@ -65,7 +65,8 @@ every packet with a TUN delay line per host (``latency_mode = "tun"``), so gloo'
 added on fusion's gRPC path only (``"userspace"``). The JSON says which.
 
 With ``--bandwidth-floor MBPS`` every link carries at least that bandwidth at its own
-latency (:mod:`testbeds.free_bytes`): a dense run there measures the step no codec can beat.
+latency (:mod:`testbeds.free_bytes`): a dense run there shows how much of the step the
+bandwidth costs, the most a codec could save.
 """
 
 from __future__ import annotations
@@ -398,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         metavar="MBPS",
-        help="raise every link's bandwidth to at least MBPS, latencies kept: a dense system's step there is the "
-        "least any codec could reach on the cell (testbeds.free_bytes; labelled in the output)",
+        help="raise every link's bandwidth to at least MBPS, latencies kept: a dense system's step there shows "
+        "how much of the cell's step the bandwidth costs (testbeds.free_bytes; labelled in the output)",
     )
     p.add_argument("--simulate", action="store_true", help="add the simulator's prediction per system")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
