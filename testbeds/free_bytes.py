@@ -19,9 +19,7 @@ from dataclasses import replace
 
 from fusion.errors import ConfigError
 from scheduler.topology import Topology
-
-#: Bytes per second in one Mbps.
-MBPS = 1e6 / 8
+from testbeds.sim.topologies import MBPS
 
 
 def floor_bandwidth(topology: Topology, mbps: float) -> Topology:

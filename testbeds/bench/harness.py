@@ -41,9 +41,8 @@ predicted step time for the plan fusion ran (``predicted_step_s``, priced with t
 coordinator measured: profiled nodes, probed links, calibrated executor overheads, and the
 bytes of the codecs AdaTopK chose where it chose any) divided by the measured step time,
 the median over rounds of each round's own ratio (every round probes and plans afresh, and
-may run another plan). 1.0 means the
-run is as fast as the model of its own plan says it can be; below, the executor loses
-time the model does not see.
+may run another plan). 1.0 means the run is as fast as the model of its own plan says it
+can be; below, the executor loses time the model does not see.
 
 A host with a ``slowdown`` ``k`` (the topology file's testbed emulation factor) stretches
 each computation of every system to ``k`` times its length (:mod:`testbeds.emulation`;
@@ -89,7 +88,7 @@ from testbeds.bench.fusion_fleet import FusionFleet, write_profiled
 from testbeds.bench.rank_runs import caps_of, run_baseline
 from testbeds.bench.report import markdown, write_chart, write_loss_chart
 from testbeds.bench.runs import Run
-from testbeds.bench.split_metrics import add_split_metrics, target_system
+from testbeds.bench.split_metrics import add_split_metrics, overrun_steps, target_system
 from testbeds.bench.systems import (
     EXTRA_SYSTEMS,
     FLEET_SYSTEMS,
@@ -101,11 +100,9 @@ from testbeds.bench.systems import (
 from testbeds.dilation import check_dilation, dilated_slowdowns, dilation_label, undilate_row
 from testbeds.emulation import EMULATIONS
 from testbeds.free_bytes import floor_bandwidth, floor_label
-from testbeds.sim.topologies import PACED_SENDS, emulated_slowdowns, slowdowns_label
+from testbeds.sim.topologies import MBPS, PACED_SENDS, emulated_slowdowns, slowdowns_label
 
 logger = logging.getLogger(__name__)
-
-MBPS = 1e6 / 8
 
 
 # ---------------------------------------------------------------- job files
@@ -206,7 +203,7 @@ def run_steps(systems: list[str], steps: int, overrun: float) -> dict[str, int]:
     if overrun < 0:
         raise FusionError(f"--overrun must be 0 or more, got {overrun:g}")
     target = target_system(systems)
-    return {s: steps if s == target else math.ceil(steps * (1 + overrun)) for s in systems}
+    return {s: steps if s == target else overrun_steps(steps, overrun) for s in systems}
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,7 +6,6 @@ committed result can be re-rendered (``--render RESULT.json``) without running a
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +39,17 @@ def markdown(doc: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in doc["systems"].items():
-
-        def f(v: Any, fmt: str) -> str:
-            return "-" if v is None else format(v, fmt)
-
         sp = doc["speedup"].get(name)
         sim, err = r.get("simulated_step_s"), r.get("sim_error")
         cal, cal_err = r.get("calibrated_step_s"), r.get("calibrated_error")
         link = f"{r['slowest_link_mbps']:g} Mbps" if r.get("slowest_link_mbps") else "none"
         lines.append(
-            f"| {name} | {f(r.get('samples_per_s'), '.4g')} | {f(r.get('tokens_per_s'), '.4g')} | "
-            f"{f(r.get('step_s'), '.4g')} | {link} | "
-            f"{f(r.get('slowest_link_bytes'), ',')} | {f(r.get('final_loss'), '.4f')} | "
-            f"{'-' if name == 'fusion' else f(sp, '.2f')} | "
-            f"{f(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | "
-            f"{f(cal, '.4g')} | {'-' if cal_err is None else f'{cal_err:+.0%}'} | "
+            f"| {name} | {dash(r.get('samples_per_s'), '.4g')} | {dash(r.get('tokens_per_s'), '.4g')} | "
+            f"{dash(r.get('step_s'), '.4g')} | {link} | "
+            f"{dash(r.get('slowest_link_bytes'), ',')} | {dash(r.get('final_loss'), '.4f')} | "
+            f"{'-' if name == 'fusion' else dash(sp, '.2f')} | "
+            f"{dash(sim, '.4g')} | {'-' if err is None else f'{err:+.0%}'} | "
+            f"{dash(cal, '.4g')} | {'-' if cal_err is None else f'{cal_err:+.0%}'} | "
             f"{r.get('note', '')} |"
         )
     lines.append("")
@@ -117,11 +112,18 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dash(value: Any, spec: str) -> str:
+    """``value`` formatted by ``spec``, or ``-`` for ``None``."""
+    return "-" if value is None else format(value, spec)
+
+
 def _overrun_words(doc: dict[str, Any]) -> str:
     overrun = doc.get("overrun") or 0.0
     if not overrun:
         return ""
-    return f" for {doc.get('target_system') or 'the target'}, {math.ceil(doc['steps'] * (1 + overrun))} for the others"
+    from testbeds.bench.split_metrics import overrun_steps
+
+    return f" for {doc.get('target_system') or 'the target'}, {overrun_steps(doc['steps'], overrun)} for the others"
 
 
 def emulation_lines(doc: dict[str, Any]) -> list[str]:

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,11 @@ LOSS_RTOL = 1e-6
 def loss_window(steps: int) -> int:
     """Steps a final loss is averaged over at the end of a run of ``steps`` (5 %, at least 1)."""
     return max(1, steps // 20)
+
+
+def overrun_steps(steps: int, overrun: float) -> int:
+    """Steps a system other than the target runs with ``--overrun``: ``ceil(steps * (1 + overrun))``."""
+    return math.ceil(steps * (1 + overrun))
 
 
 def final_loss(losses: Sequence[float]) -> float | None:
@@ -138,16 +144,13 @@ def _window_words(doc: Mapping[str, Any]) -> str:
     return f", the mean of its last {window} steps" if window > 1 else ""
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def split_lines(doc: Mapping[str, Any]) -> list[str]:
     """The table of time to target and peak memory against caps (empty for a result without them)."""
     rows = doc.get("systems", {})
     if not any("time_to_target_s" in r for r in rows.values()):
         return []
     from fusion.memory import format_bytes
+    from testbeds.bench.report import dash
 
     target = doc.get("target_loss")
     lines = [
@@ -165,7 +168,7 @@ def split_lines(doc: Mapping[str, Any]) -> list[str]:
             for h, b in (r.get("peak_memory_bytes") or {}).items()
         )
         lines.append(
-            f"| {name} | {len(r.get('losses') or []) or '-'} | {_fmt(r.get('loss_at_target_steps'), '.4f')} | "
-            f"{_fmt(r.get('time_to_target_s'), '.4g')} | {mem or '-'} |"
+            f"| {name} | {len(r.get('losses') or []) or '-'} | {dash(r.get('loss_at_target_steps'), '.4f')} | "
+            f"{dash(r.get('time_to_target_s'), '.4g')} | {mem or '-'} |"
         )
     return lines
