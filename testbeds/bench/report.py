@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from testbeds.bench.split_metrics import dash, overrun_steps, split_lines
 from testbeds.sim.topologies import slowdowns_label
 
 
@@ -61,8 +62,6 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{'-' if eff is None else f'{eff:.2f}'}; fusion ran on {', '.join(fusion.get('hosts_used', [])) or '-'}"
         + (f"; AdaTopK keep ratios {fusion['keep_ratios']}" if fusion.get("keep_ratios") else "")
     )
-    from testbeds.bench.split_metrics import split_lines
-
     lines.extend(split_lines(doc))
     if "compute_factor" in doc:
         costs = "the node costs the coordinator profiled in this run" if doc.get("profile") else "this machine profile"
@@ -112,17 +111,10 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def dash(value: Any, spec: str) -> str:
-    """``value`` formatted by ``spec``, or ``-`` for ``None``."""
-    return "-" if value is None else format(value, spec)
-
-
 def _overrun_words(doc: dict[str, Any]) -> str:
     overrun = doc.get("overrun") or 0.0
     if not overrun:
         return ""
-    from testbeds.bench.split_metrics import overrun_steps
-
     return f" for {doc.get('target_system') or 'the target'}, {overrun_steps(doc['steps'], overrun)} for the others"
 
 

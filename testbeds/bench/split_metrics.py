@@ -144,13 +144,17 @@ def _window_words(doc: Mapping[str, Any]) -> str:
     return f", the mean of its last {window} steps" if window > 1 else ""
 
 
+def dash(value: Any, spec: str) -> str:
+    """``value`` formatted by ``spec``, or ``-`` for ``None``."""
+    return "-" if value is None else format(value, spec)
+
+
 def split_lines(doc: Mapping[str, Any]) -> list[str]:
     """The table of time to target and peak memory against caps (empty for a result without them)."""
     rows = doc.get("systems", {})
     if not any("time_to_target_s" in r for r in rows.values()):
         return []
     from fusion.memory import format_bytes
-    from testbeds.bench.report import dash
 
     target = doc.get("target_loss")
     lines = [
