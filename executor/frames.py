@@ -24,6 +24,11 @@ stage's expected names, dtypes and shapes) -- all before one payload byte is rea
 then does it allocate the tensors (``torch.empty``) and ``recv_into`` them piece by piece,
 feeding the payload MAC as the pieces arrive; nothing is delivered unless the tag matches.
 The header MAC binds the nonce, so the one-time payload key is bound to this frame.
+
+A *warm-up* frame (type :data:`TYPE_WARMUP`) has the same prefix, MAC, freshness and
+sequence checks, a header that names the job and no tensors, and a payload of at most
+:data:`MAX_WARMUP_BYTES` zero bytes under the same tag; the receiver reads it, checks the
+tag, answers and discards it (:mod:`executor.stream_client` says why a sender sends one).
 Poly1305 (RFC 8439, one key per message) is used for the payload because it runs several
 times faster than HMAC-SHA256; the header stays under HMAC-SHA256 like the gRPC credential.
 Nothing is unpickled: the header is protobuf, the payload raw bytes.
@@ -50,8 +55,12 @@ from fusion.wire import tensor_pb2 as pb
 
 MAGIC = b"FSND"
 VERSION = 1
-#: Frame types: a transfer (this module) and the receiver's answer (:mod:`executor.stream_server`).
+#: Frame types: a transfer, and a warm-up (padding that opens a new connection's sending
+#: rate; module docstring). The receiver's answer is :mod:`executor.stream_server`'s.
 TYPE_TRANSFER = 1
+TYPE_WARMUP = 2
+#: Largest warm-up payload a receiver reads.
+MAX_WARMUP_BYTES = 8 << 20
 
 PREFIX = struct.Struct("<4sBBHIQQQ16s")
 MAC_BYTES = 32
@@ -81,6 +90,7 @@ def _header_mac(job_key: bytes, prefix: bytes, job: bytes, header: bytes) -> byt
 class FramePrefix:
     """The fixed part of a frame, parsed and size-checked."""
 
+    ftype: int
     job_len: int
     header_len: int
     payload_len: int
@@ -98,25 +108,33 @@ def parse_prefix(raw: bytes, *, max_payload_bytes: int) -> FramePrefix:
         raise WireError(f"bad frame magic {magic!r}: not a fusion data-plane peer")
     if version != VERSION:
         raise WireError(f"frame version {version} is not supported (this worker speaks {VERSION})")
-    if ftype != TYPE_TRANSFER:
-        raise WireError(f"frame type {ftype} is not a transfer")
+    if ftype not in (TYPE_TRANSFER, TYPE_WARMUP):
+        raise WireError(f"frame type {ftype} is neither a transfer nor a warm-up")
     if not 0 < job_len <= MAX_JOB_ID_BYTES:
         raise WireError(f"frame names a job id of {job_len} bytes (1..{MAX_JOB_ID_BYTES})")
     if header_len > MAX_HEADER_BYTES:
         raise WireError(f"frame header of {header_len} bytes is above the limit of {MAX_HEADER_BYTES}")
-    if payload_len > max_payload_bytes:
+    if ftype == TYPE_WARMUP and payload_len > MAX_WARMUP_BYTES:
+        raise WireError(f"warm-up frame declares {payload_len} bytes, above the limit of {MAX_WARMUP_BYTES}")
+    if ftype == TYPE_TRANSFER and payload_len > max_payload_bytes:
         raise WireError(f"frame declares {payload_len} payload bytes, above the limit of {max_payload_bytes}")
-    return FramePrefix(job_len, header_len, payload_len, seq, ts, nonce)
+    return FramePrefix(ftype, job_len, header_len, payload_len, seq, ts, nonce)
 
 
 def encode_head(
-    job_key: bytes, header: pb.TransferHeader, payload_len: int, seq: int, *, nonce: bytes | None = None
+    job_key: bytes,
+    header: pb.TransferHeader,
+    payload_len: int,
+    seq: int,
+    *,
+    nonce: bytes | None = None,
+    ftype: int = TYPE_TRANSFER,
 ) -> tuple[bytes, bytes]:
     """The bytes before the payload, and the frame's nonce (fresh unless given)."""
     nonce = nonce if nonce is not None else secrets.token_bytes(16)
     job = header.job_id.encode()
     hb = header.SerializeToString()
-    prefix = PREFIX.pack(MAGIC, VERSION, TYPE_TRANSFER, len(job), len(hb), payload_len, seq, int(time.time()), nonce)
+    prefix = PREFIX.pack(MAGIC, VERSION, ftype, len(job), len(hb), payload_len, seq, int(time.time()), nonce)
     return prefix + job + hb + _header_mac(job_key, prefix, job, hb), nonce
 
 
@@ -226,6 +244,10 @@ def verify_head(
         raise WireError(f"malformed transfer header in a frame: {e}") from e
     if header.job_id != job_id:
         raise AuthError(f"a frame signed for job {job_id!r} cannot reach job {header.job_id!r}")
+    if prefix.ftype == TYPE_WARMUP:
+        if header.tensors:
+            raise WireError(f"a warm-up frame names {len(header.tensors)} tensors; it carries none")
+        return VerifiedHeader(prefix=prefix, header=header, job_key=key, payload_len=prefix.payload_len)
     total = check_header_shape(header)
     if total != prefix.payload_len:
         raise WireError(f"frame header declares {total} tensor bytes but the prefix {prefix.payload_len}")

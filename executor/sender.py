@@ -140,7 +140,11 @@ class PeerSender:
                         dst=dst,
                     )
                 t0 = time.perf_counter()
-                sent = None if data is None else data.send(address, header, tensors, scalars, encoded=encoded)
+                sent = (
+                    None
+                    if data is None
+                    else data.send(address, header, tensors, scalars, encoded=encoded, link_bytes_per_s=bandwidth)
+                )
                 if sent is None:
                     sent = client.send(header, tensors, scalars, encoded=encoded)
                 return sent, time.perf_counter() - t0

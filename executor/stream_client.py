@@ -16,6 +16,19 @@ comes back as a ``RemoteError`` with the code and message the gRPC call would ha
 carried. The connection is dropped after either. With TLS (a CA set for the pool or the
 process) connections are TLS, verified against that CA and the peer's host name.
 
+A new TCP connection to a peer whose link bandwidth is known (a paced destination,
+:mod:`executor.sender`) first carries one warm-up frame (:data:`frames.TYPE_WARMUP`) of
+:data:`WARMUP_BDPS` bandwidth-delay products, the round trip being what the connect took
+(at most :data:`frames.MAX_WARMUP_BYTES`; none under :data:`MIN_WARMUP_BYTES`). Congestion
+control learns a connection's sending rate from what the connection delivers, and one that
+only ever carries transfers shorter than the link's bandwidth-delay product never shows it
+the link: BBR (the default congestion control of many Linux hosts) then keeps pacing every
+transfer at the rate of the connection's first short bursts, each arriving up to a round
+trip late. One burst of a few bandwidth-delay products lets it measure the link, and the
+connection's transfers then take their latency plus their bytes at the link's rate, as the
+planner prices them (measured: docs/benchmarks.md). A peer that refuses warm-ups (an older
+release) gets none after the first refusal.
+
 A peer on this machine is reached over its Unix socket (:mod:`executor.local_socket`) with
 the same frames, and over TCP when it has none; not when connections are opened through a
 custom :data:`ConnectionFactory`, which would be bypassed.
@@ -28,6 +41,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,6 +69,18 @@ CONNECT_TIMEOUT_S = 5.0
 _IOV_MAX = 1024
 #: Over TLS, a batch up to this size is joined into one write (one record, one syscall).
 _TLS_JOIN_BYTES = 256 << 10
+#: A new connection's warm-up, in bandwidth-delay products of its link (module docstring):
+#: a BBR sender's rate doubles each round trip of its start-up, and about two
+#: bandwidth-delay products have left by the time it reaches the link's rate.
+WARMUP_BDPS = 3.0
+#: No warm-up below this: a connection's initial window and start-up cover it.
+MIN_WARMUP_BYTES = 64 << 10
+
+
+def warmup_bytes(bandwidth_bytes_per_s: float, round_trip_s: float) -> int:
+    """Bytes of the warm-up frame for a link of this bandwidth and round trip (0: none)."""
+    size = WARMUP_BDPS * bandwidth_bytes_per_s * round_trip_s
+    return 0 if size < MIN_WARMUP_BYTES else min(int(size), frames.MAX_WARMUP_BYTES)
 
 
 def default_connection(host: str, port: int) -> socket.socket:
@@ -66,10 +92,12 @@ class _Conn:
     """One open data connection, its path (``"tcp"``, ``"unix"``) and its next frame's
     sequence number."""
 
-    def __init__(self, sock: socket.socket, path: str) -> None:
+    def __init__(self, sock: socket.socket, path: str, round_trip_s: float = 0.0) -> None:
         self.sock = sock
         self.path = path
         self.seq = 1
+        #: What opening the TCP connection took: about one round trip (0 for a Unix socket).
+        self.round_trip_s = round_trip_s
 
 
 def send_buffers(sock: socket.socket, buffers: list[memoryview | bytes]) -> None:
@@ -105,6 +133,8 @@ class DataPlaneClient:
             (:attr:`executor.client.ChannelPool.data_ports`).
         local_path: reach peers on this machine over their Unix socket (default: unless
             ``connect`` is given).
+        warmup: send a new TCP connection's warm-up frame where the link's bandwidth is
+            given (module docstring).
     """
 
     def __init__(
@@ -115,8 +145,10 @@ class DataPlaneClient:
         connect: ConnectionFactory | None = None,
         ports: dict[str, int] | None = None,
         local_path: bool | None = None,
+        warmup: bool = True,
     ) -> None:
         self.keyring = keyring
+        self.warmup = warmup
         self.tls_ca = tls_ca
         self.local_path = connect is None if local_path is None else local_path
         self.connect = connect or default_connection
@@ -126,6 +158,10 @@ class DataPlaneClient:
         #: (address, port) pairs that could not be reached: a peer behind NAT or a firewall
         #: advertises a port nobody can dial, and keeps advertising it in every answer.
         self._unreachable: set[tuple[str, int]] = set()
+        #: Peers that refused a warm-up frame.
+        self._no_warmup: set[str] = set()
+        #: Warm-up frames sent and answered.
+        self.num_warmups = 0
         self._idle: dict[str, list[_Conn]] = {}
         self._lock = threading.Lock()
 
@@ -155,14 +191,17 @@ class DataPlaneClient:
         host = address.rpartition(":")[0].strip("[]")
         sock = local_socket.connect(host, port, timeout_s=CONNECT_TIMEOUT_S) if self.local_path else None
         path = "unix" if sock is not None else "tcp"
+        round_trip_s = 0.0
         if sock is None:
+            t0 = time.perf_counter()
             sock = self.connect(host, port)
+            round_trip_s = time.perf_counter() - t0
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ca = self.tls_ca if self.tls_ca is not None else client_ca()
         if ca is not None:
             ctx = ssl.create_default_context(cadata=ca.decode())
             sock = ctx.wrap_socket(sock, server_hostname=host)
-        return _Conn(sock, path)
+        return _Conn(sock, path, round_trip_s)
 
     def send(
         self,
@@ -172,9 +211,12 @@ class DataPlaneClient:
         scalars: Mapping[str, Any] | None = None,
         *,
         encoded: Mapping[str, tuple[pb.TensorMeta, bytes]] | None = None,
+        link_bytes_per_s: float | None = None,
     ) -> int | None:
         """Send one transfer over the data plane; payload bytes, or ``None`` when this peer
-        must be reached over gRPC (no data port known, no job key, or no connection)."""
+        must be reached over gRPC (no data port known, no job key, or no connection).
+        ``link_bytes_per_s``: the link's measured bandwidth, which sizes a new connection's
+        warm-up (module docstring)."""
         port = self.port(address)
         key = self.keyring.job(header.job_id)
         if port is None or key is None:
@@ -183,7 +225,7 @@ class DataPlaneClient:
             idle = self._idle.get(address)
             conn = idle.pop() if idle else None
         reused = conn is not None
-        if conn is None and (conn := self._try_open(address, port)) is None:
+        if conn is None and (conn := self._try_open(address, port, key, header.job_id, link_bytes_per_s)) is None:
             return None
         for name, value in (scalars or {}).items():
             header.values.append(scalar_to_wire(name, value))
@@ -198,7 +240,7 @@ class DataPlaneClient:
                 conn.sock.close()
                 # A kept connection may have died while idle (the peer restarted): one more
                 # try on a fresh one, as a gRPC call retries UNAVAILABLE.
-                if reused and (conn := self._try_open(address, port)) is not None:
+                if reused and (conn := self._try_open(address, port, key, header.job_id, link_bytes_per_s)) is not None:
                     reused = False
                     continue
                 raise RemoteError(
@@ -215,22 +257,48 @@ class DataPlaneClient:
             self._idle.setdefault(address, []).append(conn)
         return received
 
-    def _try_open(self, address: str, port: int) -> _Conn | None:
-        """A new connection, or ``None`` (and the peer forgotten) if it cannot be opened."""
+    def _try_open(
+        self, address: str, port: int, key: bytes, job_id: str, link_bytes_per_s: float | None
+    ) -> _Conn | None:
+        """A new connection, warmed up where the link's bandwidth is known; ``None`` (and the
+        peer forgotten) if it cannot be opened."""
         try:
-            return self._open(address, port)
+            conn = self._open(address, port)
         except (OSError, ssl.SSLError) as e:
             logger.warning("data plane to %s port %d unreachable (%s); sending over gRPC", address, port, e)
             with self._lock:
                 self._unreachable.add((address, port))
             self.forget(address)
             return None
+        size = warmup_bytes(link_bytes_per_s or 0.0, conn.round_trip_s) if conn.path == "tcp" else 0
+        if not self.warmup or not size or address in self._no_warmup:
+            return conn
+        try:
+            self._exchange(conn, key, pb.TransferHeader(job_id=job_id), [memoryview(bytes(size))], size, warmup=True)
+        except (OSError, ssl.SSLError, WireError, RemoteError) as e:
+            conn.sock.close()
+            logger.info("data plane: %s refused a warm-up (%s); its connections get none", address, e)
+            with self._lock:
+                self._no_warmup.add(address)
+            return self._try_open(address, port, key, job_id, link_bytes_per_s)
+        with self._lock:
+            self.num_warmups += 1
+        return conn
 
     @staticmethod
-    def _exchange(conn: _Conn, key: bytes, header: pb.TransferHeader, views: list[memoryview], size: int) -> int:
+    def _exchange(
+        conn: _Conn,
+        key: bytes,
+        header: pb.TransferHeader,
+        views: list[memoryview],
+        size: int,
+        *,
+        warmup: bool = False,
+    ) -> int:
         sock = conn.sock
         sock.settimeout(transfer_timeout_s(size))
-        head, nonce = frames.encode_head(key, header, size, conn.seq)
+        ftype = frames.TYPE_WARMUP if warmup else frames.TYPE_TRANSFER
+        head, nonce = frames.encode_head(key, header, size, conn.seq, ftype=ftype)
         conn.seq += 1
         mac = frames.payload_mac(key, nonce)
         # Each piece is MAC'd just before it is sent (still in cache), and pieces go out in

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from executor import frames, local_socket
 from executor.client import transfer_timeout_s
@@ -183,6 +184,8 @@ class DataListener:
         self._lock = threading.Lock()
         self._closed = False
         self.num_refused = 0
+        #: Warm-up frames read and discarded (:mod:`executor.stream_client`).
+        self.num_warmups = 0
         #: Frames served whole, by path (``"tcp"``, ``"unix"``).
         self.num_frames: dict[str, int] = {"tcp": 0, "unix": 0}
         threading.Thread(target=self._accept, args=(self._sock,), name=f"data-plane-{self.port}", daemon=True).start()
@@ -255,6 +258,12 @@ class DataListener:
                 if self.failures is not None and not self.failures.allow(host):
                     raise RateLimitError(f"too many failed authentications from {host} ({e})") from e
                 raise
+            if prefix.ftype == frames.TYPE_WARMUP:
+                self._discard(sock, head)
+                with self._lock:
+                    self.num_warmups += 1
+                sock.sendall(REPLY.pack(REPLY_MAGIC, 0, prefix.payload_len, 0))
+                return True
             handle = self.sink.check(head.header)
             tensors = self._payload(sock, head)
             read_whole = True
@@ -282,24 +291,23 @@ class DataListener:
         mac = frames.payload_mac(head.job_key, head.prefix.nonce)
         buffers = frames.receive_buffers(head.header, self.buffers)
         for _, _, view in buffers:
-            got = 0
-            while got < len(view):
-                k = sock.recv_into(view[got:], min(frames.PIECE_BYTES, len(view) - got))
-                if k == 0:
-                    raise WireError(f"truncated frame: the connection closed inside a payload of {head.payload_len}")
-                mac.update(view[got : got + k])
-                got += k
-        tag = recv_exact(sock, frames.TAG_BYTES, what="payload tag")
-        try:
-            mac.verify(tag)
-        except InvalidSignature:
-            raise AuthError(
-                "frame payload does not match its tag: altered in transit or signed with another key"
-            ) from None
+            _recv_into(sock, view, mac, head.payload_len)
+        _check_tag(sock, mac)
         out: dict[str, torch.Tensor] = {}
         for meta, t, view in buffers:
             out[meta.name] = t if meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED) else decode_tensor(meta, view)
         return out
+
+    def _discard(self, sock: socket.socket, head: frames.VerifiedHeader) -> None:
+        """Read a warm-up frame's payload into scratch memory and check its tag."""
+        mac = frames.payload_mac(head.job_key, head.prefix.nonce)
+        scratch = memoryview(bytearray(min(head.payload_len, frames.PIECE_BYTES)))
+        left = head.payload_len
+        while left:
+            n = min(left, len(scratch))
+            _recv_into(sock, scratch[:n], mac, head.payload_len)
+            left -= n
+        _check_tag(sock, mac)
 
     def close(self) -> None:
         """Stop accepting and close every open connection."""
@@ -322,3 +330,24 @@ class DataListener:
                 except OSError:
                     pass
                 c.close()
+
+
+def _recv_into(sock: socket.socket, view: memoryview, mac: Poly1305, payload_len: int) -> None:
+    """Fill ``view`` from ``sock`` in pieces of at most :data:`frames.PIECE_BYTES`, feeding
+    each to the payload ``mac``; ``WireError`` if the peer closes first."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:], min(frames.PIECE_BYTES, len(view) - got))
+        if k == 0:
+            raise WireError(f"truncated frame: the connection closed inside a payload of {payload_len}")
+        mac.update(view[got : got + k])
+        got += k
+
+
+def _check_tag(sock: socket.socket, mac: Poly1305) -> None:
+    """Read the payload tag and verify it; ``AuthError`` if it does not match."""
+    tag = recv_exact(sock, frames.TAG_BYTES, what="payload tag")
+    try:
+        mac.verify(tag)
+    except InvalidSignature:
+        raise AuthError("frame payload does not match its tag: altered in transit or signed with another key") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -15,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compress.base import get_compressor
-from executor import frames
+from executor import frames, stream_client
 from executor.mailbox import ExpectedValue
-from executor.stream_client import DataPlaneClient
+from executor.stream_client import DataPlaneClient, warmup_bytes
 from executor.stream_server import REPLY, DataListener, recv_exact
 from executor.transport import dtype_from_wire
 from fusion.auth import KeyRing, NonceCache, new_key
@@ -302,3 +303,93 @@ def test_frame_of_a_replaced_placement_is_refused_as_stale(keyring: KeyRing, cap
         assert_serves_next(listener, sink, keyring)
     finally:
         listener.close()
+
+
+# ---------------------------------------------------------------- warm-up frames
+
+
+def slow_connect(delay_s: float) -> Any:
+    """A connection factory whose connect takes ``delay_s`` more, as a long link's would."""
+
+    def connect(host: str, port: int) -> socket.socket:
+        time.sleep(delay_s)
+        return socket.create_connection((host, port), timeout=5)
+
+    return connect
+
+
+def test_warmup_bytes_are_three_bandwidth_delay_products_within_limits() -> None:
+    assert warmup_bytes(12.5e6, 0.04) == 1_500_000  # 100 Mbps, 40 ms
+    assert warmup_bytes(125e6, 0.0001) == 0  # a LAN: under MIN_WARMUP_BYTES
+    assert warmup_bytes(1.25e9, 0.15) == frames.MAX_WARMUP_BYTES
+    assert warmup_bytes(0.0, 0.1) == 0
+
+
+def test_a_new_connection_over_a_long_link_is_warmed_up_once(
+    served: tuple[DataListener, Sink], keyring: KeyRing
+) -> None:
+    listener, sink = served
+    client = DataPlaneClient(keyring, connect=slow_connect(0.05))
+    address = f"127.0.0.1:{listener.port + 1}"
+    client.learn(address, listener.port)
+    x = torch.randn(4, 8)
+    for step in (1, 2):  # the second transfer reuses the warmed connection
+        assert client.send(address, header(step), {"x": x}, link_bytes_per_s=20e6) == 128
+    assert client.num_warmups == listener.num_warmups == 1
+    assert [h.step for h, _ in sink.delivered] == [1, 2]  # the warm-up reached no stage
+    torch.testing.assert_close(sink.delivered[-1][1]["x"], x)
+    client.close()
+
+
+def test_no_warmup_where_the_link_bandwidth_is_unknown(served: tuple[DataListener, Sink], keyring: KeyRing) -> None:
+    listener, _ = served
+    client = DataPlaneClient(keyring, connect=slow_connect(0.05))
+    address = f"127.0.0.1:{listener.port + 1}"
+    client.learn(address, listener.port)
+    assert client.send(address, header(), {"x": torch.randn(4, 8)}) == 128
+    assert client.num_warmups == listener.num_warmups == 0
+    client.close()
+
+
+def test_a_peer_that_refuses_warm_ups_still_gets_the_transfer(
+    served: tuple[DataListener, Sink],
+    keyring: KeyRing,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    listener, sink = served
+    monkeypatch.setattr(stream_client, "warmup_bytes", lambda *_: frames.MAX_WARMUP_BYTES + 1)
+    client = DataPlaneClient(keyring, connect=slow_connect(0.0))
+    address = f"127.0.0.1:{listener.port + 1}"
+    client.learn(address, listener.port)
+    with caplog.at_level(logging.INFO):
+        assert client.send(address, header(), {"x": torch.randn(4, 8)}, link_bytes_per_s=1e9) == 128
+    assert "refused a warm-up" in caplog.text and "above the limit" in caplog.text
+    assert client.num_warmups == listener.num_warmups == 0 and len(sink.delivered) == 1
+    client.close()
+
+
+def test_bad_warm_up_frames_are_refused_and_the_next_frame_served(
+    served: tuple[DataListener, Sink], keyring: KeyRing, caplog: pytest.LogCaptureFixture
+) -> None:
+    listener, sink = served
+    key = keyring.job(JOB)
+    assert key is not None
+
+    def warmup(h: pb.TransferHeader, size: int, signer: bytes = key) -> bytes:
+        head, nonce = frames.encode_head(signer, h, size, 1, ftype=frames.TYPE_WARMUP)
+        mac = frames.payload_mac(signer, nonce)
+        mac.update(bytes(size))
+        return head + bytes(size) + mac.finalize()
+
+    plain = pb.TransferHeader(job_id=JOB)
+    assert exchange(listener, warmup(plain, 4096)) == (0, b"") and listener.num_warmups == 1
+    head, _ = frames.encode_head(key, plain, frames.MAX_WARMUP_BYTES + 1, 1, ftype=frames.TYPE_WARMUP)
+    refused(listener, head, "warm-up frame declares", caplog)
+    with_tensor = header()
+    with_tensor.tensors.add(name="x", dtype=pb.DTYPE_FLOAT32, shape=[4], size_bytes=16, codec=pb.CODEC_NONE)
+    refused(listener, warmup(with_tensor, 16), "a warm-up frame names 1 tensors", caplog)
+    refused(listener, warmup(plain, 4096, new_key()), "wrong job key", caplog)
+    refused(listener, warmup(plain, 4096)[:-1] + b"\0", "does not match its tag", caplog)
+    assert listener.num_warmups == 1 and not sink.delivered
+    assert_serves_next(listener, sink, keyring)
