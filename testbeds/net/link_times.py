@@ -53,17 +53,23 @@ def link_classes(topology: Topology) -> dict[tuple[str, str], tuple[str, str]]:
 
 
 def measure(
-    topology: str | Path, *, backend: str = "netns", sizes: Sequence[int] = SIZES, echo: Any = print
+    topology: str | Path,
+    *,
+    backend: str = "netns",
+    sizes: Sequence[int] = SIZES,
+    burst: int = 0,
+    echo: Any = print,
 ) -> dict[str, Any]:
     """Bring the testbed up, time every link class, tear it down; the document
-    :func:`testbeds.sim.measured_links.with_link_times` reads."""
+    :func:`testbeds.sim.measured_links.with_link_times` reads. ``burst``: bytes each new
+    connection carries once before it is timed (the data plane's warm-up)."""
     from testbeds.net.backend import open_testbed
 
     with open_testbed(topology, backend=backend) as tb:
-        return measure_testbed(tb, sizes=sizes, echo=echo)
+        return measure_testbed(tb, sizes=sizes, burst=burst, echo=echo)
 
 
-def measure_testbed(tb: Any, *, sizes: Sequence[int] = SIZES, echo: Any = print) -> dict[str, Any]:
+def measure_testbed(tb: Any, *, sizes: Sequence[int] = SIZES, burst: int = 0, echo: Any = print) -> dict[str, Any]:
     """:func:`measure` on a running :class:`~testbeds.net.testbed.Testbed`."""
     from fusion.launch import child_env
     from testbeds.net.testbed import wait_for_line
@@ -98,6 +104,8 @@ def measure_testbed(tb: Any, *, sizes: Sequence[int] = SIZES, echo: Any = print)
                     str(REPEATS),
                     "--idle",
                     str(IDLE_S),
+                    "--burst",
+                    str(burst),
                 ],
                 env=env,
                 stdout=subprocess.PIPE,
@@ -121,6 +129,7 @@ def measure_testbed(tb: Any, *, sizes: Sequence[int] = SIZES, echo: Any = print)
         "latency_mode": tb.latency_mode,
         "sizes": list(sizes),
         "idle_s": IDLE_S,
+        "burst_bytes": burst,
         "links": links,
     }
 
@@ -130,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("topology", help="shipped name or TOML path")
     p.add_argument("--backend", default="netns", choices=("netns", "proxy"))
     p.add_argument("--out", default=None, help="JSON path (default: testbeds/results/bench/links-TOPOLOGY.json)")
+    p.add_argument(
+        "--burst", type=int, default=0, help="bytes each new connection carries once before it is timed (default: none)"
+    )
     args = p.parse_args(argv)
     try:
-        doc = measure(args.topology, backend=args.backend)
+        doc = measure(args.topology, backend=args.backend, burst=args.burst)
     except FusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -148,19 +148,27 @@ def answer(address: str) -> None:
                     conn.sendall(b"k")
 
 
-def transfers(address: str, sizes: list[int], *, repeats: int, idle_s: float, warm: int = 3) -> dict[str, list[float]]:
+def transfers(
+    address: str, sizes: list[int], *, repeats: int, idle_s: float, warm: int = 3, burst: int = 0
+) -> dict[str, list[float]]:
     """Median seconds from sending a message of each size to the receiver's answer, each
     message after ``idle_s`` of quiet (as a pipeline stage sends after computing).
 
     Each size gets its own connection, warmed by ``warm`` messages of that size first: TCP's
     pacing and window after a pause depend on what the connection carried before (over a
     80 ms round trip, 128 KB messages after only small ones took 123 ms, after a 2 MB one
-    90 ms), and a pipeline's connection carries one size again and again.
+    90 ms), and a pipeline's connection carries one size again and again. With ``burst``,
+    the connection first carries one message of that many bytes, as the executors' data
+    plane warms a new connection over a long link (:mod:`executor.stream_client`).
     """
     medians = []
     for n in sizes:
         with socket.create_connection(_split(address), timeout=60) as c:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if burst:
+                c.sendall(burst.to_bytes(8, "little") + bytes(burst))
+                if c.recv(1) != b"k":
+                    raise OSError("answer server closed the connection")
             times = []
             for _ in range(warm + repeats):
                 time.sleep(idle_s)
@@ -201,12 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "--idle", type=float, default=0.1, help="seconds of quiet before each message (default: %(default)s)"
     )
+    t.add_argument("--burst", type=int, default=0, help="bytes sent once on each new connection first (default: none)")
     args = p.parse_args(argv)
     if args.cmd == "answer":
         answer(args.listen)
     elif args.cmd == "transfers":
         sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-        print(json.dumps(transfers(args.to, sizes, repeats=args.repeats, idle_s=args.idle)), flush=True)
+        print(
+            json.dumps(transfers(args.to, sizes, repeats=args.repeats, idle_s=args.idle, burst=args.burst)), flush=True
+        )
     elif args.cmd == "sink":
         print(json.dumps(sink(args.listen, warm_s=args.warm)), flush=True)
     elif args.cmd == "send":

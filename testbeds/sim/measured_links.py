@@ -1,15 +1,18 @@
 """Links priced from their measured message times (:mod:`testbeds.net.link_times`).
 
 The simulator prices a transfer as ``latency + bytes / bandwidth``. A single message after
-a pause, with a receiver that says nothing until all of it is in (gloo's point-to-point
+a pause, on a connection that has only ever carried such messages (gloo's point-to-point
 sends, which the pipelining baseline makes once per micro-batch), does not take that on
-the emulated long links: it stalls for about half a round trip (the receiver's delayed
-acknowledgement is the likely cause: the sender waits on it for its last segments).
-fusion's gRPC transfers do not pay it (HTTP/2 window updates acknowledge as the data is
-read). So :mod:`testbeds.sim.validation` prices the gloo baselines' transfers from these
-curves and fusion's from the configured links; :class:`MeasuredTopology` prices every
-transfer between two measured clusters from their curve (linear between sizes; beyond the
-largest, at the link's rate).
+the emulated long links: it takes about half a round trip more. The cause is BBR, this
+kernel's congestion control: it learns a connection's rate only from bursts that are not
+limited by the application, so a connection that carries nothing but short messages keeps
+pacing them at the rate its first bursts showed (docs/benchmarks.md, "Left open"). fusion's
+data plane sends one burst of a few bandwidth-delay products on each new connection over a
+long link (:mod:`executor.stream_client`) and does not pay it. So
+:mod:`testbeds.sim.validation` prices the gloo baselines' transfers from these curves
+(measured without that burst) and fusion's from the configured links;
+:class:`MeasuredTopology` prices every transfer between two measured clusters from their
+curve (linear between sizes; beyond the largest, at the link's rate).
 """
 
 from __future__ import annotations

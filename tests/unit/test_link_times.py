@@ -136,9 +136,11 @@ def test_transfers_times_each_size_until_the_answer() -> None:
     try:
         assert server.stdout is not None and server.stdout.readline().startswith("ready")
         got = measure.transfers(f"127.0.0.1:{port}", [1024, 4 << 20], repeats=2, idle_s=0.01, warm=1)
+        burst = measure.transfers(f"127.0.0.1:{port}", [1024], repeats=2, idle_s=0.01, warm=1, burst=2 << 20)
     finally:
         server.kill()
         server.wait(timeout=10)
     assert got["sizes"] == [1024, 4 << 20]
     small, large = got["seconds"]
     assert 0 < small < large < 5
+    assert burst["sizes"] == [1024] and 0 < burst["seconds"][0] < large
