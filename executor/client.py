@@ -210,7 +210,10 @@ class ExecutorClient:
         *,
         measure_memory: bool = False,
         cut_codecs: list[epb.CutCodec] | None = None,
+        finish: epb.StepFinish | None = None,
     ) -> None:
+        """Start the step; with ``finish`` the stage also syncs its tied gradients and
+        applies the update on its own once its schedule is done."""
         request = epb.RunStepRequest(
             job_id=job_id,
             stage_idx=stage_idx,
@@ -219,6 +222,7 @@ class ExecutorClient:
             schedule=schedule,
             measure_memory=measure_memory,
             cut_codecs=cut_codecs or [],
+            finish=finish,
         )
         self._call(self.stub.RunStep, request, f"RunStep(stage {stage_idx}, step {step})")
 

@@ -4,8 +4,9 @@
 peers send against the stage's boundary and deposits it in the stage's :class:`Mailbox`;
 runs each step's schedule on the stage's one long-lived compute thread, a micro-batch at a
 time (:class:`executor.micro_batch.MicroBatchExecutor` does each forward and backward);
-exchanges tied gradients, runs the optimizer, snapshots and restores the stage, and reads
-and writes its state between steps.
+exchanges tied gradients, runs the optimizer (on the driver's calls, or on its own right
+after the schedule when RunStep says how: :class:`StepFinish`), snapshots and restores the
+stage, and reads and writes its state between steps.
 
 Threads: gRPC handler threads only validate and deposit transfers into the mailbox;
 every step runs on the stage's compute thread; sends go through one ordered background
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +56,22 @@ from fusion.graph.split import DRIVER, StageSpec
 from fusion.wire import tensor_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+#: Transfers a stage takes before the step they belong to has started there: the driver
+#: sends a step's inputs and targets at once with ``RunStep``, not after it (a round trip
+#: sooner), so they, and the activations of a stage that started first, can come first.
+#: Gradients and tied gradients follow the stage's own forward, so never come early.
+EARLY_KINDS = (pb.TRANSFER_KIND_ACTIVATION, pb.TRANSFER_KIND_TARGET)
+
+
+@dataclass(frozen=True)
+class StepFinish:
+    """How a stage finishes a step itself, once its schedule is done (RunStep's
+    ``finish``): exchange its tied gradients, then apply as :meth:`StageRuntime.apply_step`
+    would with these arguments."""
+
+    optimizer_step: bool = True
+    snapshot_to: Callable[[Snapshot], None] | None = None
 
 
 class StageRuntime:
@@ -108,8 +126,11 @@ class StageRuntime:
         self.mailbox = Mailbox()
         self._lock = threading.Lock()
         self._step: StepResult | None = None
-        self._num_micro_batches = 0
         self._last_applied: int | None = None
+        # Transfers that came before their step started (EARLY_KINDS; see _may_hold_early),
+        # handed to the mailbox when it starts.
+        self._early: dict[tuple[int, int, int], Payload] = {}
+        self._early_step: int | None = None
         self.meter = MemoryMeter({p.untyped_storage().data_ptr() for p in module.parameters()})
         # Set while no snapshot is copying the weights; the optimizer waits for it.
         self._weights_free = threading.Event()
@@ -138,7 +159,7 @@ class StageRuntime:
         # which a thread per step paid at the start of each step's pipeline.
         # A daemon thread (not a ThreadPoolExecutor's, which the interpreter joins at exit):
         # a step blocked on a vanished peer must not hold up the process's exit.
-        self._steps: queue.SimpleQueue[tuple[StepResult, list[Action]] | None] = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[tuple[StepResult, list[Action], StepFinish | None] | None] = queue.SimpleQueue()
         self._closed = False
         threading.Thread(target=self._compute_loop, name=f"stage{spec.stage_idx}-compute", daemon=True).start()
 
@@ -148,12 +169,15 @@ class StageRuntime:
         kind = header.kind
         src = header.src_stage_idx
         step = self._step
-        if step is None or header.step != step.step:
+        if not self._running(step, header.step, kind) and not (
+            kind in EARLY_KINDS and self._may_hold_early(header.step)
+        ):
             current = "none" if step is None else step.step
             raise StateError(f"stage {self.spec.stage_idx} is not running step {header.step} (current step: {current})")
-        if header.micro_batch_idx >= self._num_micro_batches:
+        if header.micro_batch_idx >= len(self.micro_batch_weights):
             raise NotFoundError(
-                f"micro-batch {header.micro_batch_idx} does not exist: step {header.step} has {self._num_micro_batches}"
+                f"micro-batch {header.micro_batch_idx} does not exist: "
+                f"step {header.step} has {len(self.micro_batch_weights)}"
             )
         if kind == pb.TRANSFER_KIND_ACTIVATION:
             if src not in self.micro_batches.inputs_from:
@@ -214,7 +238,36 @@ class StageRuntime:
         payload: Payload = dict(tensors)
         payload.update(transfer.scalars(self.device))
         self._event("arrive", h.step, kind=int(h.kind), mb=h.micro_batch_idx, src=h.src_stage_idx)
-        self.mailbox.put((h.kind, h.micro_batch_idx, h.src_stage_idx), payload)
+        key = (h.kind, h.micro_batch_idx, h.src_stage_idx)
+        with self._lock:
+            if self._running(self._step, h.step, h.kind):
+                self.mailbox.put(key, payload)
+                return
+            if h.kind not in EARLY_KINDS or not self._may_hold_early(h.step):
+                raise StateError(f"stage {self.spec.stage_idx} is not running step {h.step}")
+            if key in self._early:
+                raise WireError(f"step {h.step} already has {key} waiting for the step to start")
+            self._early_step = h.step
+            self._early[key] = payload
+
+    @staticmethod
+    def _running(current: StepResult | None, step: int, kind: int) -> bool:
+        """Whether a transfer of ``kind`` for ``step`` belongs to the step this stage runs.
+        Once that step is done it takes no more inputs: an activation or target for its
+        number is the feed of a run of it again (after a restore), held for that; tied
+        gradients still come (the driver's ``SyncTied`` follows the step)."""
+        if current is None or current.step != step:
+            return False
+        return not current.done.is_set() or kind not in EARLY_KINDS
+
+    def _may_hold_early(self, step: int) -> bool:
+        """Whether a transfer for ``step``, which has not started here, may wait for it: the
+        stage is between steps (none running) and nothing is waiting for another step. (The
+        next step need not follow the last: a restore goes back.)"""
+        current = self._step
+        if current is not None and not current.done.is_set():
+            return False
+        return not self._early or self._early_step == step
 
     # ------------------------------------------------------------- steps
     def start_step(
@@ -225,8 +278,13 @@ class StageRuntime:
         *,
         measure_memory: bool = False,
         keep_ratios: Mapping[tuple[int, int], float] | None = None,
+        finish: StepFinish | None = None,
     ) -> None:
-        """Begin ``step``: reset the mailbox and hand the schedule to the stage's compute thread."""
+        """Begin ``step``: reset the mailbox and hand the schedule to the stage's compute thread.
+
+        With ``finish`` the compute thread also finishes the step once the schedule is done
+        (:meth:`_finish`), and the step counts as done only after that.
+        """
         if num_micro_batches != len(self.micro_batch_weights):
             raise WireError(
                 f"step has {num_micro_batches} micro-batches "
@@ -241,6 +299,10 @@ class StageRuntime:
             if self._step is not None and not self._step.done.is_set():
                 raise StateError(f"stage {self.spec.stage_idx} is still running step {self._step.step}")
             self.mailbox.reset()
+            if self._early_step == step:
+                for key, payload in self._early.items():
+                    self.mailbox.put(key, payload)
+            self._early.clear()
             self.micro_batches.clear()
             self.meter.reset()
             # A capped stage measures every step: a step over the cap must fail, not swap.
@@ -249,10 +311,9 @@ class StageRuntime:
             self.compression.set_ratios(keep_ratios or {})
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            self._num_micro_batches = num_micro_batches
             result = StepResult(step=step)
             self._step = result
-            self._steps.put((result, actions))  # under the lock: never behind close()'s sentinel
+            self._steps.put((result, actions, finish))  # under the lock: never behind close()'s sentinel
 
     def wait_step(self, step: int, timeout_s: float) -> StepResult | None:
         """The step's result once done, or ``None`` if still running after ``timeout_s``."""
@@ -276,9 +337,9 @@ class StageRuntime:
     def _compute_loop(self) -> None:
         """The stage's compute thread: runs each step handed to it, until :meth:`close`."""
         while (item := self._steps.get()) is not None:
-            result, actions = item
+            result, actions, finish = item
             try:
-                self._run(result, actions)
+                self._run(result, actions, finish)
             except BaseException as e:  # _run reports its own failures; this is a last resort
                 logger.exception("stage %d: step %d escaped its handler", self.spec.stage_idx, result.step)
                 result.error = (
@@ -286,10 +347,11 @@ class StageRuntime:
                 )
                 result.done.set()
 
-    def _run(self, result: StepResult, actions: list[Action]) -> None:
+    def _run(self, result: StepResult, actions: list[Action], finish: StepFinish | None) -> None:
         self._event("start", result.step, thread=threading.current_thread().name)
         pending: list[Future[tuple[int, float]]] = []
         current: Action | None = None
+        where = " while sending"
         try:
             for current in actions:
                 if current.kind == "F":
@@ -301,6 +363,9 @@ class StageRuntime:
                 f.result(timeout=self.step_timeout_s)
             result.peak_memory_bytes = self._peak_memory()
             self._check_cap(result)
+            if finish is not None:
+                where = " while finishing the step"
+                self._finish(result, finish)
             self._event("done", result.step)
         except MemoryCapError as e:
             logger.warning("stage %d step %d: %s", self.spec.stage_idx, result.step, e)
@@ -309,7 +374,7 @@ class StageRuntime:
         except Aborted as e:
             result.error = str(e)
         except Exception as e:
-            where = f" at {current}" if current is not None else " while sending"
+            where = f" at {current}" if current is not None else where
             logger.exception("stage %d step %d failed%s", self.spec.stage_idx, result.step, where)
             result.error = f"stage {self.spec.stage_idx} step {result.step}{where}: {type(e).__name__}: {e}"
             self.mailbox.abort(result.error)
@@ -368,6 +433,10 @@ class StageRuntime:
             if result.tied_synced:
                 raise StateError(f"stage {self.spec.stage_idx} already synced the tied gradients of step {step}")
             result.tied_synced = True
+        return self._exchange_tied(step)
+
+    def _exchange_tied(self, step: int) -> tuple[int, float]:
+        """:meth:`sync_tied`'s exchange, its checks done."""
         t0 = time.perf_counter()
         me = self.spec.stage_idx
         own = self.tied.own_gradients()
@@ -417,6 +486,10 @@ class StageRuntime:
         waits for the copy, the next forward pass does not.
         """
         self._check_finished(step, "apply")
+        self._apply(step, optimizer_step=optimizer_step, snapshot_to=snapshot_to)
+
+    def _apply(self, step: int, *, optimizer_step: bool, snapshot_to: Callable[[Snapshot], None] | None) -> None:
+        """:meth:`apply_step`'s update, its checks done."""
         self._weights_free.wait()
         if optimizer_step:
             self.optimizer.step()
@@ -424,6 +497,18 @@ class StageRuntime:
         self._last_applied = step
         if snapshot_to is not None:
             self._snapshot_async(step + 1, snapshot_to)
+
+    def _finish(self, result: StepResult, finish: StepFinish) -> None:
+        """Finish ``result``'s step on the compute thread, as :meth:`sync_tied` then
+        :meth:`apply_step` would on the driver's calls: the driver saves those two round
+        trips, which over a long link are a good part of a step. Holders of a tied
+        parameter each finish their own schedule first; a holder's gradient arriving before
+        the other's schedule is done waits in its mailbox (every holder is running the step
+        by then: a stage finishes only after every stage it exchanges with has started)."""
+        if self.tied.peers():
+            result.tied_synced = True
+            self._exchange_tied(result.step)
+        self._apply(result.step, optimizer_step=finish.optimizer_step, snapshot_to=finish.snapshot_to)
 
     # ------------------------------------------------------------- snapshots
     def _snapshot_async(self, label: int, sink: Callable[[Snapshot], None]) -> None:

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from executor.build import GraphCache, build_stage
 from executor.client import ChannelPool, ExecutorClient
 from executor.compression import CutCompression, decode_tensor, setting_from_wire
 from executor.hooks import ChannelFactory, StageHooks, StageInfo
-from executor.runtime import StageRuntime
+from executor.runtime import StageRuntime, StepFinish
 from executor.sender import PeerSender
 from executor.snapshots import Replicator, assemble, snapshot_chunks, snapshot_info
 from executor.status import rpc_errors
@@ -364,8 +364,20 @@ class ExecutorService:
         if schedule is None:
             raise WireError(f"unknown schedule {request.schedule}; use SCHEDULE_GPIPE or SCHEDULE_1F1B")
         ratios = {(c.src_stage_idx, c.dst_stage_idx): c.keep_ratio for c in request.cut_codecs}
+        finish = None
+        if request.HasField("finish"):
+            f = request.finish
+            finish = StepFinish(
+                optimizer_step=f.optimizer_step,
+                snapshot_to=self._snapshot_sink(f.replicate_to, f.replicate_bytes_per_s) if f.snapshot else None,
+            )
         runtime.start_step(
-            request.step, request.num_micro_batches, schedule, measure_memory=request.measure_memory, keep_ratios=ratios
+            request.step,
+            request.num_micro_batches,
+            schedule,
+            measure_memory=request.measure_memory,
+            keep_ratios=ratios,
+            finish=finish,
         )
         return epb.RunStepResponse()
 
@@ -400,19 +412,22 @@ class ExecutorService:
 
     @rpc_errors
     def ApplyStep(self, request: epb.ApplyStepRequest, context: grpc.ServicerContext) -> epb.ApplyStepResponse:
-        sink = None
-        if request.snapshot:
-            buddy, rate = request.replicate_to, request.replicate_bytes_per_s
-
-            def sink(snap: Snapshot) -> None:
-                self.snapshots.put(snap)
-                if buddy:
-                    self.replicator.submit(snap, buddy, rate)
-
+        sink = self._snapshot_sink(request.replicate_to, request.replicate_bytes_per_s) if request.snapshot else None
         self.stage(request.job_id, request.stage_idx).apply_step(
             request.step, optimizer_step=request.optimizer_step, snapshot_to=sink
         )
         return epb.ApplyStepResponse()
+
+    def _snapshot_sink(self, buddy: str, rate_bytes_per_s: float) -> Callable[[Snapshot], None]:
+        """Where a step's snapshot goes: this executor's store, and a replica to ``buddy``
+        (none when empty) streamed at up to ``rate_bytes_per_s``."""
+
+        def sink(snap: Snapshot) -> None:
+            self.snapshots.put(snap)
+            if buddy:
+                self.replicator.submit(snap, buddy, rate_bytes_per_s)
+
+        return sink
 
     # ------------------------------------------------------------- snapshots
     def _replicate(self, snap: Snapshot, address: str, rate_bytes_per_s: float) -> None:

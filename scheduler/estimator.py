@@ -38,8 +38,9 @@ simulator replays the executor's schedule event by event instead (``testbeds.sim
 from the same :class:`StageGraph`).
 
 **The driver's path.** When the topology knows the driver's link to each worker
-(round trip ``r_w``, bandwidth ``β_w``), every step also pays ``2.5 · max r`` of control
-round trips over the stages' workers (start, the end of the wait, the optimizer call), and
+(round trip ``r_w``, bandwidth ``β_w``), every step also pays the start, half of a stage's
+round trip before it can begin, and ``0.5 · max r`` to hear that the stages are done
+(they sync tied gradients and run the optimizer on their own before they answer), and
 the feed: per micro-batch the driver sends its inputs to the stages that read them and
 its targets to the loss stage. The coordinator's driver paces them at the link's bandwidth
 as stages pace theirs (:attr:`~scheduler.topology.Topology.paced_sends`): the link is held
@@ -93,15 +94,20 @@ class StepCosts:
     optimizer_s_per_byte: float = 0.0
     """Optimizer update seconds per parameter byte on the reference device."""
     driver_round_trip_s: float = 0.0
-    """One control round trip from the driver to a worker (where the links to each are not measured)."""
+    """One control round trip from the driver to a worker (where the links to each are not
+    measured). No step cost depends on it since the stages finish a step on their own
+    (:data:`DRIVER_CONTROL_ROUND_TRIPS`); measured step costs still carry it."""
     target_bytes: int = 0
     """Bytes of one micro-batch's targets, which the driver sends to the loss stage."""
 
 
-#: Driver round trips per step outside the feed: starting the step, the answer of the
-#: long-poll that waits for it (half a round trip: the worker answers as soon as it is
-#: done) and the optimizer call.
-DRIVER_CONTROL_ROUND_TRIPS = 2.5
+#: Driver round trips per step outside the feed: the answer of the long-poll that waits
+#: for the step (half a round trip: the worker answers as soon as it is done). ``RunStep``
+#: and the feed leave together, so starting costs a stage half its round trip before its
+#: first forward (:func:`_driver_path`), not a round trip before the feed; the stages
+#: exchange tied gradients and run the optimizer on their own before they answer
+#: (``RunStep``'s ``finish``, :mod:`executor.driver`), without a call each.
+DRIVER_CONTROL_ROUND_TRIPS = 0.5
 
 
 @dataclass
@@ -493,8 +499,9 @@ def _driver_path(
         sends = sg.feed_bytes(s, target_bytes)
         period[s] = feed_s(link, sends, paced=topology.paced_sends)
         # Paced, the last send arrives half a round trip after its bytes left; one at a
-        # time, each has arrived (and been answered) by the end of its round trip.
-        first[s] = period[s] + (link[0] / 2 if topology.paced_sends and sends else 0.0)
+        # time, each has arrived (and been answered) by the end of its round trip. Neither
+        # waits for RunStep, which reaches the stage half a round trip after it left.
+        first[s] = max(link[0] / 2, period[s] + (link[0] / 2 if topology.paced_sends and sends else 0.0))
     return first, period, DRIVER_CONTROL_ROUND_TRIPS * max(rtts)
 
 
@@ -518,11 +525,11 @@ def optimizer_s(workload: Workload, sg: StageGraph) -> float:
 
 
 def tied_sync_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> float:
-    """Parameters several stages hold: the driver starts ``SyncTied`` on every holder at
-    once (one round trip to the farthest), and each holder sends its gradient straight to
-    every other holder, all at once, and answers once its own sends are acknowledged, so
-    the slowest transfer plus its acknowledgement sets the time. The driver's round trip
-    is the measured link's where the topology has one, else the job's single round trip."""
+    """Parameters several stages hold: once its schedule is done, each holder sends its
+    gradient straight to every other holder, all at once, and goes on (to its optimizer
+    step) once its own sends are acknowledged and the others' gradients are in, so the
+    slowest transfer plus its acknowledgement sets the time. (Priced after the whole
+    pipeline although a holder early in it may finish its exchange sooner.)"""
     holders: dict[int, list[int]] = {}
     sizes: dict[int, int] = {}
     for s, sp in enumerate(sg.stage_params):
@@ -533,10 +540,6 @@ def tied_sync_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int]
     for pid, stages in holders.items():
         if len(stages) < 2:
             continue
-        if topology.driver_links is None:
-            rtt = workload.step.driver_round_trip_s
-        else:
-            rtt = max(topology.driver_link(stage_workers[s])[0] for s in stages)
         exchange = max(
             topology.transfer_s(stage_workers[a], stage_workers[b], sizes[pid])
             + answer_s(topology, stage_workers[b], stage_workers[a])
@@ -544,7 +547,7 @@ def tied_sync_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int]
             for b in stages
             if a != b
         )
-        total += rtt + exchange
+        total += exchange
     return total
 
 

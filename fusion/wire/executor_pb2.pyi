@@ -203,7 +203,7 @@ class SendResponse(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class RunStepRequest(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth", "measure_memory", "cut_codecs")
+    __slots__ = ("job_id", "stage_idx", "step", "num_micro_batches", "schedule", "auth", "measure_memory", "cut_codecs", "finish")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class RunStepRequest(_message.Message):
     AUTH_FIELD_NUMBER: _ClassVar[int]
     MEASURE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     CUT_CODECS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     step: int
@@ -220,7 +221,20 @@ class RunStepRequest(_message.Message):
     auth: str
     measure_memory: bool
     cut_codecs: _containers.RepeatedCompositeFieldContainer[CutCodec]
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., auth: _Optional[str] = ..., measure_memory: _Optional[bool] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ...) -> None: ...
+    finish: StepFinish
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., auth: _Optional[str] = ..., measure_memory: _Optional[bool] = ..., cut_codecs: _Optional[_Iterable[_Union[CutCodec, _Mapping]]] = ..., finish: _Optional[_Union[StepFinish, _Mapping]] = ...) -> None: ...
+
+class StepFinish(_message.Message):
+    __slots__ = ("optimizer_step", "snapshot", "replicate_to", "replicate_bytes_per_s")
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_TO_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    optimizer_step: bool
+    snapshot: bool
+    replicate_to: str
+    replicate_bytes_per_s: float
+    def __init__(self, optimizer_step: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., replicate_to: _Optional[str] = ..., replicate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class RunStepResponse(_message.Message):
     __slots__ = ()

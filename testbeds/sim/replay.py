@@ -13,11 +13,12 @@ executor decide its step instead (each seen in a traced two-sites run):
   executors' path, the one-way latency and the bytes, and the stage is done once its last
   send is answered (with :attr:`~scheduler.topology.Topology.paced_sends` false, as runs
   before pacing sent, each transfer waits for the answer of the one before it);
-- **the driver's path**: ``RunStep`` reaches every stage first (the feed starts when all
-  have answered), the feed to each stage is paced as a stage's sends are (one synchronous
-  send after another where sends are not paced), the driver hears a stage is done half a
-  round trip after it is (and after its last send was answered), then come the
-  tied-gradient exchange and the optimizer call.
+- **the driver's path**: ``RunStep`` and the feed leave together (a stage holds a feed
+  that comes before its ``RunStep``), the feed to each stage is paced as a stage's sends are (one synchronous
+  send after another where sends are not paced), each stage exchanges its tied gradients
+  and runs its optimizer step on its own once its schedule is done (priced after the
+  slowest stage), and the driver hears a stage is done half a round trip after it is (and
+  after its last send was answered).
 
 Compute is list-scheduled: a stage's action starts when its inputs are in and its machine
 has a free core (``cores`` per machine; stages on one machine take turns beyond that). A
@@ -55,7 +56,8 @@ class Replay:
     """One replayed step."""
 
     step_s: float
-    """Seconds from the driver's ``RunStep`` to the end of the optimizer call."""
+    """Seconds from the driver's ``RunStep`` until it has heard that every stage finished
+    the step (its schedule, tied-gradient exchange and optimizer update)."""
     stages_done_s: tuple[float, ...]
     """When the driver heard each stage had finished (its compute and its sends)."""
     tied_s: float
@@ -66,7 +68,7 @@ class Replay:
     finished_s: tuple[float, ...] = ()
     """When each stage had computed and its sends were answered (before the driver hears)."""
     run_step_s: float = 0.0
-    """When every stage had answered the driver's ``RunStep`` (the feed starts)."""
+    """When every stage had answered the driver's ``RunStep`` (the feed does not wait for it)."""
     fed_s: dict[int, float] = field(default_factory=dict)
     """Per stage the driver feeds: when the last of its inputs and targets arrived."""
 
@@ -210,8 +212,8 @@ def _replay_pass(
     w = list(stage_workers)
     found: list[list[_Span]] = [[] for _ in range(n)]
     rtt = [topology.driver_link(x)[0] if topology.driver_links is not None else 0.0 for x in w]
-    # RunStep reaches each stage after half its round trip; the feed starts once all answered.
-    feed_in = _feed(sg, w, topology, workload.step.target_bytes, m, start=max(rtt, default=0.0))
+    # RunStep reaches each stage after half its round trip; the feed leaves with it.
+    feed_in = _feed(sg, w, topology, workload.step.target_bytes, m, start=0.0)
     actions = [stage_actions(schedule, num_micro_batches=m, depth=sg.depth[s]) for s in range(n)]
     producers = {s: [a for (a, c) in sg.act if c == s] for s in range(n)}
     consumers = {s: [c for (a, c) in sg.act if a == s] for s in range(n)}
@@ -283,7 +285,7 @@ def _replay_pass(
     tied = tied_sync_s(workload, sg, w, topology)
     # The optimizer step is not emulated (testbeds.emulation stretches forward and backward only).
     unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
-    apply = max(rtt, default=0.0) + optimizer_s(workload, unemulated)
+    apply = optimizer_s(workload, unemulated)  # on the stages, before they answer the wait
     step = max(done, default=0.0) + tied + apply + workload.step.control_s
     fed = {
         s: max(feed_in[s])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from executor.client import ChannelPool
-from executor.driver import PipelineDriver, tied_holders
+from executor.driver import PipelineDriver, SnapshotRequest, tied_holders
 from fusion.config import JobSpec
 from fusion.errors import RemoteError
 from fusion.graph.export import capture
@@ -93,4 +93,60 @@ def test_holders_exchange_and_sum_in_stage_order(cluster: LocalCluster) -> None:
         finally:
             driver.close()
     finally:
+        pool.close()
+
+
+def test_a_step_the_stages_finish_themselves_matches_the_driver_calls(cluster: LocalCluster) -> None:
+    """``train_step`` has each stage exchange its tied gradients and apply on its own
+    (RunStep's ``finish``): the weights after two steps are bit-identical to those of the
+    separate SyncTied and ApplyStep calls, a late call for the finished step is refused, and
+    a snapshot it asks for is taken after the update."""
+    model = build_job_model(JOB)
+    dataset = build_job_dataset(JOB)
+    x, y = example_micro_batch(JOB, dataset)
+    captured = capture(model, (x,))
+    stages = split_stages(captured.dag, uniform_assignment(captured.dag, 3))
+    pool = ChannelPool()
+    drivers = [
+        PipelineDriver(
+            job_id=f"finish-{how}",
+            job=JOB,
+            model=model,
+            captured=captured,
+            stages=stages,
+            addresses=cluster.addresses[:3],
+            example_target=y,
+            pool=pool,
+        )
+        for how in ("calls", "finish")
+    ]
+    calls, finish = drivers
+    try:
+        for d in drivers:
+            d.load()
+        for step in range(2):
+            bx, by = job_batch(JOB, dataset, step)
+            a = calls.forward_backward(step, (bx,), by)
+            calls.sync_tied_gradients(step)
+            calls.apply(step)
+            snapshot = SnapshotRequest() if step == 1 else None
+            b = finish.train_step(step, (bx,), by, snapshot=snapshot)
+            assert a.loss == b.loss
+        expected, got = calls.state_dict(), finish.state_dict()
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(expected[k], got[k]) for k in expected), "weights differ"
+        assert not torch.equal(got["lm_head.weight"], model.state_dict()["lm_head.weight"])  # it trained
+        with pytest.raises(RemoteError, match="already applied step 1"):
+            finish.clients[0].sync_tied(finish.job_id, 0, 1, 60.0)
+        with pytest.raises(RemoteError, match="already applied step 1"):
+            finish.clients[1].apply_step(finish.job_id, 1, 1)
+        deadline = time.monotonic() + 30
+        labels: list[int] = []
+        while time.monotonic() < deadline and len(labels) < 3:
+            labels = [s.step for i in range(3) for s in finish.clients[i].list_snapshots(finish.job_id)]
+            time.sleep(0.05)
+        assert labels == [2, 2, 2]  # each stage's state after step 1, taken by the stage itself
+    finally:
+        for d in drivers:
+            d.close()
         pool.close()

@@ -3,7 +3,8 @@ coordinator's link to each worker (``Topology.driver_links``).
 
 Expected step times are derived by hand from the estimator's formula (its module
 docstring): ``T = P + (M - 1) · B + t_step`` with the feed ``φ_s`` delaying a stage's first
-forward and bounding the period, plus ``2.5 · max r`` of control round trips.
+forward and bounding the period (``RunStep`` and the feed leave together), plus
+``0.5 · max r`` to hear that the stages are done.
 """
 
 from __future__ import annotations
@@ -71,15 +72,16 @@ def test_one_stage_far_from_the_driver_pays_control_and_feed(paced: bool) -> Non
     far = estimate(wl, [0, 0], [1], topo, micro_batches=m)
     compute = 0.03 + 0.06  # forward + backward per micro-batch
     assert near.step_s == pytest.approx(m * compute)
-    # One stage reads the inputs and computes the loss: two sends per micro-batch. Paced,
-    # they hold the link for their bytes and the first arrives half a round trip after its
-    # bytes left; one at a time, each holds the link a round trip and its bytes.
+    # One stage reads the inputs and computes the loss: two sends per micro-batch, leaving
+    # with RunStep. Paced, they hold the link for their bytes and the first arrives half a
+    # round trip after its bytes left; one at a time, each holds the link a round trip and
+    # its bytes. The driver hears the end half a round trip after it.
     if paced:
         first, held = (50_000 + target) / bw + rtt / 2, (50_000 + target) / bw
     else:
         first = held = (rtt + 50_000 / bw) + (rtt + target / bw)
     assert far.bottleneck_s == pytest.approx(max(compute, held))
-    assert far.step_s == pytest.approx(first + compute + (m - 1) * max(compute, held) + 2.5 * rtt)
+    assert far.step_s == pytest.approx(first + compute + (m - 1) * max(compute, held) + 0.5 * rtt)
 
 
 def test_feed_only_delays_the_stages_that_read_from_the_driver() -> None:
@@ -87,13 +89,13 @@ def test_feed_only_delays_the_stages_that_read_from_the_driver() -> None:
     topo = make_topology(np.full((2, 2), 1e9)).with_driver_links([(0.0, math.inf), (0.02, math.inf)])
     est = estimate(wl, [0, 1], [0, 1], topo, micro_batches=1)
     # Stage 1 (the loss stage, a target send of 0 bytes) gets its target long before its
-    # input arrives from stage 0; only the control round trips to it show.
+    # input arrives from stage 0; only hearing that it is done shows.
     base = estimate(wl, [0, 1], [0, 1], topo.with_driver_links(None), micro_batches=1)
-    assert est.step_s == pytest.approx(base.step_s + 2.5 * 0.02)
+    assert est.step_s == pytest.approx(base.step_s + 0.5 * 0.02)
 
 
-def test_tied_sync_uses_the_holders_driver_links() -> None:
-    step = StepCosts(driver_round_trip_s=0.5)  # ignored once links are measured
+def test_tied_sync_goes_between_the_holders() -> None:
+    step = StepCosts(driver_round_trip_s=0.5)  # no call from the driver starts it
     tied = chain_workload([0.01, 0.01], param_bytes=[4_000_000] * 2, param_ids=[0, 0], step=step)
     untied = chain_workload([0.01, 0.01], param_bytes=[4_000_000] * 2, param_ids=[0, 1], step=step)
     topo = make_topology(np.full((2, 2), 1e9)).with_driver_links([(0.01, 1e8), (0.03, 5e7)])
@@ -101,9 +103,9 @@ def test_tied_sync_uses_the_holders_driver_links() -> None:
         estimate(tied, [0, 1], [0, 1], topo, micro_batches=2).step_s
         - estimate(untied, [0, 1], [0, 1], topo, micro_batches=2).step_s
     )
-    # One round trip to the farther holder starts the exchange; the gradients go between
-    # the holders, over their 1 GB/s link, not over the driver's.
-    assert diff == pytest.approx(0.03 + 4_000_000 / 1e9)
+    # The holders start the exchange themselves once their schedules are done, and the
+    # gradients go between them, over their 1 GB/s link, not over the driver's.
+    assert diff == pytest.approx(4_000_000 / 1e9)
 
 
 @pytest.mark.parametrize("driver", ["us-1", "eu-2", "asia-1"])

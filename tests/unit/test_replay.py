@@ -68,38 +68,39 @@ def test_the_driver_feeds_one_send_after_another() -> None:
     """One stage on a worker 100 ms (round trip) from the driver, 1 MB/s; inputs and targets
     of 1 kB each per micro-batch, compute 1 + 2 ms.
 
-    RunStep returns after 100 ms; each micro-batch's two sends take 2 x 101 ms, its targets
-    arriving 50 + 1 ms after the second starts: at 252, 454 and 656 ms. The last backward ends
-    at 659, the driver hears it 50 ms later, then the optimizer call takes a round trip: 809.
+    The sends leave with RunStep (which returns after 100 ms); each micro-batch's two take
+    2 x 101 ms, its targets arriving 50 + 1 ms after the second starts: at 152, 354 and
+    556 ms. The last backward ends at 559; the stage runs its (free) optimizer step and the
+    driver hears it 50 ms later: 609.
     """
     step = StepCosts(target_bytes=1000)
     wl = chain_workload([0.001], bwd_s=[0.002], input_bytes=[1000], step=step)
     topology = make_topology(np.array([[np.inf, 1e6], [1e6, np.inf]]), latency_s=0.05).with_driver_at(0)
     unpaced = dataclasses.replace(topology, paced_sends=False)
     replay = replay_step(wl, [0], [1], unpaced, micro_batches=3)
-    assert replay.stages_done_s == pytest.approx((0.709,))
-    assert replay.apply_s == pytest.approx(0.1)
-    assert replay.step_s == pytest.approx(0.809)
+    assert replay.stages_done_s == pytest.approx((0.609,))
+    assert replay.apply_s == pytest.approx(0.0)
+    assert replay.step_s == pytest.approx(0.609)
     # What testbeds.bench.timeline sets beside a trace: RunStep, the last target, the stage's own end.
     assert replay.run_step_s == pytest.approx(0.1)
-    assert replay.fed_s == pytest.approx({0: 0.656})
-    assert replay.finished_s == pytest.approx((0.659,))
+    assert replay.fed_s == pytest.approx({0: 0.556})
+    assert replay.finished_s == pytest.approx((0.559,))
 
 
 def test_a_paced_feed_holds_the_link_for_its_bytes() -> None:
     """The same stage and feed, paced as the coordinator's driver sends it: each send starts
     as the bytes of the one before have left (1 ms each), and arrives 50 + 1 ms after it
-    starts. RunStep returns after 100 ms; the targets arrive at 152, 154 and 156 ms; each
-    micro-batch computes 3 ms once its targets are in: done at 155, 158, 161 ms; the driver
-    hears it 50 ms later, and the optimizer call takes a round trip: 311 ms."""
+    starts, RunStep beside them (it reaches the stage at 50 ms); the targets arrive at 52, 54
+    and 56 ms; each micro-batch computes 3 ms once its targets are in: done at 55, 58,
+    61 ms; the stage applies (free here) and the driver hears it 50 ms later: 111 ms."""
     step = StepCosts(target_bytes=1000)
     wl = chain_workload([0.001], bwd_s=[0.002], input_bytes=[1000], step=step)
     topology = make_topology(np.array([[np.inf, 1e6], [1e6, np.inf]]), latency_s=0.05).with_driver_at(0)
     replay = replay_step(wl, [0], [1], topology, micro_batches=3)
-    assert replay.stages_done_s == pytest.approx((0.211,))
-    assert replay.step_s == pytest.approx(0.311)
-    assert replay.fed_s == pytest.approx({0: 0.156})
-    assert replay.finished_s == pytest.approx((0.161,))
+    assert replay.stages_done_s == pytest.approx((0.111,))
+    assert replay.step_s == pytest.approx(0.111)
+    assert replay.fed_s == pytest.approx({0: 0.056})
+    assert replay.finished_s == pytest.approx((0.061,))
 
 
 def test_stages_on_one_machine_take_turns_beyond_its_cores() -> None:
