@@ -38,26 +38,31 @@ JOB = JobSpec.from_dict(
 )
 
 
-def test_holders_exchange_and_sum_in_stage_order(cluster: LocalCluster) -> None:
+def three_stage_driver(job_id: str, cluster: LocalCluster, pool: ChannelPool) -> PipelineDriver:
+    """JOB split evenly over three of the cluster's workers (not loaded): the token
+    embedding on stage 0, the head tied to it on stage 2."""
     model = build_job_model(JOB)
-    dataset = build_job_dataset(JOB)
-    x, y = example_micro_batch(JOB, dataset)
+    x, y = example_micro_batch(JOB, build_job_dataset(JOB))
     captured = capture(model, (x,))
-    stages = split_stages(captured.dag, uniform_assignment(captured.dag, 3))
-    holders = tied_holders(stages, captured.dag.tied_params)
-    assert holders == {"transformer.wte.weight": [(0, "transformer.wte.weight"), (2, "lm_head.weight")]}
+    return PipelineDriver(
+        job_id=job_id,
+        job=JOB,
+        model=model,
+        captured=captured,
+        stages=split_stages(captured.dag, uniform_assignment(captured.dag, 3)),
+        addresses=cluster.addresses[:3],
+        example_target=y,
+        pool=pool,
+    )
+
+
+def test_holders_exchange_and_sum_in_stage_order(cluster: LocalCluster) -> None:
+    dataset = build_job_dataset(JOB)
     pool = ChannelPool()
     try:
-        driver = PipelineDriver(
-            job_id="tied-sync",
-            job=JOB,
-            model=model,
-            captured=captured,
-            stages=stages,
-            addresses=cluster.addresses[:3],
-            example_target=y,
-            pool=pool,
-        )
+        driver = three_stage_driver("tied-sync", cluster, pool)
+        holders = tied_holders(driver.stages, driver.dag.tied_params)
+        assert holders == {"transformer.wte.weight": [(0, "transformer.wte.weight"), (2, "lm_head.weight")]}
         try:
             driver.load()
             bx, by = job_batch(JOB, dataset, 0)
@@ -101,25 +106,10 @@ def test_a_step_the_stages_finish_themselves_matches_the_driver_calls(cluster: L
     (RunStep's ``finish``): the weights after two steps are bit-identical to those of the
     separate SyncTied and ApplyStep calls, a late call for the finished step is refused, and
     a snapshot it asks for is taken after the update."""
-    model = build_job_model(JOB)
     dataset = build_job_dataset(JOB)
-    x, y = example_micro_batch(JOB, dataset)
-    captured = capture(model, (x,))
-    stages = split_stages(captured.dag, uniform_assignment(captured.dag, 3))
     pool = ChannelPool()
-    drivers = [
-        PipelineDriver(
-            job_id=f"finish-{how}",
-            job=JOB,
-            model=model,
-            captured=captured,
-            stages=stages,
-            addresses=cluster.addresses[:3],
-            example_target=y,
-            pool=pool,
-        )
-        for how in ("calls", "finish")
-    ]
+    drivers = [three_stage_driver(f"finish-{how}", cluster, pool) for how in ("calls", "finish")]
+    model = drivers[0].model
     calls, finish = drivers
     try:
         for d in drivers:
