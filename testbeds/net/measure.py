@@ -166,19 +166,22 @@ def transfers(
         with socket.create_connection(_split(address), timeout=60) as c:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if burst:
-                c.sendall(burst.to_bytes(8, "little") + bytes(burst))
-                if c.recv(1) != b"k":
-                    raise OSError("answer server closed the connection")
+                _message(c, burst)
             times = []
             for _ in range(warm + repeats):
                 time.sleep(idle_s)
                 t = time.perf_counter()
-                c.sendall(n.to_bytes(8, "little") + bytes(n))
-                if c.recv(1) != b"k":
-                    raise OSError("answer server closed the connection")
+                _message(c, n)
                 times.append(time.perf_counter() - t)
             medians.append(statistics.median(times[warm:]))
     return {"sizes": list(sizes), "seconds": medians}
+
+
+def _message(c: socket.socket, size: int) -> None:
+    """Send one message of ``size`` bytes to :func:`answer` and wait for its answer."""
+    c.sendall(size.to_bytes(8, "little") + bytes(size))
+    if c.recv(1) != b"k":
+        raise OSError("answer server closed the connection")
 
 
 def main(argv: list[str] | None = None) -> int:
