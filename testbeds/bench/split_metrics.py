@@ -37,9 +37,11 @@ logger = logging.getLogger(__name__)
 #: Steps in the moving average a loss is smoothed over.
 SMOOTHING = 3
 
-#: Relative slack on the target: a few float32 roundings (a ResNet run equal to the target's
-#: step for step ended 1.5e-8 above it, 7.5e-8 relative).
-LOSS_RTOL = 1e-6
+#: Relative slack on the target: float32 summation order. A ResNet run equal to the target's
+#: step for step ended 7.5e-8 relative above it; GPT-2 mini cut at other layers than GPipe's
+#: read 3.0e-6 relative off GPipe's loss on its very first forward pass (the same weights and
+#: batch) and 3.3e-6 after 10 steps. A compressed run misses by 1e-3 or more.
+LOSS_RTOL = 1e-5
 
 
 def loss_window(steps: int) -> int:
