@@ -554,6 +554,23 @@ def exhaustive_size(num_units: int, num_workers: int) -> int:
     )
 
 
+#: The advice :func:`memory_advice` gives under 1F1B (``testbeds.bench`` follows it, as a user would).
+MORE_MICRO_BATCHES = "use more micro-batches"
+
+
+def memory_advice(schedule: str) -> str:
+    """What lowers a plan's activation memory, for the errors that say a plan does not fit.
+
+    Under 1F1B a stage of depth ``d`` holds at most ``min(d + 1, m)`` of the ``m``
+    micro-batches at once (:func:`scheduler.estimator.estimate`), each ``1/m`` of the batch:
+    its activations are ``min(d + 1, m) / m`` of the batch's, which more micro-batches lower
+    and fewer never do. GPipe stashes all ``m``: the whole batch whatever ``m`` is.
+    """
+    if schedule == "gpipe":
+        return "use a smaller batch (GPipe stashes every micro-batch, however many) or the 1f1b schedule"
+    return f"{MORE_MICRO_BATCHES} (1F1B holds only a few at once, so smaller ones need less memory)"
+
+
 def infeasibility_reason(workload: Workload, topology: Topology, micro_batches: int, schedule: str) -> str:
     """Why no placement fits: the binding memory constraint, in numbers."""
     return str(infeasible(workload, topology, micro_batches, schedule))
@@ -597,14 +614,14 @@ def infeasible(workload: Workload, topology: Topology, micro_batches: int, sched
         return error(
             f"the model cannot fit: parameters, gradients and {workload.optimizer} state need {format_bytes(state)} "
             f"plus at least {format_bytes(activations)} of activations ({micro_batches} micro-batches, {schedule}), "
-            f"but the {len(lent)} workers have {format_bytes(total_cap)} in total; add workers, use fewer "
-            "micro-batches or a smaller model",
+            f"but the {len(lent)} workers have {format_bytes(total_cap)} in total; add workers, "
+            f"{memory_advice(schedule)}, or use a smaller model",
             state + activations,
         )
     return error(
         f"no placement found that fits every worker's memory: the model needs {format_bytes(state)} for parameters, "
         f"gradients and {workload.optimizer} state plus activations and stashed transfers per micro-batch in flight; "
         f"the {len(lent)} workers have {format_bytes(total_cap)} in total (largest {format_bytes(biggest)}), too "
-        "fragmented for the cuts; add workers with more memory or use fewer micro-batches",
+        f"fragmented for the cuts; add workers with more memory or {memory_advice(schedule)}",
         needed,
     )

@@ -28,7 +28,13 @@ from scheduler.compression import compression_marks, compression_note, compressi
 from scheduler.convergence import cut_values
 from scheduler.estimator import Estimate, StepCosts, estimate, workload_from_dag
 from scheduler.explain import why_left_out
-from scheduler.partition import Placement, compute_placement, exhaustive_placement, opfence_placement
+from scheduler.partition import (
+    Placement,
+    compute_placement,
+    exhaustive_placement,
+    memory_advice,
+    opfence_placement,
+)
 from scheduler.plan import Plan, plan_from_stages
 from scheduler.topology import Topology
 
@@ -243,7 +249,7 @@ def check_caps(peaks: dict[int, int], topology: Topology, dag: OpDag, request: P
     raise InsufficientMemoryError(
         f"the {request.strategy} plan needs {format_bytes(need)} on worker {topology.workers[w].name}, which lends "
         f"{format_bytes(cap)} ({need} > {cap} bytes; the {len(caps)} workers lend {format_bytes(lent)} in all); "
-        f"add workers with more memory or use fewer micro-batches{hint}",
+        f"add workers with more memory or {memory_advice(request.schedule)}{hint}",
         needed_bytes=max(lent + need - cap, sum(peaks.values())),
         lent_bytes=lent,
         num_workers=len(caps),

@@ -18,6 +18,7 @@ from fusion.config import JobSpec
 from fusion.errors import FusionError
 from fusion.launch import child_env
 from fusion.profiling import measure_device
+from scheduler.partition import MORE_MICRO_BATCHES
 from testbeds.bench.runs import Run, job_toml, step_records
 from testbeds.bench.split_metrics import fleet_peak_memory
 from testbeds.dilation import dilated_timeout_s
@@ -54,6 +55,8 @@ class FusionFleet:
         self.host0 = tb.hosts[0]
         #: The last job this fleet submitted (whose profile :meth:`model_profile` asks for).
         self.last_job_id: str | None = None
+        #: Micro-batches a system ran with after its planner's advice (:meth:`run_as_advised`).
+        self.advised_micro_batches: dict[str, int] = {}
         from testbeds.net.testbed import wait_for_line
 
         port = tb.free_port(self.host0)
@@ -148,6 +151,26 @@ class FusionFleet:
             run.predicted_step_s = planned_step_s(plan)
             run.hosts_used = [s["worker"] for s in plan.get("stages", [])]
             run.plan_stages = [{"worker": s["worker"], "nodes": s["nodes"]} for s in plan.get("stages", [])]
+        return run
+
+    def run_as_advised(self, spec: JobSpec, system: str, *, timeout_s: float) -> Run:
+        """:meth:`run`, and while the plan is refused for memory with the advice to use more
+        micro-batches (``uniform`` plans blind to the caps), again with twice as many, as
+        long as they divide the batch: what a user does after that error. The count that
+        fits is kept for the system's later rounds and said in the run's note."""
+        job_mb = spec.train.micro_batches
+        mb = self.advised_micro_batches.get(system, job_mb)
+        while True:
+            run = self.run(
+                spec.replace(train={"micro_batches": mb}) if mb != job_mb else spec, system, timeout_s=timeout_s
+            )
+            refused = run.note.startswith("failed") and MORE_MICRO_BATCHES in run.note
+            if not refused or spec.data.batch_size % (2 * mb):
+                break
+            mb *= 2
+        if mb != job_mb:
+            self.advised_micro_batches[system] = mb
+            run.note = f"{mb} micro-batches (the job's {job_mb} did not fit the caps); {run.note}".rstrip("; ")
         return run
 
     def _cli(self, args: list[str], env: dict[str, str], *, check: bool = True, module: str = "fusion.cli.main") -> str:

@@ -266,7 +266,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.monotonic()
                 job = system_job(spec, system, steps=steps_of[system], num_hosts=len(tb.hosts), out_dir=workdir / "out")
                 if system in FLEET_SYSTEMS:
-                    run = fleets[system not in GRPC_ONLY_SYSTEMS].run(job, system, timeout_s=args.timeout)
+                    run = fleets[system not in GRPC_ONLY_SYSTEMS].run_as_advised(job, system, timeout_s=args.timeout)
                 else:
                     if rank_slowdowns and emulation == "profile" and profiled is None:
                         assert fleet is not None

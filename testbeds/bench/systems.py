@@ -3,7 +3,9 @@
 - Fleet systems run a real coordinator and workers (:class:`testbeds.bench.fusion_fleet.FusionFleet`),
   with the job's ``[plan]`` and ``[compression]`` set by :func:`system_job`:
   ``fusion`` (OP-Fence + the job's own compression), ``fusion-dense`` (OP-Fence, no
-  compression), ``uniform`` (even split in join order, dense) and ``compute``
+  compression), ``uniform`` (even split in join order, dense; blind to the caps, so a plan
+  refused for memory runs again with the micro-batches the refusal advises,
+  :meth:`~testbeds.bench.fusion_fleet.FusionFleet.run_as_advised`) and ``compute``
   (compute-balanced, blind to links, dense). ``fusion-grpc`` is ``fusion`` on a second
   fleet whose workers run ``--no-data-plane``: tensors over the gRPC port only, the data
   plane's before and after in one run. ``fusion-quant8``, ``fusion-quant4``, ``fusion-topk``,

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from fusion.config import JobSpec
 from fusion.errors import FusionError
+from scheduler.partition import memory_advice
 from scheduler.topology import Topology
-from testbeds.bench.fusion_fleet import planned_step_s
+from testbeds.bench.fusion_fleet import FusionFleet, planned_step_s
 from testbeds.bench.harness import run_steps, summarize
+from testbeds.bench.runs import Run
 from testbeds.bench.split_metrics import add_split_metrics, fleet_peak_memory, target_system, time_to_target
 from testbeds.bench.systems import (
     EXTRA_SYSTEMS,
@@ -259,3 +262,34 @@ def test_a_compressing_plan_is_held_to_its_compressed_prediction() -> None:
     compressed = {"predicted_step_s": 0.60, "extra": {"compression": {"dense_step_s": 0.60, "step_s": 0.41}}}
     assert planned_step_s(compressed) == 0.41
     assert planned_step_s({}) is None
+
+
+class _CappedFleet(FusionFleet):
+    """A fleet whose coordinator refuses a plan with fewer than ``fits`` micro-batches, with
+    the planner's own advice (the refusal itself: tests/unit/test_memory_cap.py)."""
+
+    def __init__(self, fits: int) -> None:  # no testbed: only the advised re-runs are under test
+        self.fits, self.tried, self.advised_micro_batches = fits, [], {}
+
+    def run(self, spec: JobSpec, system: str, *, timeout_s: float) -> Run:
+        self.tried.append(spec.train.micro_batches)
+        if spec.train.micro_batches < self.fits:
+            return Run(system=system, note=f"failed: the uniform plan needs more; {memory_advice('1f1b')}")
+        return Run(system=system)
+
+
+def test_a_plan_refused_for_memory_runs_again_with_the_micro_batches_it_advises() -> None:
+    job = JobSpec.from_dict(
+        {"model": {"name": "gpt2", "preset": "tiny"}, "data": {"batch_size": 16}, "train": {"micro_batches": 4}}
+    )
+    fleet = _CappedFleet(fits=16)
+    run = fleet.run_as_advised(job, "uniform", timeout_s=1.0)
+    assert fleet.tried == [4, 8, 16] and run.note == "16 micro-batches (the job's 4 did not fit the caps)"
+    fleet.tried.clear()
+    fleet.run_as_advised(job, "uniform", timeout_s=1.0)  # the next round starts where this one fitted
+    assert fleet.tried == [16]
+    fleet = _CappedFleet(fits=32)  # no more micro-batches than samples: the refusal stands
+    run = fleet.run_as_advised(job, "uniform", timeout_s=1.0)
+    assert fleet.tried == [4, 8, 16] and run.note.startswith("16 micro-batches") and "failed: " in run.note
+    fleet = _CappedFleet(fits=1)
+    assert fleet.run_as_advised(job, "fusion", timeout_s=1.0).note == "" and fleet.tried == [4]

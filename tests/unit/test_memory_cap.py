@@ -104,6 +104,25 @@ def test_uniform_over_the_caps_is_refused_naming_the_worker_and_bytes(tiny_dag: 
     assert f"> {cap} bytes" in str(info.value)
 
 
+def test_the_advice_to_fit_a_uniform_plan_is_true(tiny_dag: OpDag) -> None:
+    """Under 1F1B a stage holds at most one micro-batch per stage from it to the last, each
+    1/m of the batch: the refusal says to use more micro-batches, and more do fit (the
+    message used to say fewer, which never lowers the peak)."""
+
+    def peaks(micro_batches: int, caps: list[int | None]) -> list[int]:
+        torch.manual_seed(0)  # the batch of 4, captured at its micro-batch size
+        dag = capture(build_model("gpt2", "tiny"), (torch.randint(0, 256, (4 // micro_batches, 16)),)).dag
+        request = PlanRequest(strategy="uniform", micro_batches=micro_batches)
+        return [int(s.peak_memory_bytes or 0) for s in make_plan(dag, topology(caps), request).stages]
+
+    whole, quarters = max(peaks(1, [None] * 3)), max(peaks(4, [None] * 3))
+    assert quarters < max(peaks(2, [None] * 3)) <= whole
+    cap = (whole + quarters) // 2
+    with pytest.raises(InsufficientMemoryError, match="use more micro-batches"):
+        peaks(1, [cap] * 3)
+    assert max(peaks(4, [cap] * 3)) <= cap
+
+
 def test_memory_words() -> None:
     assert format_bytes(1.4 * 2**30) == "1.40 GiB"
     assert format_bytes(12 * 2**20) == "12.00 MiB"
