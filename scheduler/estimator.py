@@ -429,7 +429,7 @@ def estimate(
         memory[w] = memory.get(w, 0) + int(stage_mem)
 
     opt_s = optimizer_s(workload, sg)
-    tied_s = tied_sync_s(workload, sg, stage_workers, topology)
+    tied_s = tied_sync_s(sg, stage_workers, topology)
     step_s = critical + (micro_batches - 1) * period + workload.step.control_s + driver_control_s + opt_s + tied_s
     return Estimate(
         step_s=float(step_s),
@@ -524,7 +524,7 @@ def optimizer_s(workload: Workload, sg: StageGraph) -> float:
     )
 
 
-def tied_sync_s(workload: Workload, sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> float:
+def tied_sync_s(sg: StageGraph, stage_workers: Sequence[int], topology: Topology) -> float:
     """Parameters several stages hold: once its schedule is done, each holder sends its
     gradient straight to every other holder, all at once, and goes on (to its optimizer
     step) once its own sends are acknowledged and the others' gradients are in, so the

@@ -161,9 +161,7 @@ class FusionFleet:
         job_mb = spec.train.micro_batches
         mb = self.advised_micro_batches.get(system, job_mb)
         while True:
-            run = self.run(
-                spec.replace(train={"micro_batches": mb}) if mb != job_mb else spec, system, timeout_s=timeout_s
-            )
+            run = self.run(spec.replace(train={"micro_batches": mb}), system, timeout_s=timeout_s)
             refused = run.note.startswith("failed") and MORE_MICRO_BATCHES in run.note
             if not refused or spec.data.batch_size % (2 * mb):
                 break

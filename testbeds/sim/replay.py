@@ -282,7 +282,7 @@ def _replay_pass(
     # A stage answers the driver's wait once its compute is done and its sends are answered.
     finished = tuple(max([free[s], *(q.answered_at for (a, _), q in queues.items() if a == s)]) for s in range(n))
     done = tuple(f + rtt[s] / 2 for s, f in enumerate(finished))
-    tied = tied_sync_s(workload, sg, w, topology)
+    tied = tied_sync_s(sg, w, topology)
     # The optimizer step is not emulated (testbeds.emulation stretches forward and backward only).
     unemulated = dataclasses.replace(sg, scale=sg.scale / np.array([topology.workers[x].slowdown for x in w]))
     apply = optimizer_s(workload, unemulated)  # on the stages, before they answer the wait
