@@ -80,8 +80,11 @@ def run_ranks(
         for rank, p in enumerate(procs):
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
             if p.returncode != 0:
-                error = RankCrashed if p.returncode < 0 else FusionError
-                raise error(f"{module} rank {rank} exited with {p.returncode}: {_log_tails(module, workdir, procs)}")
+                cause = _last_line(_rank_log(module, workdir, rank))
+                error = RankCrashed if p.returncode < 0 or _transient(cause) else FusionError
+                raise error(
+                    f"{module} rank {rank} exited with {p.returncode}: {cause}\n{_log_tails(module, workdir, procs)}"
+                )
     except subprocess.TimeoutExpired as e:
         raise FusionError(f"{module} did not finish within {timeout_s:.0f}s") from e
     finally:
@@ -96,12 +99,36 @@ def run_ranks(
 def _log_tails(module: str, workdir: Path, procs: list[subprocess.Popen[bytes]]) -> str:
     """The end of every rank's log, each headed by its rank and exit status: a rank that
     crashes often does so because another one did."""
-    short = module.rsplit(".", 1)[-1]
     tails = []
     for rank, p in enumerate(procs):
-        text = (workdir / f"{short}-rank{rank}.log").read_text(errors="replace")[-1500:]
-        tails.append(f"[rank {rank}, exit {p.poll()}] {text}")
+        tails.append(f"[rank {rank}, exit {p.poll()}] {_rank_log(module, workdir, rank)[-1500:]}")
     return "\n".join(tails)
+
+
+def _rank_log(module: str, workdir: Path, rank: int) -> str:
+    return (workdir / f"{module.rsplit('.', 1)[-1]}-rank{rank}.log").read_text(errors="replace")
+
+
+def _last_line(log: str) -> str:
+    """The last non-blank line of a rank's log: its exception, where it raised one."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(its log is empty)"
+
+
+#: What a rank's last line says when its peer, not its own code, failed it: gloo's TCP pairs
+#: and the rendezvous store on this VM's shared cores drop now and then.
+TRANSIENT_MARKERS = (
+    "DistNetworkError",
+    "DistBackendError",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Socket Timeout",
+)
+
+
+def _transient(cause: str) -> bool:
+    return any(marker in cause for marker in TRANSIENT_MARKERS)
 
 
 def _rank_emulation_args(factor: float | None, emulation: str, profiled: Path | None) -> list[str]:
@@ -114,8 +141,9 @@ def _rank_emulation_args(factor: float | None, emulation: str, profiled: Path | 
 
 
 class RankCrashed(FusionError):
-    """A baseline rank was killed by a signal, not by its own error (on this VM gloo aborts
-    a rank with SIGABRT now and then: "terminate called without an active exception")."""
+    """A baseline rank was killed by a signal or lost its peers, not by its own error (on this
+    VM gloo aborts a rank with SIGABRT now and then: "terminate called without an active
+    exception", and a pair's connection is reset now and then: :data:`TRANSIENT_MARKERS`)."""
 
 
 #: Tries of a rank system before a crash fails it. CI once saw two crashes in a row (stop
@@ -193,7 +221,7 @@ def run_baseline(
         except FusionError as e:
             if system == "ddp":
                 raise
-            return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
+            return Run(system=system, note=f"n/a: {str(e).splitlines()[0][:300]}")
     else:
         num_stages = num_pipeline_stages(model, len(hosts))
         if num_stages < 2:
@@ -209,7 +237,7 @@ def run_baseline(
                 hosts = best_pipeline_hosts(tb.topology, needed, num_stages, min_stages=len(hosts) + 1)
                 records, note = _run_ranks_retrying(tb, RANK_MODULES[system], spec_file, hosts, **rank_args)
         except FusionError as e:
-            return Run(system=system, note=f"n/a: {str(e).splitlines()[-1][:200]}")
+            return Run(system=system, note=f"n/a: {str(e).splitlines()[0][:300]}")
     # Ranks name links by rank; the table names hosts.
     for r in records:
         r["bytes_per_link"] = {

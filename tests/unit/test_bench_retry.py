@@ -65,3 +65,63 @@ def test_a_third_crash_or_a_ranks_own_error_is_not_retried(tmp_path: Path, monke
     with pytest.raises(FusionError, match="exited with 1"):
         bench.run_baseline(tb, "ddp", JOB, steps=2, workdir=tmp_path, timeout_s=10)
     assert len(calls) == 1
+
+
+class ScriptedHosts:
+    """A testbed stand-in whose hosts run a given Python script per rank in place of the
+    baseline module (real processes, real exit codes and logs)."""
+
+    def __init__(self, scripts: list[str]) -> None:
+        self.hosts = [f"h{i}" for i in range(len(scripts))]
+        self.scripts = scripts
+
+    def address(self, host: str) -> str:
+        return "127.0.0.1"
+
+    def free_port(self, host: str) -> int:
+        return 1
+
+    def spawn(self, host: str, argv: list[str], **popen_kwargs):
+        import subprocess
+        import sys
+
+        script = self.scripts[self.hosts.index(host)]
+        return subprocess.Popen([sys.executable, "-c", script], start_new_session=True, **popen_kwargs)
+
+
+LOST_PEER_LINE = "torch.distributed.DistNetworkError: Connection reset by peer"
+LOST_PEER = f"import sys; print('step 0'); sys.exit({LOST_PEER_LINE!r})"
+OWN_ERROR = "import sys; print('step 0'); sys.exit('ValueError: shapes (2, 3) and (4,) do not match')"
+
+
+def test_a_rank_that_lost_its_peer_is_a_crash_and_its_cause_is_named(tmp_path: Path) -> None:
+    tb = ScriptedHosts([LOST_PEER, "import time; time.sleep(30)"])
+    with pytest.raises(bench.RankCrashed) as caught:
+        bench.run_ranks(
+            tb,
+            "testbeds.bench.baselines.fsdp",
+            tmp_path / "job.toml",
+            tb.hosts,
+            steps=1,
+            workdir=tmp_path,
+            timeout_s=20,
+        )
+    first = str(caught.value).splitlines()[0]
+    assert first == f"testbeds.bench.baselines.fsdp rank 0 exited with 1: {LOST_PEER_LINE}"
+
+
+def test_a_ranks_own_error_fails_the_system_and_its_note_names_it(tmp_path: Path) -> None:
+    tb = ScriptedHosts([OWN_ERROR, "import time; time.sleep(30)"])
+    with pytest.raises(FusionError) as caught:
+        bench.run_ranks(
+            tb,
+            "testbeds.bench.baselines.fsdp",
+            tmp_path / "job.toml",
+            tb.hosts,
+            steps=1,
+            workdir=tmp_path,
+            timeout_s=20,
+        )
+    assert not isinstance(caught.value, bench.RankCrashed)
+    assert str(caught.value).splitlines()[0].endswith("ValueError: shapes (2, 3) and (4,) do not match")
+    assert "[rank 1, exit " in str(caught.value)  # every rank's log tail follows
