@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -118,6 +118,15 @@ def setting_from_wire(c: epb.CutCodec) -> CutSetting:
     )
 
 
+def dense_settings(settings: Mapping[tuple[int, int], CutSetting]) -> dict[tuple[int, int], CutSetting]:
+    """``settings`` with every cut sent dense both ways (ratios and bits kept, so that the
+    next compressed step finds them unchanged)."""
+    return {
+        cut: replace(s, codec=pb.CODEC_NONE, gradient_codec=None if s.gradient_codec is None else pb.CODEC_NONE)
+        for cut, s in settings.items()
+    }
+
+
 def link_codecs(settings: Mapping[tuple[int, int], CutSetting]) -> dict[tuple[int, int], dict[str, Any]]:
     """Per directed link ``(sender, receiver)`` that encodes, its codec, keep ratio and bits:
     a cut ``(a, b)`` sends activations on ``(a, b)`` and gradients on ``(b, a)``."""
@@ -146,15 +155,24 @@ class CutCompression:
         self._errors: dict[int, list[float]] = {}
         self._lock = threading.Lock()
 
-    def set_ratios(self, ratios: Mapping[tuple[int, int], float]) -> None:
-        """New keep ratios for known cuts (AdaTopK's per-step update)."""
-        for cut, ratio in ratios.items():
-            setting = self.settings.get(cut)
-            if setting is None:
-                continue
-            if not 0.0 < ratio <= 1.0:
-                raise CompressionError(f"keep ratio {ratio} for cut {cut} is outside (0, 1]")
-            setting.keep_ratio = ratio
+    def set_step(self, settings: Mapping[tuple[int, int], CutSetting]) -> None:
+        """This step's settings of known cuts: AdaTopK's new keep ratios, or every cut dense
+        for a step of the codec trial (:mod:`executor.codec_trial`). Cuts the stage was not
+        loaded with are ignored; a cut sent dense hands over its error-feedback residual
+        (:meth:`encode_gradients`).
+
+        Raises:
+            CompressionError: a keep ratio outside (0, 1] or an unknown codec (nothing changed).
+        """
+        known = {cut: s for cut, s in settings.items() if cut in self.settings}
+        for cut, setting in known.items():
+            for ratio in (setting.keep_ratio, setting.gradient_keep_ratio):
+                if not 0.0 < ratio <= 1.0:
+                    raise CompressionError(f"keep ratio {ratio} for cut {cut} is outside (0, 1]")
+            get_compressor(setting.codec)
+            if setting.gradient_codec is not None:
+                get_compressor(setting.gradient_codec)
+        self.settings.update((cut, replace(s)) for cut, s in known.items())
 
     def reset_step(self) -> None:
         """Forget masks and errors of the previous step (residuals carry over)."""

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from executor.client import ChannelPool, ExecutorClient, run_parallel
-from executor.compression import CutSetting, RatioController, link_codecs, setting_to_wire
+from executor.codec_trial import CodecTrial
+from executor.compression import CutSetting, RatioController, dense_settings, link_codecs, setting_to_wire
 from executor.micro_batch import TARGET_NAME
 from executor.sender import PeerSender
 from executor.status import POISONED_SENDER_METADATA, memory_cap_error
@@ -86,6 +87,10 @@ class StepStats:
     """Per link that encodes, its codec, keep ratio and bits during the step."""
     compression_error: dict[tuple[int, int], float] = field(default_factory=dict)
     """Per link that encoded, the relative error of what it sent."""
+    dense_trial: bool = False
+    """Whether every cut ran dense for the codec trial (:mod:`executor.codec_trial`)."""
+    trial_verdict: str | None = None
+    """The codec trial's verdict, on the step that decided it (one line)."""
 
 
 def value_spec(name: str, meta: ValueMeta) -> epb.ValueSpec:
@@ -148,6 +153,7 @@ class PipelineDriver:
         step_timeout_s: float = 600.0,
         cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
         ratio_controller: RatioController | None = None,
+        codec_trial: CodecTrial | None = None,
         link_bytes_per_s: Mapping[tuple[int, int], float] | None = None,
         feed_bytes_per_s: Mapping[int, float] | None = None,
         planned_peak_memory_bytes: Sequence[int] = (),
@@ -183,6 +189,8 @@ class PipelineDriver:
         self._tied = tied_holders(self.stages, self.dag.tied_params)
         self.cut_settings = {k: replace(v) for k, v in (cut_settings or {}).items()}
         self.ratio_controller = ratio_controller
+        #: Puts the planned compression on trial against dense steps (None: no trial).
+        self.codec_trial = codec_trial if self.cut_settings else None
         #: Each stage's predicted peak memory as planned (``LoadStage`` checks it against the
         #: worker's cap); empty when not planned.
         self.planned_peak_memory_bytes = [int(b) for b in planned_peak_memory_bytes]
@@ -248,10 +256,12 @@ class PipelineDriver:
             ],
         )
 
-    def _cut_codecs(self, stage_idx: int | None = None) -> list[epb.CutCodec]:
+    def _cut_codecs(
+        self, stage_idx: int | None = None, settings: Mapping[tuple[int, int], CutSetting] | None = None
+    ) -> list[epb.CutCodec]:
         return [
             setting_to_wire((a, b), c)
-            for (a, b), c in sorted(self.cut_settings.items())
+            for (a, b), c in sorted((self.cut_settings if settings is None else settings).items())
             if stage_idx is None or stage_idx in (a, b)
         ]
 
@@ -298,6 +308,8 @@ class PipelineDriver:
         returns; without, ``snapshot`` is ignored (pass it to :meth:`apply`).
         """
         self._event("step", step)
+        trial_dense = self.codec_trial is not None and self.codec_trial.dense_next()
+        settings = dense_settings(self.cut_settings) if trial_dense else self.cut_settings
         t0 = time.perf_counter()
         m = self.job.train.micro_batches
         schedule = _SCHEDULES[self.job.train.schedule]
@@ -353,7 +365,7 @@ class PipelineDriver:
                     m,
                     schedule,
                     measure_memory=measure_memory,
-                    cut_codecs=self._cut_codecs(spec.stage_idx),
+                    cut_codecs=self._cut_codecs(spec.stage_idx, settings),
                     finish=self._finish(spec.stage_idx, optimizer_step=True, snapshot=snapshot) if finish else None,
                 )
             except FusionError as e:
@@ -397,8 +409,9 @@ class PipelineDriver:
                 stats.dense_bytes[(s, dst)] = size
             for dst, err in r.compression_error.items():
                 stats.compression_error[(s, dst)] = err
-        stats.link_codecs = link_codecs(self.cut_settings)
-        stats.keep_ratios = {k: c.keep_ratio for k, c in self.cut_settings.items() if c.codec == pb.CODEC_TOPK}
+        stats.dense_trial = settings is not self.cut_settings
+        stats.link_codecs = link_codecs(settings)
+        stats.keep_ratios = {k: c.keep_ratio for k, c in settings.items() if c.codec == pb.CODEC_TOPK}
         if self.ratio_controller is not None and self.cut_settings:
             for cut, ratio in self.ratio_controller.update(stats, m).items():
                 if cut in self.cut_settings:
@@ -543,6 +556,8 @@ class PipelineDriver:
         )
         self._event("applied", step)
         stats.step_s = time.perf_counter() - t0
+        if self.codec_trial is not None and self.codec_trial.observe(stats.step_s) is not None:
+            stats.trial_verdict = self.codec_trial.describe()
         return stats
 
     # ------------------------------------------------------------- state

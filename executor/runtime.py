@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from executor.compression import CutCompression
+from executor.compression import CutCompression, CutSetting
 from executor.guard import InputGuard
 from executor.hooks import StageHooks, StageInfo
 from executor.mailbox import Aborted, ExpectedValue, Mailbox, Payload
@@ -277,10 +277,13 @@ class StageRuntime:
         schedule: str,
         *,
         measure_memory: bool = False,
-        keep_ratios: Mapping[tuple[int, int], float] | None = None,
+        cut_settings: Mapping[tuple[int, int], CutSetting] | None = None,
         finish: StepFinish | None = None,
     ) -> None:
         """Begin ``step``: reset the mailbox and hand the schedule to the stage's compute thread.
+
+        ``cut_settings``: this step's codec settings of the stage's compressed cuts
+        (:meth:`~executor.compression.CutCompression.set_step`); cuts left out keep theirs.
 
         With ``finish`` the compute thread also finishes the step once the schedule is done
         (:meth:`_finish`), and the step counts as done only after that.
@@ -298,6 +301,7 @@ class StageRuntime:
                 )
             if self._step is not None and not self._step.done.is_set():
                 raise StateError(f"stage {self.spec.stage_idx} is still running step {self._step.step}")
+            self.compression.set_step(cut_settings or {})  # first: a setting it refuses changes nothing
             self.mailbox.reset()
             if self._early_step == step:
                 for key, payload in self._early.items():
@@ -308,7 +312,6 @@ class StageRuntime:
             # A capped stage measures every step: a step over the cap must fail, not swap.
             self.meter.enabled = measure_memory or self.memory_cap_bytes is not None
             self.compression.reset_step()
-            self.compression.set_ratios(keep_ratios or {})
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             result = StepResult(step=step)

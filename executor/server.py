@@ -363,7 +363,7 @@ class ExecutorService:
         schedule = _SCHEDULES.get(request.schedule)
         if schedule is None:
             raise WireError(f"unknown schedule {request.schedule}; use SCHEDULE_GPIPE or SCHEDULE_1F1B")
-        ratios = {(c.src_stage_idx, c.dst_stage_idx): c.keep_ratio for c in request.cut_codecs}
+        settings = {(c.src_stage_idx, c.dst_stage_idx): setting_from_wire(c) for c in request.cut_codecs}
         finish = None
         if request.HasField("finish"):
             f = request.finish
@@ -376,7 +376,7 @@ class ExecutorService:
             request.num_micro_batches,
             schedule,
             measure_memory=request.measure_memory,
-            keep_ratios=ratios,
+            cut_settings=settings,
             finish=finish,
         )
         return epb.RunStepResponse()

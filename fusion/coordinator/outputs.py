@@ -174,7 +174,8 @@ def metrics_record(
     ``"SRC->DST"``, ``names`` being each stage's worker), compute per worker, and the plan's
     predicted step time. Each link that encodes gets ``compression``: its codec, keep ratio
     and bits, bytes before and after, and the relative error of what it sent; the step gets
-    the convergence cost ``m`` those errors predict (:mod:`scheduler.convergence`)."""
+    the convergence cost ``m`` those errors predict (:mod:`scheduler.convergence`); a step the
+    codec trial ran dense is marked ``dense_trial``."""
     per_s = (lambda n: n / stats.step_s) if stats.step_s > 0 else (lambda n: 0.0)
     record: dict[str, Any] = {
         "step": stats.step,
@@ -204,6 +205,8 @@ def metrics_record(
         }
         streams = ((stats.link_codecs.get(link, {}).get("codec", ""), e) for link, e in stats.compression_error.items())
         record["convergence_cost"] = round(convergence_cost(streams), 6)
+    if stats.dense_trial:
+        record["dense_trial"] = True  # every cut dense, against the planned codecs (executor.codec_trial)
     if predicted_step_s is not None:
         record["predicted_step_s"] = round(predicted_step_s, 6)
     return record

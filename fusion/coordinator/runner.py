@@ -38,6 +38,7 @@ from typing import Any
 
 from compress import AdaTopK
 from executor.client import ChannelPool, ExecutorClient, run_parallel
+from executor.codec_trial import CodecTrial
 from executor.compression import RatioController, cut_settings
 from executor.driver import PipelineDriver, StepStats
 from fusion.checkpoint import CheckpointDir
@@ -323,6 +324,8 @@ class JobRunner(threading.Thread):
             stats.sent_bytes, stats.sent_s, [w.address for w in self.stage_workers], self.spec.train.micro_batches
         )
         self.memory.observe(stats.peak_memory_bytes)
+        if stats.trial_verdict is not None:
+            self.event("codec_trial", f"step {step}: {stats.trial_verdict}")
         record = self._record(stats, x)
         assert self._outputs is not None
         self._write("metrics.jsonl", lambda: self._outputs.append_metrics(record))
@@ -589,13 +592,15 @@ class JobRunner(threading.Thread):
             directions=spec.compression.directions,
         )
         addresses = [w.address for w in stage_workers]
-        controller = None
+        controller = trial = None
         if spec.compression.mode == "adatopk" and settings:
             controller = RatioController(
                 AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
                 link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
                 floors={cut: setting.keep_ratio for cut, setting in settings.items()},
             )
+            # AdaTopK's choice is a prediction; the job's own steps check it against dense.
+            trial = CodecTrial(convergence_cost=float(plan.extra.get("compression", {}).get("convergence_cost", 1.0)))
         return PipelineDriver(
             job_id=self.job_id,
             job=spec,
@@ -608,6 +613,7 @@ class JobRunner(threading.Thread):
             pool=self.pool,
             cut_settings=settings,
             ratio_controller=controller,
+            codec_trial=trial,
             link_bytes_per_s=self.links.bandwidths(addresses),
             feed_bytes_per_s=self._feed_bandwidths(stage_workers),
             leaf_modules=spec.model.leaf_modules,

@@ -19,7 +19,7 @@ from fusion.errors import FusionError
 from fusion.launch import child_env
 from fusion.profiling import measure_device
 from scheduler.partition import MORE_MICRO_BATCHES
-from testbeds.bench.runs import Run, job_toml, step_records
+from testbeds.bench.runs import Run, job_toml, read_jsonl, step_records
 from testbeds.bench.split_metrics import fleet_peak_memory
 from testbeds.dilation import dilated_timeout_s
 from testbeds.net.launch import host_memory_gb, worker_command
@@ -140,6 +140,9 @@ class FusionFleet:
         run = Run(system=system, records=step_records(job_dir / "metrics.jsonl"), wall_s=time.monotonic() - t0)
         if summary.get("state") != "succeeded":
             run.note = f"{summary.get('state')}: {summary.get('reason')}"
+        trial = [r["message"] for r in read_jsonl(job_dir / "metrics.jsonl") if r.get("event") == "codec_trial"]
+        if trial:  # what the job's own steps said of its compression (executor.codec_trial)
+            run.note = "; ".join(filter(None, [run.note, f"codec trial at {trial[-1]}"]))
         run.final_loss = summary.get("final_loss")
         measured_path = job_dir / "measured.json"
         if measured_path.exists():
