@@ -592,15 +592,13 @@ class JobRunner(threading.Thread):
             directions=spec.compression.directions,
         )
         addresses = [w.address for w in stage_workers]
-        controller = trial = None
+        controller = None
         if spec.compression.mode == "adatopk" and settings:
             controller = RatioController(
                 AdaTopK(min_keep_ratio=spec.compression.min_keep_ratio),
                 link_of=lambda a, b: self.links.get(addresses[a], addresses[b]),
                 floors={cut: setting.keep_ratio for cut, setting in settings.items()},
             )
-            # AdaTopK's choice is a prediction; the job's own steps check it against dense.
-            trial = CodecTrial(convergence_cost=float(plan.extra.get("compression", {}).get("convergence_cost", 1.0)))
         return PipelineDriver(
             job_id=self.job_id,
             job=spec,
@@ -613,7 +611,7 @@ class JobRunner(threading.Thread):
             pool=self.pool,
             cut_settings=settings,
             ratio_controller=controller,
-            codec_trial=trial,
+            codec_trial=codec_trial_for(spec, plan, bool(settings)),
             link_bytes_per_s=self.links.bandwidths(addresses),
             feed_bytes_per_s=self._feed_bandwidths(stage_workers),
             leaf_modules=spec.model.leaf_modules,
@@ -846,6 +844,15 @@ class JobRunner(threading.Thread):
 def _compression_note(plan: Plan | None) -> str | None:
     """The plan's note that its compression settings compress no cut, if any."""
     return None if plan is None else plan.extra.get("compression_note")
+
+
+def codec_trial_for(spec: JobSpec, plan: Plan, compresses: bool) -> CodecTrial | None:
+    """The trial of a placement's compression against dense steps (:mod:`executor.codec_trial`):
+    for AdaTopK's choice when it compresses a cut, with the plan's convergence cost; None for
+    a fixed codec the owner named, or when nothing is compressed."""
+    if spec.compression.mode != "adatopk" or not compresses:
+        return None
+    return CodecTrial(convergence_cost=float(plan.extra.get("compression", {}).get("convergence_cost", 1.0)))
 
 
 def _quiet(call: Callable[[], Any]) -> None:

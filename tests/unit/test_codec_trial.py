@@ -98,3 +98,19 @@ def test_a_refused_step_setting_changes_nothing() -> None:
     assert stage.settings == {(0, 1): SETTING, (0, 2): SETTING}
     stage.set_step({(5, 6): CutSetting(codec=pb.CODEC_QUANT)})  # a cut the stage was not loaded with
     assert stage.settings == {(0, 1): SETTING, (0, 2): SETTING}
+
+
+def test_the_coordinator_puts_only_adatopks_own_choice_on_trial() -> None:
+    from types import SimpleNamespace
+
+    from fusion.config import JobSpec
+    from fusion.coordinator.runner import codec_trial_for
+
+    def job(compression: str) -> JobSpec:
+        return JobSpec.from_toml(f'name = "t"\n[model]\nname = "gpt2"\npreset = "tiny"\n[compression]\n{compression}\n')
+
+    plan = SimpleNamespace(extra={"compression": {"convergence_cost": 1.04}})
+    trial = codec_trial_for(job('mode = "adatopk"'), plan, True)
+    assert trial is not None and trial.convergence_cost == 1.04 and trial.verdict is None
+    assert codec_trial_for(job('mode = "adatopk"'), plan, False) is None  # it chose dense everywhere
+    assert codec_trial_for(job('mode = "quant"\nbits = 4'), plan, True) is None  # the owner's own choice holds
