@@ -6,8 +6,13 @@ activation that would cross a cut placed after it) and the gradient of the loss 
 respect to that output (what would cross back). :func:`calibrate` then encodes and decodes
 each tensor with every candidate setting and records
 
-- the relative error ``e = ||x - decode(encode(x))|| / ||x||`` (0 for a zero tensor), and
-- the bytes ratio ``len(encode(x)) / dense_bytes(x)``,
+- the relative error ``e = ||x - decode(encode(x))|| / ||x||`` (0 for a zero tensor),
+- the bytes ratio ``len(encode(x)) / dense_bytes(x)``, and
+- the codec's seconds per dense byte, ``(t_encode + 2 t_decode) / dense_bytes(x)``: what a
+  compressed tensor costs the executor (the sender encodes, and decodes to keep the error
+  and the feedback residual; the receiver decodes), timed here on the calibrating machine.
+  The codecs are elementwise passes over memory, so their speed is taken as it is measured,
+  not scaled by the workers' matmul speeds as node times are,
 
 per node and direction. The result is plain data (:class:`Calibration`, JSON-able) that the
 scheduler's convergence model reads (:mod:`scheduler.convergence`); nothing here decides.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +48,9 @@ CANDIDATES = COMPRESSION_CANDIDATES
 #: Entries of a tensor calibrated at most: a contiguous leading slice of the flattened tensor
 #: (whole quantization blocks, the same value distribution), so that the cost stays bounded.
 MAX_ELEMENTS = 1 << 16
+#: What :func:`measure_setting` returns, in order: each a key of a node's entry after its
+#: direction (``activation_error``, ``gradient_codec_s_per_byte``, ...).
+MEASURED = ("error", "bytes_ratio", "codec_s_per_byte")
 #: Nodes calibrated at most (evenly spaced in topological order); the others fall back to
 #: the scheduler's prior. Bounds the calibration of very large graphs.
 MAX_NODES = 512
@@ -55,8 +64,9 @@ class Calibration:
     """The candidate settings, ``(codec, keep_ratio, bits)``."""
     nodes: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """Node name -> ``{"activation_error", "gradient_error", "activation_bytes_ratio",
-    "gradient_bytes_ratio"}``, each a list aligned with :attr:`settings`. A node whose output
-    has no gradient (an integer tensor, a value off the loss's path) has no gradient lists."""
+    "gradient_bytes_ratio", "activation_codec_s_per_byte", "gradient_codec_s_per_byte"}``,
+    each a list aligned with :attr:`settings`. A node whose output has no gradient (an
+    integer tensor, a value off the loss's path) has no gradient lists."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"settings": [list(s) for s in self.settings], "nodes": self.nodes}
@@ -71,17 +81,26 @@ class Calibration:
 
 def relative_error(tensor: torch.Tensor, codec: str, keep_ratio: float, bits: int) -> tuple[float, float]:
     """``(||x - x_hat|| / ||x||, encoded bytes / dense bytes)`` of one setting on ``tensor``."""
+    rel, ratio, _ = measure_setting(tensor, codec, keep_ratio, bits)
+    return rel, ratio
+
+
+def measure_setting(tensor: torch.Tensor, codec: str, keep_ratio: float, bits: int) -> tuple[float, float, float]:
+    """:func:`relative_error` and the codec's seconds per dense byte (module docstring)."""
     x = tensor.detach()
     dense_bytes = x.numel() * x.element_size()
     if codec == "none" or x.numel() < 2 or dense_bytes == 0:
-        return 0.0, 1.0
+        return 0.0, 1.0, 0.0
     compressor = get_compressor(codec)
+    t0 = time.perf_counter()
     enc = compressor.encode(x, keep_ratio=min(1.0, keep_ratio), bits=bits or 8)
+    t1 = time.perf_counter()
     x_hat = compressor.decode(enc.data, dtype=x.dtype, shape=tuple(x.shape)).to(x.device)
+    t2 = time.perf_counter()
     norm = float(torch.linalg.vector_norm(x.float()))
     err = float(torch.linalg.vector_norm((x - x_hat).float()))
     rel = 0.0 if norm == 0.0 or not math.isfinite(norm) else min(err / norm, 1.0e6)
-    return rel, enc.size_bytes / dense_bytes
+    return rel, enc.size_bytes / dense_bytes, ((t1 - t0) + 2 * (t2 - t1)) / dense_bytes
 
 
 def calibrate(
@@ -100,19 +119,14 @@ def calibrate(
         if not act.is_floating_point() or act.numel() < 2:
             continue
         act = act.reshape(-1)[:MAX_ELEMENTS]
-        entry: dict[str, list[float]] = {"activation_error": [], "activation_bytes_ratio": []}
         grad = gradients.get(name)
         grad = None if grad is None else grad.reshape(-1)[:MAX_ELEMENTS]
-        if grad is not None:
-            entry.update(gradient_error=[], gradient_bytes_ratio=[])
+        tensors = {"activation": act} if grad is None else {"activation": act, "gradient": grad}
+        entry: dict[str, list[float]] = {f"{d}_{key}": [] for d in tensors for key in MEASURED}
         for codec, ratio, bits in settings:
-            e, size = relative_error(act, codec, ratio, bits)
-            entry["activation_error"].append(e)
-            entry["activation_bytes_ratio"].append(size)
-            if grad is not None:
-                e, size = relative_error(grad, codec, ratio, bits)
-                entry["gradient_error"].append(e)
-                entry["gradient_bytes_ratio"].append(size)
+            for d, t in tensors.items():
+                for key, v in zip(MEASURED, measure_setting(t, codec, ratio, bits), strict=True):
+                    entry[f"{d}_{key}"].append(v)
         out.nodes[name] = entry
     return out
 

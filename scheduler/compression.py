@@ -11,11 +11,15 @@ cut eligible whatever the links.
 - ``adatopk`` chooses per eligible cut and per direction (activations forward, gradients
   backward) the setting that minimises the predicted *time to loss*,
 
-      T_loss(s) = step_s(s) × m(s),
+      T_loss(s) = (step_s(s) + M × Σ codec_s(s)) × m(s),
 
   where ``step_s`` is the estimator's step time with each cut's bytes scaled by its
-  settings' encoded-over-dense ratio, and ``m`` is the convergence cost of all the chosen
-  errors together (:mod:`scheduler.convergence`). Dense (``m = 1``) is always a candidate,
+  settings' encoded-over-dense ratio, ``codec_s`` the seconds the codecs spend per
+  micro-batch on each compressed stream (calibrated, :mod:`compress.calibration`), counted
+  once per micro-batch ``M`` as if on the pipeline's critical period (which errs towards
+  dense: a codec beside a link-bound stage may hide in its idle time), and ``m`` the
+  convergence cost of all the chosen errors together (:mod:`scheduler.convergence`).
+  Dense (``m = 1``, no codec time) is always a candidate,
   so the choice is never predicted slower to the loss than dense. The search is coordinate
   descent: start dense, then for each cut in turn try every candidate on both directions
   together and then on each direction alone, keeping whatever lowers ``T_loss`` by at least
@@ -46,8 +50,8 @@ logger = logging.getLogger(__name__)
 #: Coordinate-descent passes over the cuts at most.
 MAX_PASSES = 3
 #: A move must shorten the predicted time to loss by this fraction to be taken: the codecs'
-#: own compute is not priced and the convergence model is coarse, so a marginal gain is
-#: not worth an error.
+#: compute is timed on one machine and the convergence model is coarse, so a marginal gain
+#: is not worth an error.
 MIN_GAIN = 0.02
 
 #: Per cut, factors on its activation and gradient bytes -> predicted step seconds.
@@ -110,17 +114,27 @@ def owner_setting(request: CompressionRequest) -> Setting:
 
 
 class _Costs:
-    """``(e², bytes ratio)`` per (cut, direction, setting), computed once."""
+    """``(e², bytes ratio)`` and codec seconds per (cut, direction, setting), computed once;
+    ``micro_batches``: ``M`` of the step."""
 
-    def __init__(self, errors: ErrorModel, values: Mapping[tuple[int, int], Sequence[CutValue]]) -> None:
-        self.errors, self.values = errors, values
+    def __init__(
+        self, errors: ErrorModel, values: Mapping[tuple[int, int], Sequence[CutValue]], micro_batches: int
+    ) -> None:
+        self.errors, self.values, self.micro_batches = errors, values, micro_batches
         self._memo: dict[tuple[tuple[int, int], str, Setting], tuple[float, float]] = {}
+        self._codec_memo: dict[tuple[tuple[int, int], str, Setting], float] = {}
 
     def __call__(self, cut: tuple[int, int], direction: str, setting: Setting) -> tuple[float, float]:
         key = (cut, direction, setting)
         if key not in self._memo:
             self._memo[key] = self.errors.cut(self.values.get(cut, ()), direction, setting)
         return self._memo[key]
+
+    def codec_s(self, cut: tuple[int, int], direction: str, setting: Setting) -> float:
+        key = (cut, direction, setting)
+        if key not in self._codec_memo:
+            self._codec_memo[key] = self.errors.codec_s(self.values.get(cut, ()), direction, setting)
+        return self._codec_memo[key]
 
     def cost(self, cut: tuple[int, int], direction: str, setting: Setting) -> float:
         """``c · e²``: this stream's share of ``m - 1``."""
@@ -130,11 +144,17 @@ class _Costs:
         """``m`` of all the chosen streams together."""
         return 1.0 + sum(self.cost(cut, d, s) for (cut, d), s in chosen.items())
 
-    def time_to_loss(self, chosen: Mapping[tuple[tuple[int, int], str], Setting], step_s_of: StepTime) -> float:
+    def step_s(self, chosen: Mapping[tuple[tuple[int, int], str], Setting], step_s_of: StepTime) -> float:
+        """The step with the chosen settings: the estimator's with scaled bytes, plus the
+        codecs' seconds once per micro-batch (module docstring)."""
         scales: dict[tuple[int, int], list[float]] = {}
         for (cut, direction), setting in chosen.items():
             scales.setdefault(cut, [1.0, 1.0])[DIRECTIONS.index(direction)] = self(cut, direction, setting)[1]
-        return step_s_of({cut: (a, g) for cut, (a, g) in scales.items()}) * self.convergence_cost(chosen)
+        codecs = sum(self.codec_s(cut, d, s) for (cut, d), s in chosen.items())
+        return step_s_of({cut: (a, g) for cut, (a, g) in scales.items()}) + self.micro_batches * codecs
+
+    def time_to_loss(self, chosen: Mapping[tuple[tuple[int, int], str], Setting], step_s_of: StepTime) -> float:
+        return self.step_s(chosen, step_s_of) * self.convergence_cost(chosen)
 
 
 def compression_marks(
@@ -157,7 +177,7 @@ def compression_marks(
     if not cuts:
         return {}
     values = values if values is not None else {c: [CutValue(f"cut{c}", est.link_bytes.get(c, 0), True)] for c in cuts}
-    costs = _Costs(ErrorModel(request.calibration), values)
+    costs = _Costs(ErrorModel(request.calibration), values, request.micro_batches)
     directions = [d for d in DIRECTIONS if d in request.compression_directions]
     step_s_of = step_s_of or approximate_step_time(est, request.micro_batches)
     if request.compression == "adatopk":
@@ -233,7 +253,7 @@ def compression_summary(
     convergence cost ``m``, the predicted time to loss over dense's, and whether the errors
     were calibrated (else the prior)."""
     errors = ErrorModel(request.calibration)
-    costs = _Costs(errors, values)
+    costs = _Costs(errors, values, request.micro_batches)
     chosen = _chosen_of(marks, request)
     dense = step_s_of({})
     t_loss = costs.time_to_loss(chosen, step_s_of)

@@ -83,6 +83,7 @@ DEFAULT_CANDIDATES: tuple[Setting, ...] = COMPRESSION_CANDIDATES
 DIRECTIONS = ("activations", "gradients")
 _ERROR_KEY = {"activations": "activation_error", "gradients": "gradient_error"}
 _BYTES_KEY = {"activations": "activation_bytes_ratio", "gradients": "gradient_bytes_ratio"}
+_CODEC_S_KEY = {"activations": "activation_codec_s_per_byte", "gradients": "gradient_codec_s_per_byte"}
 
 
 def cost_per_error2(codec: str) -> float:
@@ -180,6 +181,17 @@ class ErrorModel:
             float_bytes += v.size_bytes
         e2 = err_weighted / float_bytes if float_bytes else 0.0
         return e2, min(1.0, sent / total)
+
+    def codec_s(self, values: Sequence[CutValue], direction: str, setting: Setting) -> float:
+        """Seconds per micro-batch the codec of ``setting`` spends on a cut's floating values
+        in ``direction`` (encode, and decode on both sides): each value's bytes times the
+        seconds per byte measured on its node; 0 for dense and where nothing was measured
+        (a calibration from before the codecs were timed, or the prior)."""
+        if setting == DENSE:
+            return 0.0
+        return sum(
+            v.size_bytes * (self._lookup(v.node, _CODEC_S_KEY[direction], setting) or 0.0) for v in values if v.floating
+        )
 
 
 def cut_values(dag: Any, stages: Sequence[Any]) -> dict[tuple[int, int], list[CutValue]]:

@@ -58,6 +58,11 @@ def test_errors_are_relative_and_ordered(calibrated: tuple) -> None:
         sizes = entry["activation_bytes_ratio"]
         assert sizes[idx[("quant", 1.0, 4)]] < sizes[idx[("quant", 1.0, 8)]] < 0.3
         assert sizes[idx[("topk", 0.01, 0)]] < sizes[idx[("topk", 0.5, 0)]] < 1.0
+        for key in ("activation_codec_s_per_byte", "gradient_codec_s_per_byte"):
+            seconds = entry[key]
+            assert len(seconds) == len(table.settings) and seconds[idx[("none", 1.0, 0)]] == 0.0, (name, key)
+            # Every other codec takes time; slower than 1 ms per KiB would be no codec at all.
+            assert all(0.0 < v < 1e-6 for i, v in enumerate(seconds) if i != idx[("none", 1.0, 0)]), (name, seconds)
 
 
 def test_calibration_leaves_the_model_as_it_was(calibrated: tuple) -> None:

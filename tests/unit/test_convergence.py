@@ -119,6 +119,31 @@ def test_a_compressed_setting_wins_on_a_slow_link_with_small_errors() -> None:
     assert compression_marks(slow, request(calibration=costly), values=VALUES)[(0, 1)][:3] == ("quant", 1.0, 8)
 
 
+def timed(cal: dict, seconds_per_byte: list[float]) -> dict:
+    """``cal`` with the codecs' measured seconds per dense byte, per setting of :data:`SETTINGS`."""
+    node = {**cal["nodes"]["h"], "activation_codec_s_per_byte": seconds_per_byte}
+    node["gradient_codec_s_per_byte"] = seconds_per_byte
+    return {**cal, "nodes": {"h": node}}
+
+
+def test_the_codecs_own_seconds_are_priced() -> None:
+    slow = estimate(link_s=1.0)
+    # 4000 bytes a micro-batch each way: 8-bit at 1e-5 s a byte costs 0.04 s, 4-bit at 1e-4 s 0.4 s.
+    cal = timed(LOW, [0.0, 0.0, 1e-5, 1e-4])
+    assert ErrorModel(cal).codec_s(VALUES[(0, 1)], "gradients", ("quant", 1.0, 4)) == pytest.approx(0.4)
+    assert ErrorModel(cal).codec_s(VALUES[(0, 1)], "gradients", ("none", 1.0, 0)) == 0.0
+    assert ErrorModel(LOW).codec_s(VALUES[(0, 1)], "activations", ("quant", 1.0, 4)) == 0.0  # not timed: unpriced
+    untimed = compression_marks(slow, request(calibration=LOW), values=VALUES)[(0, 1)]
+    priced = compression_marks(slow, request(calibration=cal), values=VALUES)[(0, 1)]
+    assert untimed.setting("activations") == ("quant", 1.0, 4)  # the fewest bytes at a small error
+    assert priced.setting("activations") == ("quant", 1.0, 8)  # 4 bits' codec costs more than it saves
+    assert priced.time_to_loss_vs_dense > untimed.time_to_loss_vs_dense
+    summary = compression_summary({(0, 1): priced}, request(calibration=cal), values=VALUES, step_s_of=lambda s: 1.0)
+    assert summary["step_s"] == pytest.approx(1.0 + 4 * 2 * 0.04)  # M codec passes each way on top of the step
+    # A codec slower than the link it relieves is never chosen.
+    assert compression_marks(slow, request(calibration=timed(LOW, [0.0, 1.0, 1.0, 1.0])), values=VALUES) == {}
+
+
 def half_duplex(scales: dict) -> float:
     """A link both directions share: its time is the sum of their bytes."""
     a, g = scales.get((0, 1), (1.0, 1.0))
