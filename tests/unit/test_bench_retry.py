@@ -94,34 +94,20 @@ LOST_PEER = f"import sys; print('step 0'); sys.exit({LOST_PEER_LINE!r})"
 OWN_ERROR = "import sys; print('step 0'); sys.exit('ValueError: shapes (2, 3) and (4,) do not match')"
 
 
-def test_a_rank_that_lost_its_peer_is_a_crash_and_its_cause_is_named(tmp_path: Path) -> None:
-    tb = ScriptedHosts([LOST_PEER, "import time; time.sleep(30)"])
-    with pytest.raises(bench.RankCrashed) as caught:
-        bench.run_ranks(
-            tb,
-            "testbeds.bench.baselines.fsdp",
-            tmp_path / "job.toml",
-            tb.hosts,
-            steps=1,
-            workdir=tmp_path,
-            timeout_s=20,
-        )
-    first = str(caught.value).splitlines()[0]
-    assert first == f"testbeds.bench.baselines.fsdp rank 0 exited with 1: {LOST_PEER_LINE}"
-
-
-def test_a_ranks_own_error_fails_the_system_and_its_note_names_it(tmp_path: Path) -> None:
-    tb = ScriptedHosts([OWN_ERROR, "import time; time.sleep(30)"])
+@pytest.mark.parametrize(
+    ("script", "error", "cause"),
+    [
+        (LOST_PEER, bench.RankCrashed, LOST_PEER_LINE),  # its peer failed it: run again
+        (OWN_ERROR, FusionError, "ValueError: shapes (2, 3) and (4,) do not match"),  # its own error: fails
+    ],
+)
+def test_a_failed_rank_names_its_cause_and_only_a_lost_peer_is_a_crash(
+    script: str, error: type[FusionError], cause: str, tmp_path: Path
+) -> None:
+    tb = ScriptedHosts([script, "import time; time.sleep(30)"])
+    module = "testbeds.bench.baselines.fsdp"
     with pytest.raises(FusionError) as caught:
-        bench.run_ranks(
-            tb,
-            "testbeds.bench.baselines.fsdp",
-            tmp_path / "job.toml",
-            tb.hosts,
-            steps=1,
-            workdir=tmp_path,
-            timeout_s=20,
-        )
-    assert not isinstance(caught.value, bench.RankCrashed)
-    assert str(caught.value).splitlines()[0].endswith("ValueError: shapes (2, 3) and (4,) do not match")
+        bench.run_ranks(tb, module, tmp_path / "job.toml", tb.hosts, steps=1, workdir=tmp_path, timeout_s=20)
+    assert type(caught.value) is error
+    assert str(caught.value).splitlines()[0] == f"{module} rank 0 exited with 1: {cause}"
     assert "[rank 1, exit " in str(caught.value)  # every rank's log tail follows
