@@ -134,6 +134,8 @@ class JobRunner(threading.Thread):
         self._outputs: JobOutputs | None = None
         self._phase: tuple[str, float] | None = None  # (name, time.monotonic() it began)
         self._history: list[tuple[int, float]] = []
+        #: Why the placement runs dense after its codec trial (None: it does not).
+        self._trial_note: str | None = None
         self._write_failing = False
         self._durable: DurableWriter | None = None
         self.code_gate = CodeGate(self)
@@ -326,6 +328,8 @@ class JobRunner(threading.Thread):
         self.memory.observe(stats.peak_memory_bytes)
         if stats.trial_verdict is not None:
             self.event("codec_trial", f"step {step}: {stats.trial_verdict}")
+            if self.driver.codec_trial is not None and self.driver.codec_trial.verdict == "dense":
+                self._trial_note = f"compression: every cut dense from step {step + 1} on: {stats.trial_verdict}"
         record = self._record(stats, x)
         assert self._outputs is not None
         self._write("metrics.jsonl", lambda: self._outputs.append_metrics(record))
@@ -583,6 +587,7 @@ class JobRunner(threading.Thread):
         self, plan: Plan, stages: Sequence[StageSpec], stage_workers: Sequence[WorkerRow]
     ) -> PipelineDriver:
         spec = self.spec
+        self._trial_note = None  # the new placement's compression is tried afresh
         settings = cut_settings(
             [
                 (c.src_stage, c.dst_stage, c.codec, c.keep_ratio, c.bits)
@@ -611,7 +616,7 @@ class JobRunner(threading.Thread):
             pool=self.pool,
             cut_settings=settings,
             ratio_controller=controller,
-            codec_trial=codec_trial_for(spec, plan, bool(settings)),
+            codec_trial=codec_trial_for(spec, plan, bool(settings)),  # a new placement, a new trial
             link_bytes_per_s=self.links.bandwidths(addresses),
             feed_bytes_per_s=self._feed_bandwidths(stage_workers),
             leaf_modules=spec.model.leaf_modules,
@@ -837,7 +842,7 @@ class JobRunner(threading.Thread):
             wall_s=time.time() - t_start,
             workers=[w.name for w in self.workers],
             recoveries=self.recovery.count,
-            compression_note=_compression_note(getattr(self, "plan", None)),
+            compression_note=self._trial_note or _compression_note(getattr(self, "plan", None)),
         )
 
 
