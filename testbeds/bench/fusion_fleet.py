@@ -140,9 +140,7 @@ class FusionFleet:
         run = Run(system=system, records=step_records(job_dir / "metrics.jsonl"), wall_s=time.monotonic() - t0)
         if summary.get("state") != "succeeded":
             run.note = f"{summary.get('state')}: {summary.get('reason')}"
-        trial = [r["message"] for r in read_jsonl(job_dir / "metrics.jsonl") if r.get("event") == "codec_trial"]
-        if trial:  # what the job's own steps said of its compression (executor.codec_trial)
-            run.note = "; ".join(filter(None, [run.note, f"codec trial at {trial[-1]}"]))
+        run.note = "; ".join(filter(None, [run.note, compression_said(summary, job_dir / "metrics.jsonl")]))
         run.final_loss = summary.get("final_loss")
         measured_path = job_dir / "measured.json"
         if measured_path.exists():
@@ -238,3 +236,14 @@ def planned_step_s(plan: Mapping[str, Any]) -> float | None:
     AdaTopK compresses (``extra.compression.step_s``), else the plan's dense prediction."""
     chosen = (plan.get("extra") or {}).get("compression") or {}
     return chosen.get("step_s") or plan.get("predicted_step_s")
+
+
+def compression_said(summary: dict[str, Any], metrics: Path) -> str | None:
+    """What a finished job said of its compression: that it compressed nothing (its plan's
+    note, or the codec trial's verdict of dense: the summary's ``compression_note``), else
+    the codec trial's verdict to keep its codecs (:mod:`executor.codec_trial`); None when it
+    said neither."""
+    if summary.get("compression_note"):
+        return str(summary["compression_note"])
+    trial = [r["message"] for r in read_jsonl(metrics) if r.get("event") == "codec_trial"]
+    return f"codec trial at {trial[-1]}" if trial else None

@@ -114,3 +114,21 @@ def test_the_coordinator_puts_only_adatopks_own_choice_on_trial() -> None:
     assert trial is not None and trial.convergence_cost == 1.04 and trial.verdict is None
     assert codec_trial_for(job('mode = "adatopk"'), plan, False) is None  # it chose dense everywhere
     assert codec_trial_for(job('mode = "quant"\nbits = 4'), plan, True) is None  # the owner's own choice holds
+
+
+def test_the_bench_notes_what_a_job_said_of_its_compression(tmp_path) -> None:
+    import json
+
+    from testbeds.bench.fusion_fleet import compression_said
+
+    metrics = tmp_path / "metrics.jsonl"
+    steps = [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.9}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    assert compression_said({}, metrics) is None
+    nothing = "compression: mode quant on no cut: no cut is slower than the slowest stage's compute"
+    assert compression_said({"compression_note": nothing}, metrics) == nothing
+    kept = {"event": "codec_trial", "message": "step 7: measured ...: keeping the planned codecs"}
+    metrics.write_text(metrics.read_text() + json.dumps(kept) + "\n")
+    assert compression_said({}, metrics) == "codec trial at step 7: measured ...: keeping the planned codecs"
+    dense = "compression: every cut dense from step 8 on: measured ...: running every cut dense"
+    assert compression_said({"compression_note": dense}, metrics) == dense  # said once, not twice
