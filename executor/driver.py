@@ -409,7 +409,7 @@ class PipelineDriver:
                 stats.dense_bytes[(s, dst)] = size
             for dst, err in r.compression_error.items():
                 stats.compression_error[(s, dst)] = err
-        stats.dense_trial = settings is not self.cut_settings
+        stats.dense_trial = trial_dense
         stats.link_codecs = link_codecs(settings)
         stats.keep_ratios = {k: c.keep_ratio for k, c in settings.items() if c.codec == pb.CODEC_TOPK}
         if self.ratio_controller is not None and self.cut_settings:

@@ -121,20 +121,25 @@ class _Costs:
         self, errors: ErrorModel, values: Mapping[tuple[int, int], Sequence[CutValue]], micro_batches: int
     ) -> None:
         self.errors, self.values, self.micro_batches = errors, values, micro_batches
-        self._memo: dict[tuple[tuple[int, int], str, Setting], tuple[float, float]] = {}
-        self._codec_memo: dict[tuple[tuple[int, int], str, Setting], float] = {}
+        #: ``(e², bytes ratio, codec seconds)`` per (cut, direction, setting).
+        self._memo: dict[tuple[tuple[int, int], str, Setting], tuple[float, float, float]] = {}
 
-    def __call__(self, cut: tuple[int, int], direction: str, setting: Setting) -> tuple[float, float]:
+    def _measure(self, cut: tuple[int, int], direction: str, setting: Setting) -> tuple[float, float, float]:
         key = (cut, direction, setting)
         if key not in self._memo:
-            self._memo[key] = self.errors.cut(self.values.get(cut, ()), direction, setting)
+            values = self.values.get(cut, ())
+            self._memo[key] = (
+                *self.errors.cut(values, direction, setting),
+                self.errors.codec_s(values, direction, setting),
+            )
         return self._memo[key]
 
+    def __call__(self, cut: tuple[int, int], direction: str, setting: Setting) -> tuple[float, float]:
+        e2, ratio, _ = self._measure(cut, direction, setting)
+        return e2, ratio
+
     def codec_s(self, cut: tuple[int, int], direction: str, setting: Setting) -> float:
-        key = (cut, direction, setting)
-        if key not in self._codec_memo:
-            self._codec_memo[key] = self.errors.codec_s(self.values.get(cut, ()), direction, setting)
-        return self._codec_memo[key]
+        return self._measure(cut, direction, setting)[2]
 
     def cost(self, cut: tuple[int, int], direction: str, setting: Setting) -> float:
         """``c · e²``: this stream's share of ``m - 1``."""
