@@ -1,12 +1,18 @@
-"""Shared fixtures: a pool of real executor processes, free ports, seeds, and a reaper.
+"""Shared fixtures: a pool of real executor processes, free ports, seeds, a reaper, and
+the quiet lock.
 
 Every child process a test starts must be stopped by that test; the session-end reaper
 is a safety net that kills any left over (and reports them), so a failed test never
 leaves workers running.
+
+The suite runs in two pytest-xdist workers (``addopts`` in ``pyproject.toml``). A test
+marked ``quiet`` measures time or speed on this machine's shared cores; it runs while no
+other test does (:func:`_quiet_lock`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -55,6 +61,32 @@ def device(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(autouse=True)
+def _quiet_lock(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Across the xdist workers of one run, a ``quiet`` test holds the run's lock file
+    exclusively and every other test holds it shared, so a quiet test waits for the test
+    running beside it and nothing starts beside it. A second file is a turnstile that a
+    waiting quiet test holds, so the other worker cannot keep the shared lock for ever. The
+    files live in the run's base temporary directory (each worker's is a folder of it).
+    Without xdist there is nothing beside a test, and no lock."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    base = tmp_path_factory.getbasetemp().parent / "quiet"
+    quiet = request.node.get_closest_marker("quiet") is not None
+    with open(f"{base}.turnstile", "a+b") as turnstile, open(f"{base}.lock", "a+b") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if quiet:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if not quiet:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
 
@@ -79,7 +111,10 @@ def port() -> int:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Reap any child process a test forgot (and say so)."""
+    """Reap any child process a test forgot (and say so). Under xdist each worker reaps its
+    own; the controller's children are the workers, which xdist stops itself."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
     leftovers = psutil.Process().children(recursive=True)
     for child in leftovers:
         logger.warning("reaping leftover child process %d (%s)", child.pid, " ".join(child.cmdline()[:4]))

@@ -22,7 +22,7 @@ from testbeds.net.backend import open_testbed
 from testbeds.net.launch import TestbedRun, summary_lines
 from tests.support.bench import run_bench
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.quiet]
 
 MBPS = 1e6 / 8
 

@@ -43,6 +43,7 @@ def test_a_slowed_executor_trains_exactly_as_pytorch(slowed: LocalCluster) -> No
     assert_parity(JOB, slowed.addresses, steps=2)
 
 
+@pytest.mark.quiet
 def test_a_slowed_executor_reports_stretched_compute(slowed: LocalCluster, cluster: LocalCluster) -> None:
     model = build_job_model(JOB)
     dataset = build_job_dataset(JOB)

@@ -39,6 +39,7 @@ def _rank(rank: int, world: int, port: int, pids: SimpleQueue, usage: SimpleQueu
         dist.destroy_process_group()
 
 
+@pytest.mark.quiet
 @pytest.mark.timeout(120)
 def test_ranks_waiting_for_a_message_leave_the_core_free(port: int) -> None:
     ctx = mp.get_context("spawn")

@@ -13,7 +13,7 @@ import pytest
 
 from testbeds.bench.load_test import format_table, run_load
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.quiet]
 
 
 def test_sixteen_workers_heart_beat_without_loss(tmp_path: Path) -> None:

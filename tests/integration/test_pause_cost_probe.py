@@ -9,11 +9,13 @@ import json
 from pathlib import Path
 
 import psutil
+import pytest
 
 from testbeds.bench.machine_probe import main
 from testbeds.sim.machine import PauseCost, interference_beside, transfer_path_beside
 
 
+@pytest.mark.quiet
 def test_measure_writes_both_curves_and_stops_its_processes(tmp_path: Path) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     out = tmp_path / "pause-cost.json"

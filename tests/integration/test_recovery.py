@@ -242,6 +242,7 @@ def test_worker_and_its_buddy_killed_at_once_restore_from_disk(
     check_exact(s, job.path)
 
 
+@pytest.mark.quiet  # the joiner must join before the job ends
 def test_worker_joining_mid_job_is_put_to_work(fleet_of: Callable[[int], Fleet], tmp_path: Path) -> None:
     fleet = fleet_of(2)
     # Long enough (SGD keeps float drift negligible over many steps) for a worker to start.

@@ -22,11 +22,13 @@ def tb() -> Iterator[Testbed]:
         yield t
 
 
+@pytest.mark.quiet
 @pytest.mark.parametrize("src,dst", checks.PAIRS)
 def test_link_throughput_within_10_percent(tb: Testbed, src: str, dst: str) -> None:
     checks.check_throughput(tb, src, dst)
 
 
+@pytest.mark.quiet
 @pytest.mark.parametrize("src,dst", [("a", "c"), ("b", "c")])
 def test_round_trip_time_is_both_latencies(tb: Testbed, src: str, dst: str) -> None:
     """With netem or the TUN delay line every packet is delayed; with neither, the
@@ -50,6 +52,7 @@ def test_tun_mode_delays_traffic_without_a_peer_map(tb: Testbed) -> None:
     assert "dev dly0" in route.stdout, route.stdout
 
 
+@pytest.mark.quiet
 def test_link_bytes_count_what_each_link_carried(tb: Testbed) -> None:
     """htb's class counters: a transfer a -> c shows on that link, frames and all, not on others."""
     before = tb.link_bytes()
@@ -127,6 +130,7 @@ def test_sub_millisecond_links_skip_the_delay_proxy(tmp_path: Path) -> None:
         assert routes["c"] != f"{t.address('a')}:{port}"  # through the 20 ms delay proxy
 
 
+@pytest.mark.quiet
 def test_link_times_time_each_link_class(tb: Testbed) -> None:
     """``testbeds.net.link_times`` on the hosts themselves: a small message takes the round trip
     (as the RTT check allows), a larger one at least half its bytes' time longer, for every

@@ -18,11 +18,13 @@ def tb() -> Iterator[Testbed]:
         yield t
 
 
+@pytest.mark.quiet
 @pytest.mark.parametrize("src,dst", checks.PAIRS)
 def test_link_throughput_within_10_percent(tb: Testbed, src: str, dst: str) -> None:
     checks.check_throughput(tb, src, dst)
 
 
+@pytest.mark.quiet
 @pytest.mark.parametrize("src,dst", [("a", "c"), ("b", "c")])
 def test_round_trip_time_is_both_latencies(tb: Testbed, src: str, dst: str) -> None:
     assert tb.latency_mode == "userspace"
