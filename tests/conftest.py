@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -60,30 +61,78 @@ def device(request: pytest.FixtureRequest) -> str:
     return str(request.config.getoption("--device"))
 
 
-@pytest.fixture(autouse=True)
-def _quiet_lock(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+class _QuietLock:
     """Across the xdist workers of one run, a ``quiet`` test holds the run's lock file
     exclusively and every other test holds it shared, so a quiet test waits for the test
     running beside it and nothing starts beside it. A second file is a turnstile that a
-    waiting quiet test holds, so the other worker cannot keep the shared lock for ever. The
-    files live in the run's base temporary directory (each worker's is a folder of it).
-    Without xdist there is nothing beside a test, and no lock."""
+    waiting quiet test holds, so the other worker cannot keep the shared lock for ever. A
+    quiet test keeps the lock for the next test when that one is quiet too (the quiet tests
+    of a file run back to back, not each after one more test beside them)."""
+
+    def __init__(self, base: Path) -> None:
+        self._turnstile = open(f"{base}.turnstile", "a+b")  # held for the session
+        self._lock = open(f"{base}.lock", "a+b")
+        self._exclusive = False
+
+    def enter(self, quiet: bool) -> None:
+        if quiet and self._exclusive:
+            return
+        if self._exclusive:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        if quiet:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        if not quiet:
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
+        self._exclusive = quiet
+
+    def leave(self) -> None:
+        if not self._exclusive:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self._lock.close()  # closing releases the lock
+        self._turnstile.close()
+
+
+@pytest.fixture(scope="session")
+def _quiet_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_QuietLock | None]:
+    """This worker's :class:`_QuietLock`, its files in the run's base temporary directory
+    (each worker's is a folder of it); ``None`` without xdist, where nothing runs beside a
+    test."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield None
+        return
+    lock = _QuietLock(tmp_path_factory.getbasetemp().parent / "quiet")
+    yield lock
+    lock.close()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lock(request: pytest.FixtureRequest, _quiet_files: _QuietLock | None) -> Iterator[None]:
+    if _quiet_files is None:
         yield
         return
-    base = tmp_path_factory.getbasetemp().parent / "quiet"
-    quiet = request.node.get_closest_marker("quiet") is not None
-    with open(f"{base}.turnstile", "a+b") as turnstile, open(f"{base}.lock", "a+b") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        if quiet:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        if not quiet:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    _quiet_files.enter(request.node.get_closest_marker("quiet") is not None)
+    try:
+        yield
+    finally:
+        _quiet_files.leave()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files run longest first, so that two workers finish together: the testbed and
+    integration files before the unit files, and last the files with ``quiet`` tests, which
+    by then run nearly alone. (xdist takes the files in this order: ``--no-loadscope-reorder``.)"""
+    quiet_files = {item.path for item in items if item.get_closest_marker("quiet") is not None}
+
+    def rank(item: pytest.Item) -> int:
+        if item.path in quiet_files:
+            return 3
+        return {"testbed": 0, "integration": 1}.get(item.path.parent.name, 2)
+
+    items.sort(key=rank)  # stable: each file's tests stay together and in order
 
 
 @pytest.fixture(autouse=True)
