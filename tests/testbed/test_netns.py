@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,11 @@ def test_hosts_live_in_their_own_namespaces(tb: Testbed) -> None:
 
     proc = tb.spawn("b", ["sleep", "30"])
     try:
+        # `ip netns exec` enters the namespace after it has started: the pid shows there
+        # a moment after spawn returns, not at once.
+        deadline = time.monotonic() + 5.0
+        while proc.pid not in namespace_pids(tb.namespace("b")) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.01)
         assert proc.pid in namespace_pids(tb.namespace("b"))  # type: ignore[attr-defined]
         assert proc.pid not in namespace_pids(tb.namespace("a"))  # type: ignore[attr-defined]
     finally:
