@@ -319,6 +319,14 @@ def cut_settings(cuts: Iterable[Sequence[Any]], *, directions: tuple[str, ...]) 
     return out
 
 
+def encodes_any(settings: Mapping[tuple[int, int], CutSetting]) -> bool:
+    """Whether any cut encodes a tensor in a direction it applies to. AdaTopK's choice of
+    ratio 1 on every cut sends everything dense, and the driver's controller never lowers a
+    cut below its planned ratio (:class:`RatioController`'s floors), so such a placement
+    encodes nothing."""
+    return any((s.activations and s.active) or (s.gradients and s.for_gradients().active) for s in settings.values())
+
+
 LinkEstimate = Callable[[int, int], "tuple[float, float] | None"]
 
 

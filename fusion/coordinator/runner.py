@@ -39,7 +39,7 @@ from typing import Any
 from compress import AdaTopK
 from executor.client import ChannelPool, ExecutorClient, run_parallel
 from executor.codec_trial import CodecTrial
-from executor.compression import RatioController, cut_settings
+from executor.compression import RatioController, cut_settings, encodes_any
 from executor.driver import PipelineDriver, StepStats
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
@@ -616,7 +616,7 @@ class JobRunner(threading.Thread):
             pool=self.pool,
             cut_settings=settings,
             ratio_controller=controller,
-            codec_trial=codec_trial_for(spec, plan, bool(settings)),  # a new placement, a new trial
+            codec_trial=codec_trial_for(spec, plan, encodes_any(settings)),  # a new placement, a new trial
             link_bytes_per_s=self.links.bandwidths(addresses),
             feed_bytes_per_s=self._feed_bandwidths(stage_workers),
             leaf_modules=spec.model.leaf_modules,

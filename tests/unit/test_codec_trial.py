@@ -4,6 +4,8 @@ verdict on the measured time to loss; and a stage's per-step settings
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -132,3 +134,18 @@ def test_the_bench_notes_what_a_job_said_of_its_compression(tmp_path) -> None:
     assert compression_said({}, metrics) == "codec trial at step 7: measured ...: keeping the planned codecs"
     dense = "compression: every cut dense from step 8 on: measured ...: running every cut dense"
     assert compression_said({"compression_note": dense}, metrics) == dense  # said once, not twice
+
+
+def test_a_placement_adatopk_left_dense_everywhere_is_not_put_on_trial() -> None:
+    """Top-k at ratio 1 on every cut sends every tensor dense, so there is nothing to try."""
+    from executor.compression import encodes_any
+
+    dense = CutSetting(codec=pb.CODEC_TOPK, keep_ratio=1.0)
+    assert not encodes_any({(0, 1): dense, (1, 2): dense})
+    assert not encodes_any({})
+    assert encodes_any({(0, 1): dense, (1, 2): CutSetting(codec=pb.CODEC_TOPK, keep_ratio=0.5)})
+    assert encodes_any({(0, 1): CutSetting(codec=pb.CODEC_TOPK_QUANT, keep_ratio=1.0)})  # it still quantizes
+    gradients_only = CutSetting(codec=pb.CODEC_TOPK, keep_ratio=1.0, gradient_codec=pb.CODEC_QUANT)
+    assert encodes_any({(0, 1): gradients_only})
+    assert not encodes_any({(0, 1): dataclasses.replace(gradients_only, gradients=False)})
+    assert not encodes_any({(0, 1): CutSetting(codec=pb.CODEC_QUANT, activations=False, gradients=False)})
