@@ -1,5 +1,6 @@
 """Shared fixtures: a pool of real executor processes, free ports, seeds, a reaper, and
-the quiet lock.
+the quiet lock. The processes tests start are forked from a warm interpreter
+(``FUSION_FORK_SERVER``, :mod:`fusion.launch.forkserver`).
 
 Every child process a test starts must be stopped by that test; the session-end reaper
 is a safety net that kills any left over (and reports them), so a failed test never
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from fusion.launch.executors import LocalCluster
+from fusion.launch.processes import FORK_SERVER_ENV, fork_server_pid, stop_fork_server
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ logger = logging.getLogger(__name__)
 # the tests check what calibration measures, not how steady the machine is, and a
 # suite of some hundred jobs would pay the difference each time.
 os.environ.setdefault("FUSION_CALIBRATE_S", "0.3")
+# The coordinators, workers and executors the tests start are forked from a warm
+# interpreter that has imported torch (fusion.launch.forkserver): each is spared some 3 s
+# of CPU, and the suite starts hundreds of them on two cores.
+os.environ.setdefault(FORK_SERVER_ENV, "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -164,8 +170,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     own; the controller's children are the workers, which xdist stops itself."""
     if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
         return
-    leftovers = psutil.Process().children(recursive=True)
+    server = fork_server_pid()  # its children are the tests' too: they go first, then it
+    leftovers = [c for c in psutil.Process().children(recursive=True) if c.pid != server]
     for child in leftovers:
         logger.warning("reaping leftover child process %d (%s)", child.pid, " ".join(child.cmdline()[:4]))
         child.kill()
     psutil.wait_procs(leftovers, timeout=10)
+    stop_fork_server()

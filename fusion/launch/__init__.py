@@ -2,6 +2,8 @@
 
 - :mod:`~fusion.launch.processes`: the one way a child is started, waited for, logged and
   stopped (:class:`ProcessGroup`, :func:`child_env`);
+- :mod:`~fusion.launch.forkserver`: children forked from a warm interpreter that has
+  already imported torch (``FUSION_FORK_SERVER=1``);
 - :mod:`~fusion.launch.fleet`: a coordinator and fusion workers (:class:`Fleet`);
 - :mod:`~fusion.launch.executors`: bare executors without a coordinator (``LocalCluster``);
 - :mod:`~fusion.launch.distributed`: a training run over such executors (``train_distributed``).

@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
 from executor.server import READY_PREFIX
 from fusion.auth import new_key, process_keyring
-from fusion.launch.processes import ProcessGroup
+from fusion.launch.processes import Child, ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.extra_args = list(extra_args)
         self.module = module
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.processes: list[Child] = []
         self.addresses: list[str] = []
         #: Control key of each executor (its calls are signed with it via the process keyring).
         self.control_keys: list[bytes] = []

@@ -9,13 +9,12 @@ stops it by pid however the caller exits.
 from __future__ import annotations
 
 import logging
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
 from fusion.errors import FusionError
-from fusion.launch.processes import ProcessGroup
+from fusion.launch.processes import Child, ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +31,9 @@ class Fleet:
         self.processes = ProcessGroup(log_dir, extra_pythonpath=extra_pythonpath)
         self.log_dir = self.processes.log_dir
         self.env = self.processes.env
-        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.coordinator: Child | None = None
         self.coordinator_address = ""
-        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.workers: dict[str, Child] = {}
 
     def __enter__(self) -> Fleet:
         return self
@@ -99,7 +98,7 @@ class Fleet:
         wait: bool = True,
         timeout_s: float = 120.0,
         module: str = "fusion.cli.worker",
-    ) -> subprocess.Popen[bytes]:
+    ) -> Child:
         """Start ``fusion-worker`` joining this fleet's coordinator (waits until it joined);
         ``module``: a wrapper of it to run instead, which takes its flags."""
         if not self.coordinator_address:
@@ -138,7 +137,7 @@ class Fleet:
         """The log of process ``name`` (``coordinator``, ``worker-NAME``)."""
         return self.processes.log_of(name)
 
-    def stop(self, proc: subprocess.Popen[bytes], *, grace_s: float = 10.0) -> int:
+    def stop(self, proc: Child, *, grace_s: float = 10.0) -> int:
         """SIGTERM, wait, then SIGKILL; returns the exit code."""
         return self.processes.stop(proc, grace_s=grace_s)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 from fusion.coordinator.client import CoordinatorClient
 from fusion.launch import Fleet
+from fusion.launch.processes import Child
 from tests.integration.test_recovery import TOKEN, Job, check_exact, job_file
 
 pytestmark = pytest.mark.timeout(900)
@@ -56,7 +56,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         f.close()
 
 
-def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _signal(proc: Child, sig: signal.Signals) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, sig)
 
