@@ -32,6 +32,8 @@ TOKEN = "recovery-token"
 # the parity tolerance; larger rates amplify last-bit differences in near-zero gradients.
 REPLICATE_EVERY = 4
 STEPS = 40
+#: The states a job does not leave.
+ENDED = ("succeeded", "failed", "cancelled")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,36 +92,41 @@ class Job:
     def status(self) -> dict[str, Any]:
         return self.client.status(self.job_id)
 
-    def wait_step(self, step: int, timeout_s: float = 180.0) -> dict[str, Any]:
-        """Wait until the job has done ``step`` steps (polls fast: steps take ~0.1s)."""
+    def poll(
+        self, seen: Callable[[dict[str, Any]], bool], *, every_s: float, timeout_s: float, what: str
+    ) -> dict[str, Any]:
+        """The job's status once ``seen`` holds of it, polled every ``every_s`` (``seen`` may
+        raise to stop early); an AssertionError naming ``what`` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             s = self.status()
-            if s["state"] == "running" and s["step"] >= step:
+            if seen(s):
                 return s
-            if s["state"] in ("succeeded", "failed", "cancelled"):
+            time.sleep(every_s)
+        raise AssertionError(f"{what}: {self.status()}")
+
+    def wait_step(self, step: int, timeout_s: float = 180.0) -> dict[str, Any]:
+        """Wait until the job has done ``step`` steps (polls fast: steps take ~0.1s)."""
+
+        def reached(s: dict[str, Any]) -> bool:
+            if s["state"] in ENDED:
                 raise AssertionError(f"job ended before step {step}: {s}")
-            time.sleep(0.02)
-        raise AssertionError(f"job did not reach step {step}: {self.status()}")
+            return s["state"] == "running" and s["step"] >= step
+
+        return self.poll(reached, every_s=0.02, timeout_s=timeout_s, what=f"job did not reach step {step}")
 
     def wait_checkpoint(self, step: int, timeout_s: float = 60.0) -> None:
         """Wait until the durable checkpoint of ``step`` is written (it is written in the
         background from every stage's snapshot: a stage killed before it is fetched loses it)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(e["event"] == "checkpoint" and e.get("step") == step for e in self.status()["events"]):
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"no durable checkpoint of step {step}: {self.status()['events']}")
+        self.poll(
+            lambda s: any(e["event"] == "checkpoint" and e.get("step") == step for e in s["events"]),
+            every_s=0.05,
+            timeout_s=timeout_s,
+            what=f"no durable checkpoint of step {step}",
+        )
 
     def wait_end(self, timeout_s: float = 240.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            s = self.status()
-            if s["state"] in ("succeeded", "failed", "cancelled"):
-                return s
-            time.sleep(0.2)
-        raise AssertionError(f"job did not end: {self.status()}")
+        return self.poll(lambda s: s["state"] in ENDED, every_s=0.2, timeout_s=timeout_s, what="job did not end")
 
     def events(self, s: dict[str, Any]) -> list[dict[str, Any]]:
         """Events of the job's metrics.jsonl (the changes of course), in order."""
