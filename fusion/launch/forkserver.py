@@ -348,5 +348,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         __import__(name)
     if threading.active_count() != 1:
         raise SystemExit(f"forkserver: preloading started threads ({threading.enumerate()}); forking is unsafe")
+    if sys.modules["torch"].cuda.is_initialized():  # a forked child could not use CUDA
+        raise SystemExit("forkserver: preloading initialised CUDA; forked children could not use it")
     print(READY, flush=True)
     _serve(control)
