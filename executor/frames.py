@@ -36,7 +36,6 @@ Nothing is unpickled: the header is protobuf, the payload raw bytes.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import struct
@@ -79,11 +78,11 @@ KeyLookup = Callable[[str], bytes | None]
 
 
 def _payload_key(job_key: bytes, nonce: bytes) -> bytes:
-    return hmac.new(job_key, b"fusion-frame-payload-v1|" + nonce, hashlib.sha256).digest()
+    return hmac.digest(job_key, b"fusion-frame-payload-v1|" + nonce, "sha256")
 
 
 def _header_mac(job_key: bytes, prefix: bytes, job: bytes, header: bytes) -> bytes:
-    return hmac.new(job_key, prefix + job + header, hashlib.sha256).digest()
+    return hmac.digest(job_key, prefix + job + header, "sha256")
 
 
 @dataclass(frozen=True)

@@ -379,7 +379,7 @@ def raw_to_tensor(meta: pb.TensorMeta, raw: memoryview) -> torch.Tensor:
     if len(raw) == 0:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(raw if not raw.readonly else bytearray(raw), dtype=torch.uint8)
-    if flat.data_ptr() % flat.new_empty((), dtype=dtype).element_size():
+    if flat.data_ptr() % dtype.itemsize:
         flat = flat.clone()  # misaligned inside the payload: copy once rather than read unaligned
     return flat.view(dtype).reshape(shape)
 
@@ -390,7 +390,7 @@ def expected_raw_bytes(meta: pb.TensorMeta) -> int:
     numel = 1
     for s in meta.shape:
         numel *= s
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize
 
 
 def check_header_shape(header: pb.TransferHeader) -> int:

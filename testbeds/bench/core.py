@@ -11,7 +11,8 @@ are noisy and absolute numbers drift between runs; the ratios are the result.
   through the gRPC tensor path and through its data plane; a second process receives the
   same number of bytes over a raw TCP socket into a preallocated buffer. MB/s for each
   size, each path as a fraction of the socket (``ratio``: the data plane over TCP;
-  ``unix_ratio``: over its local Unix socket), and a 64 KiB round trip on each.
+  ``unix_ratio``: over its local Unix socket), a 64 KiB round trip on each, and the CPU
+  each side of the data plane and of the socket spends per transfer (``cpu_per_transfer``).
 - **Step time**: GPT-2 trained on one process, then split over K local worker processes,
   no compression: evenly by node count (``uniform``) and as fusion's planner balances the
   profiled compute (``compute``, :func:`planned_split`). On one host the workers share its
@@ -144,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--sizes-mib", default="1,16,64", help="tensor sizes for the transport part")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--cpu-sizes-kib", default="64,1024", help="transfer sizes whose CPU per transfer is measured (each side)"
+    )
+    parser.add_argument(
+        "--cpu-seconds", type=float, default=2.0, help="seconds of back-to-back transfers per CPU measurement"
+    )
     parser.add_argument("--skip-steps", action="store_true", help="only the transport part")
     parser.add_argument("--skip-transport", action="store_true", help="only the step-time part")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -152,7 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out: dict[str, Any] = {}
     if not args.skip_transport:
-        out.update(measure_transport([int(s) for s in args.sizes_mib.split(",")], args.repeats))
+        out.update(
+            measure_transport(
+                [int(s) for s in args.sizes_mib.split(",")],
+                args.repeats,
+                cpu_sizes_kib=[int(s) for s in args.cpu_sizes_kib.split(",") if s],
+                cpu_seconds=args.cpu_seconds,
+            )
+        )
     if not args.skip_steps:
         out["steps"] = bench_steps(
             args.preset,
@@ -190,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{rt['size_kib']} KiB round trip: gRPC {rt['grpc_ms']:.3f} ms, data plane {rt['data_plane_ms']:.3f} ms, "
             f"unix {rt['unix_ms']:.3f} ms, socket {rt['socket_ms']:.3f} ms"
         )
+        print("\nper transfer, back to back (microseconds)")
+        print(f"{'size':>9} {'path':>7} {'wall':>8} {'sender CPU':>11} {'receiver CPU':>13}")
+        for r in out["cpu_per_transfer"]:
+            print(
+                f"{r['size_kib']:>5} KiB {r['path']:>7} {r['wall_us']:>8.0f} {r['sender_cpu_us']:>11.0f} "
+                f"{r['receiver_cpu_us']:>13.0f}"
+            )
     if "steps" in out:
         c = out["steps_config"]
         print(

@@ -15,7 +15,8 @@ to the receiver's answer:
 The throughput rows keep the contract ``{size_mib, ratio, grpc_mb_per_s, socket_mb_per_s}``;
 ``ratio`` is the data plane (TCP) against the socket (``grpc_ratio``: gRPC, ``unix_ratio``:
 the local path, both against the same TCP socket). The round-trip row times a small
-transfer (64 KiB) on each path.
+transfer (64 KiB) on each path, and the ``cpu_per_transfer`` rows what each side of the
+data plane and of the socket spends per transfer, in CPU microseconds.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def wait_until_warm(pids: Sequence[int], *, idle_cpu_percent: float = 5.0, timeo
             pass
 
 
-def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
+def _with_paths(max_bytes: int, body: Callable[[_Paths, int], Any]) -> Any:
+    """Run ``body(paths, executor_pid)`` against one warm local executor."""
     from fusion.launch.executors import LocalCluster
 
     with LocalCluster(1, torch_threads=1) as cluster:
@@ -195,7 +197,7 @@ def _with_paths(max_bytes: int, body: Callable[[_Paths], Any]) -> Any:
                     f"the data plane took the wrong paths: {paths.local.num_frames, paths.data.num_frames}"
                 )
             wait_until_warm([cluster.processes[0].pid])
-            return body(paths)
+            return body(paths, cluster.processes[0].pid)
         finally:
             paths.close()
 
@@ -232,21 +234,67 @@ def _round_trip(paths: _Paths, size_kib: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def _cpu_costs(paths: _Paths, executor_pid: int, sizes_kib: list[int], seconds: float) -> list[dict[str, Any]]:
+    """Microseconds per transfer, back to back on each path for at least ``seconds``: wall
+    time, the sender's CPU (this process) and the receiver's (the executor, or the socket's
+    sink process), for the data plane over TCP and the raw socket. A round trip waits on one
+    side and then the other, so its wall time is about the two CPU times added; and CPU time
+    moves far less with what else the machine runs than wall time does, so these rows show
+    where the data plane's extra time goes when the ratios drift. The receiver's CPU is read
+    from ``/proc`` in clock ticks (10 ms): a second of transfers keeps that within a few
+    percent."""
+    import psutil
+
+    def cpu_s(proc: psutil.Process) -> float:
+        t = proc.cpu_times()
+        return t.user + t.system
+
+    paths_by_name = {
+        "data": (paths.data_plane, psutil.Process(executor_pid)),
+        "socket": (paths.socket, psutil.Process(paths.sink.proc.pid)),
+    }
+    rows = []
+    for kib in sizes_kib:
+        for name, (run, receiver) in paths_by_name.items():
+            count = 0
+            r0, s0, w0 = cpu_s(receiver), time.process_time(), time.perf_counter()
+            while (wall := time.perf_counter() - w0) < seconds or count == 0:
+                run(kib << 10)
+                count += 1
+            sender, received = time.process_time() - s0, cpu_s(receiver) - r0
+            rows.append(
+                {
+                    "size_kib": kib,
+                    "path": name,
+                    "transfers": count,
+                    "wall_us": round(wall / count * 1e6, 1),
+                    "sender_cpu_us": round(sender / count * 1e6, 1),
+                    "receiver_cpu_us": round(received / count * 1e6, 1),
+                }
+            )
+    return rows
+
+
 def measure_transport(
-    sizes_mib: list[int], repeats: int, *, round_trip_kib: int = 64, round_trip_repeats: int = 200
+    sizes_mib: list[int],
+    repeats: int,
+    *,
+    round_trip_kib: int = 64,
+    round_trip_repeats: int = 200,
+    cpu_sizes_kib: Sequence[int] = (64, 1024),
+    cpu_seconds: float = 2.0,
 ) -> dict[str, Any]:
-    """``{"transport": [row per size], "round_trip": {...}}`` from one executor: median MB/s of
-    gRPC, the data plane (TCP and Unix socket) and a raw TCP socket per size, and the median round trip of a
-    ``round_trip_kib`` KiB transfer on each, all interleaved per repeat (:func:`_medians`)."""
+    """``{"transport": [row per size], "round_trip": {...}, "cpu_per_transfer": [...]}`` from
+    one executor: median MB/s of gRPC, the data plane (TCP and Unix socket) and a raw TCP
+    socket per size, and the median round trip of a ``round_trip_kib`` KiB transfer on each,
+    all interleaved per repeat (:func:`_medians`); then the CPU each side spends per transfer
+    of ``cpu_sizes_kib`` on the data plane and the socket (:func:`_cpu_costs`)."""
+    largest = max(max(sizes_mib) << 20, round_trip_kib << 10, max(cpu_sizes_kib, default=0) << 10)
     return _with_paths(
-        max(max(sizes_mib) << 20, round_trip_kib << 10),
-        lambda paths: {
+        largest,
+        lambda paths, pid: {
             "transport": _rates(paths, sizes_mib, repeats),
             "round_trip": _round_trip(paths, round_trip_kib, round_trip_repeats),
+            "cpu_per_transfer": _cpu_costs(paths, pid, list(cpu_sizes_kib), cpu_seconds),
         },
     )
-
-
-def bench_transport(sizes_mib: list[int], repeats: int) -> list[dict[str, Any]]:
-    """The throughput rows of :func:`measure_transport`."""
-    return _with_paths(max(sizes_mib) << 20, lambda paths: _rates(paths, sizes_mib, repeats))

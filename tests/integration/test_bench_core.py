@@ -1,0 +1,58 @@
+"""``python -m testbeds.bench_core``'s transport part keeps its JSON contract and measures
+every path for real: one executor process, its data plane, gRPC and a raw socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_transport_part_reports_rates_round_trip_and_cpu_per_transfer() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "testbeds.bench_core",
+            "--skip-steps",
+            "--sizes-mib",
+            "1",
+            "--repeats",
+            "1",
+            "--cpu-sizes-kib",
+            "64",
+            "--cpu-seconds",
+            "0.5",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+
+    (row,) = out["transport"]
+    assert row["size_mib"] == 1
+    for key in ("grpc_mb_per_s", "data_plane_mb_per_s", "unix_mb_per_s", "socket_mb_per_s"):
+        assert row[key] > 0, key
+    assert row["ratio"] == pytest.approx(row["data_plane_mb_per_s"] / row["socket_mb_per_s"], rel=0.01)
+    assert {"grpc_ms", "data_plane_ms", "unix_ms", "socket_ms"} <= set(out["round_trip"])
+
+    cpu = {r["path"]: r for r in out["cpu_per_transfer"]}
+    assert set(cpu) == {"data", "socket"}
+    for path, r in cpu.items():
+        assert r["size_kib"] == 64 and r["transfers"] > 0
+        # Every transfer is sent by this process and received by another: both spend CPU.
+        assert r["wall_us"] > 0 and r["sender_cpu_us"] > 0 and r["receiver_cpu_us"] > 0, (path, r)
