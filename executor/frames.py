@@ -47,7 +47,13 @@ import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from executor.receive_buffers import ReceiveBuffers
-from executor.transport import HEADER_ALLOWANCE_BYTES, check_header_shape, dtype_from_wire, tensor_meta
+from executor.transport import (
+    HEADER_ALLOWANCE_BYTES,
+    check_header_shape,
+    dtype_from_wire,
+    tensor_bytes,
+    tensor_meta,
+)
 from fusion.auth import CLOCK_SKEW_S, NonceCache
 from fusion.errors import AuthError, StateError, WireError
 from fusion.wire import tensor_pb2 as pb
@@ -73,6 +79,9 @@ MAX_HEADER_BYTES = HEADER_ALLOWANCE_BYTES
 #: is small next to the copy, small enough that a piece is still in cache when the MAC reads
 #: it right after the copy (one pass over memory from the kernel, not two).
 PIECE_BYTES = 4 << 20
+#: Most bytes a receiver waits for in one ``recv_into`` before feeding them to the payload
+#: MAC: small enough that the MAC of one piece runs while the next is still arriving.
+RECV_PIECE_BYTES = 256 << 10
 
 KeyLookup = Callable[[str], bytes | None]
 
@@ -154,17 +163,6 @@ def frame_views(
         m.name = name
         views.append(memoryview(data).cast("B"))
     return views
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a tensor (CPU, contiguous; copied only when it is not already)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def payload_pieces(views: list[memoryview]) -> Iterator[memoryview]:
@@ -262,13 +260,11 @@ def receive_buffers(
     out = []
     for meta in header.tensors:
         raw = meta.codec in (pb.CODEC_NONE, pb.CODEC_UNSPECIFIED)
+        dtype = dtype_from_wire(meta.dtype) if raw else torch.uint8
         if meta.size_bytes == 0:
-            t = torch.empty(
-                tuple(meta.shape) if raw else (0,), dtype=dtype_from_wire(meta.dtype) if raw else torch.uint8
-            )
-            out.append((meta, t, memoryview(bytearray())))
+            out.append((meta, torch.empty(tuple(meta.shape) if raw else (0,), dtype=dtype), memoryview(bytearray())))
             continue
-        flat = pool.tensor(meta.size_bytes) if pool is not None else torch.empty(meta.size_bytes, dtype=torch.uint8)
-        t = flat.view(dtype_from_wire(meta.dtype)).reshape(tuple(meta.shape)) if raw else flat
-        out.append((meta, t, memoryview(flat.numpy()).cast("B")))
+        buf = pool.buffer(meta.size_bytes) if pool is not None else bytearray(meta.size_bytes)
+        t = torch.frombuffer(buf, dtype=dtype)
+        out.append((meta, t.view(tuple(meta.shape)) if raw else t, memoryview(buf)))
     return out

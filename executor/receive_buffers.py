@@ -60,19 +60,24 @@ class ReceiveBuffers:
             if not bufs:
                 del self._by_size[size]
 
-    def tensor(self, nbytes: int) -> torch.Tensor:
-        """A ``uint8`` tensor of ``nbytes`` over memory no live tensor uses."""
+    def buffer(self, nbytes: int) -> bytearray:
+        """``nbytes`` of memory no live tensor (or view of it) uses; a tensor over it is made
+        with ``torch.frombuffer``, which keeps it referenced for as long as the tensor lives."""
         if nbytes < MIN_POOLED_BYTES:
-            return torch.empty(nbytes, dtype=torch.uint8)
+            return bytearray(nbytes)
         with self._lock:
             buf = self._free_one(nbytes)
             if buf is not None:
                 self.num_reused += 1
-            else:
-                buf = bytearray(nbytes)
-                if self._held_bytes + nbytes > self.max_bytes:
-                    self._evict(nbytes)
-                if self._held_bytes + nbytes <= self.max_bytes:
-                    self._by_size.setdefault(nbytes, []).append(buf)
-                    self._held_bytes += nbytes
-            return torch.frombuffer(buf, dtype=torch.uint8)
+                return buf
+            buf = bytearray(nbytes)
+            if self._held_bytes + nbytes > self.max_bytes:
+                self._evict(nbytes)
+            if self._held_bytes + nbytes <= self.max_bytes:
+                self._by_size.setdefault(nbytes, []).append(buf)
+                self._held_bytes += nbytes
+            return buf
+
+    def tensor(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` tensor of ``nbytes`` over memory no live tensor uses."""
+        return torch.frombuffer(self.buffer(nbytes), dtype=torch.uint8)

@@ -49,6 +49,7 @@ import torch
 
 from executor import frames, local_socket
 from executor.client import transfer_timeout_s
+from executor.socket_deadline import Deadline, timed_out
 from executor.stream_server import MAX_REPLY_BODY, REPLY, REPLY_MAGIC, recv_exact
 from executor.transport import scalar_to_wire
 from fusion.auth import KeyRing
@@ -94,6 +95,7 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, path: str, round_trip_s: float = 0.0) -> None:
         self.sock = sock
+        self.deadline = Deadline(sock)
         self.path = path
         self.seq = 1
         #: What opening the TCP connection took: about one round trip (0 for a Unix socket).
@@ -237,6 +239,8 @@ class DataPlaneClient:
                 received = self._exchange(conn, key, header, views, size)
                 break
             except (OSError, ssl.SSLError, WireError) as e:
+                if isinstance(e, BlockingIOError):
+                    e = timed_out(conn.deadline)
                 conn.sock.close()
                 # A kept connection may have died while idle (the peer restarted): one more
                 # try on a fresh one, as a gRPC call retries UNAVAILABLE.
@@ -296,7 +300,7 @@ class DataPlaneClient:
         warmup: bool = False,
     ) -> int:
         sock = conn.sock
-        sock.settimeout(transfer_timeout_s(size))
+        conn.deadline.set(transfer_timeout_s(size))
         ftype = frames.TYPE_WARMUP if warmup else frames.TYPE_TRANSFER
         head, nonce = frames.encode_head(key, header, size, conn.seq, ftype=ftype)
         conn.seq += 1

@@ -92,8 +92,8 @@ def tensor_meta(name: str, tensor: torch.Tensor) -> pb.TensorMeta:
     )
 
 
-def _raw_view(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a CPU tensor's storage (no copy when already contiguous on CPU)."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a tensor (CPU, contiguous; copied only when it is not already)."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -177,7 +177,7 @@ def _frames(
     del header.tensors[:]
     for name, t in tensors.items():
         header.tensors.append(tensor_meta(name, t))
-        payloads.append(_raw_view(t))
+        payloads.append(tensor_bytes(t))
     for name, (meta, data) in (encoded or {}).items():
         m = header.tensors.add()
         m.CopyFrom(meta)

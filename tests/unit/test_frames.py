@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compress.base import get_compressor
-from executor import frames, stream_client
+from executor import frames, stream_client, stream_server
 from executor.mailbox import ExpectedValue
 from executor.stream_client import DataPlaneClient, warmup_bytes
 from executor.stream_server import REPLY, DataListener, recv_exact
@@ -393,3 +393,61 @@ def test_bad_warm_up_frames_are_refused_and_the_next_frame_served(
     refused(listener, warmup(plain, 4096)[:-1] + b"\0", "does not match its tag", caplog)
     assert listener.num_warmups == 1 and not sink.delivered
     assert_serves_next(listener, sink, keyring)
+
+
+def answer(s: socket.socket) -> int:
+    """The status of the listener's answer on ``s``."""
+    return REPLY.unpack(recv_exact(s, REPLY.size, what="answer"))[1]
+
+
+def test_a_sender_that_stalls_inside_a_frame_is_cut_off_at_its_bound(
+    served: tuple[DataListener, Sink], keyring: KeyRing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listener, sink = served
+    monkeypatch.setattr(stream_server, "transfer_timeout_s", lambda n: 0.3)
+    key = keyring.job(JOB)
+    assert key is not None
+    data = raw_frame(key, header(), {"x": torch.ones(4, 8)})
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as s:
+        s.sendall(data[:-40])  # stops inside the payload and stays connected
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # the listener gave up on it
+        assert 0.25 < time.monotonic() - t0 < 5
+    assert not sink.delivered
+    assert_serves_next(listener, sink, keyring)
+
+
+def test_an_idle_connection_outlives_the_frame_bound_until_the_idle_limit(
+    served: tuple[DataListener, Sink], keyring: KeyRing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listener, sink = served
+    monkeypatch.setattr(stream_server, "transfer_timeout_s", lambda n: 0.2)
+    monkeypatch.setattr(stream_server, "IDLE_TIMEOUT_S", 1.0)
+    key = keyring.job(JOB)
+    assert key is not None
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as s:
+        s.sendall(raw_frame(key, header(step=1), {"x": torch.ones(4, 8)}, seq=1))
+        assert answer(s) == 0
+        time.sleep(0.6)  # three frame bounds without a byte: the connection is kept
+        s.sendall(raw_frame(key, header(step=2), {"x": torch.ones(4, 8)}, seq=2))
+        assert answer(s) == 0
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # idle past the limit: closed
+        assert 0.8 < time.monotonic() - t0 < 5
+    assert [h.step for h, _ in sink.delivered] == [1, 2]
+
+
+def test_a_peer_that_never_answers_fails_the_send_at_its_bound(
+    keyring: KeyRing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream_client, "transfer_timeout_s", lambda n: 0.3)
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        client = DataPlaneClient(keyring, local_path=False)
+        client.learn("127.0.0.1:1", silent.getsockname()[1])
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError, match="UNAVAILABLE.*timed out: no progress for 0.3 s") as e:
+            client.send("127.0.0.1:1", header(), {"x": torch.ones(4, 8)})
+        assert e.value.code == "UNAVAILABLE" and 0.25 < time.monotonic() - t0 < 5
+        client.close()
