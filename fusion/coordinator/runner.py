@@ -129,6 +129,9 @@ class JobRunner(threading.Thread):
         self._driver: PipelineDriver | None = None
         self._lost: dict[str, str] = {}
         self._leaving: dict[str, threading.Event] = {}
+        #: Set when the job has ended and lets every worker go: one leaving from then on is
+        #: released at once (the thread may still be closing its files for a while).
+        self._released = False
         self._measurements: Measurements | None = None
         self._measured: list[str] = []  # worker ids in measurement order
         self._outputs: JobOutputs | None = None
@@ -175,7 +178,8 @@ class JobRunner(threading.Thread):
         """
         with self._lock:
             event = self._leaving.setdefault(worker_id, threading.Event())
-        if not self.is_alive():
+            released = self._released
+        if released or not self.is_alive():
             event.set()
         return event
 
@@ -298,6 +302,7 @@ class JobRunner(threading.Thread):
             self.end_phase()
             self._write("measured.json", lambda: outputs.write_measured(memory=self.memory.to_dict()))
             with self._lock:
+                self._released = True
                 leaving = list(self._leaving.values())
             for event in leaving:
                 event.set()
