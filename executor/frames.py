@@ -40,20 +40,14 @@ import hmac
 import secrets
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from executor.receive_buffers import ReceiveBuffers
-from executor.transport import (
-    HEADER_ALLOWANCE_BYTES,
-    check_header_shape,
-    dtype_from_wire,
-    tensor_bytes,
-    tensor_meta,
-)
+from executor.transport import HEADER_ALLOWANCE_BYTES, check_header_shape, dtype_from_wire, payload_views
 from fusion.auth import CLOCK_SKEW_S, NonceCache
 from fusion.errors import AuthError, StateError, WireError
 from fusion.wire import tensor_pb2 as pb
@@ -146,23 +140,9 @@ def encode_head(
     return prefix + job + hb + _header_mac(job_key, prefix, job, hb), nonce
 
 
-def frame_views(
-    header: pb.TransferHeader,
-    tensors: Mapping[str, torch.Tensor],
-    encoded: Mapping[str, tuple[pb.TensorMeta, bytes]] | None = None,
-) -> list[memoryview]:
-    """Fill ``header.tensors`` and return the payload as views of the tensors' memory, in order."""
-    del header.tensors[:]
-    views: list[memoryview] = []
-    for name, t in tensors.items():
-        header.tensors.append(tensor_meta(name, t))
-        views.append(tensor_bytes(t))
-    for name, (meta, data) in (encoded or {}).items():
-        m = header.tensors.add()
-        m.CopyFrom(meta)
-        m.name = name
-        views.append(memoryview(data).cast("B"))
-    return views
+#: A frame's payload as views of the tensors' memory, ``header.tensors`` filled: the same
+#: views the gRPC path chunks.
+frame_views = payload_views
 
 
 def payload_pieces(views: list[memoryview]) -> Iterator[memoryview]:

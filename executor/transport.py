@@ -164,6 +164,26 @@ def scalar_from_wire(v: pb.ScalarValue, device: torch.device) -> Any:
 
 
 # ---------------------------------------------------------------- encode
+def payload_views(
+    header: pb.TransferHeader,
+    tensors: Mapping[str, torch.Tensor],
+    encoded: Mapping[str, tuple[pb.TensorMeta, bytes]] | None = None,
+) -> list[memoryview]:
+    """Fill ``header.tensors`` and return the payload as byte views of the tensors' memory
+    (and of the encoded tensors' bytes), in header order."""
+    del header.tensors[:]
+    views: list[memoryview] = []
+    for name, t in tensors.items():
+        header.tensors.append(tensor_meta(name, t))
+        views.append(tensor_bytes(t))
+    for name, (meta, data) in (encoded or {}).items():
+        m = header.tensors.add()
+        m.CopyFrom(meta)
+        m.name = name
+        views.append(memoryview(data).cast("B"))
+    return views
+
+
 def _frames(
     header: pb.TransferHeader,
     tensors: Mapping[str, torch.Tensor],
@@ -173,16 +193,7 @@ def _frames(
     """(header or None, data) per chunk; whole chunks are views into tensor memory."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    payloads: list[memoryview] = []
-    del header.tensors[:]
-    for name, t in tensors.items():
-        header.tensors.append(tensor_meta(name, t))
-        payloads.append(tensor_bytes(t))
-    for name, (meta, data) in (encoded or {}).items():
-        m = header.tensors.add()
-        m.CopyFrom(meta)
-        m.name = name
-        payloads.append(memoryview(data))
+    payloads = payload_views(header, tensors, encoded)
     first: pb.TransferHeader | None = header
     buf = bytearray()
     for view in payloads:
