@@ -13,10 +13,11 @@ are noisy and absolute numbers drift between runs; the ratios are the result.
   size, each path as a fraction of the socket (``ratio``: the data plane over TCP;
   ``unix_ratio``: over its local Unix socket), a 64 KiB round trip on each, and the CPU
   each side of the data plane and of the socket spends per transfer (``cpu_per_transfer``).
-- **Step time**: GPT-2 trained on one process, then split over K local worker processes,
-  no compression: evenly by node count (``uniform``) and as fusion's planner balances the
-  profiled compute (``compute``, :func:`planned_split`). On one host the workers share its
-  cores, so the ratio measures fusion's overhead, not a speed-up.
+- **Step time** (:func:`bench_steps`): GPT-2 trained on one process and split over K local
+  worker processes, no compression: evenly by node count (``uniform``) and as fusion's
+  planner balances the profiled compute (``compute``, :func:`planned_split`), the systems
+  taking turns over ``--rounds`` rounds. On one host the workers share its cores, so the
+  ratio measures fusion's overhead, not a speed-up.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,13 +40,29 @@ logger = logging.getLogger(__name__)
 
 
 def bench_steps(
-    preset: str, workers: list[int], steps: int, batch_size: int, seq_len: int, micro_batches: int, device: str
+    preset: str,
+    workers: list[int],
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    micro_batches: int,
+    device: str,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
-    """Median step seconds: one process vs an even split over K local workers."""
+    """Median step seconds: one process against the job split over K local workers, evenly
+    by node count (``uniform``) and as the planner balances it (``compute``).
+
+    The systems take turns: each of ``rounds`` rounds runs every system once for ``steps``
+    steps, in an order rotated from one round to the next, so that the machine's drift
+    falls on all of them alike. The executors stay up across rounds (idle while another
+    system runs) and each K's planned split is made once. A system's ``step_s`` is the
+    median over rounds of each run's median step (its first step is warm-up); ``ratio`` is
+    the median over rounds of that run's step over the single process's step in the same
+    round, and ``rounds_step_s`` lists the rounds in the order they ran."""
+    from contextlib import ExitStack
+
     from fusion.config import JobSpec
-    from fusion.launch.distributed import train_distributed
     from fusion.launch.executors import LocalCluster
-    from fusion.training import train_reference
 
     job = JobSpec.from_dict(
         {
@@ -58,6 +77,42 @@ def bench_steps(
             },
         }
     )
+    with ExitStack() as stack:
+        runs: list[tuple[str, Callable[[], tuple[float, int]], int]] = [
+            ("single-process", lambda: _single_process_step(job, device), 1)
+        ]
+        for k in workers:
+            cluster = stack.enter_context(LocalCluster(k))
+            wait_until_warm([p.pid for p in cluster.processes])
+            splits = {"uniform": (None, None), "compute": planned_split(job, cluster.addresses, device)}
+            for name, split in splits.items():
+                runs.append((f"fusion-{name}-{k}", partial(_split_step, job, cluster, split, name, device), k))
+        step_s: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+        link_bytes: dict[str, int] = {}
+        for r in range(rounds):
+            turn = r % len(runs)
+            for name, run, _ in runs[turn:] + runs[:turn]:
+                seconds, link_bytes[name] = run()
+                step_s[name].append(seconds)
+    single = step_s["single-process"]
+    return [
+        {
+            "system": name,
+            "workers": k,
+            "step_s": round(statistics.median(step_s[name]), 3),
+            "ratio": round(statistics.median([s / one for s, one in zip(step_s[name], single, strict=True)]), 3),
+            "rounds_step_s": [round(s, 3) for s in step_s[name]],
+            **({"max_link_bytes_per_step": link_bytes[name]} if k > 1 else {}),
+        }
+        for name, _, k in runs
+    ]
+
+
+def _single_process_step(job: Any, device: str) -> tuple[float, int]:
+    """One plain PyTorch run of ``job``: its median step (the first step left out), and the
+    bytes it sends between stages (none)."""
+    from fusion.training import train_reference
+
     times: list[float] = []
     last = time.perf_counter()
 
@@ -69,37 +124,33 @@ def bench_steps(
         print(f"  single-process step {step}: loss {loss:.4f}, {times[-1]:.2f}s", file=sys.stderr)
 
     train_reference(job, device=device, on_step=tick)
-    single = statistics.median(times[1:] or times)
-    rows = [{"system": "single-process", "workers": 1, "step_s": round(single, 3), "ratio": 1.0}]
-    for k in workers:
-        with LocalCluster(k) as cluster:
-            wait_until_warm([p.pid for p in cluster.processes])
-            splits = {"uniform": (None, None), "compute": planned_split(job, cluster.addresses, device)}
-            for name, (assignment, stage_workers) in splits.items():
-                result = train_distributed(
-                    job,
-                    cluster.addresses,
-                    assignment=assignment,
-                    stage_workers=stage_workers,
-                    device=device,
-                    on_step=lambda s, k=k, name=name: print(
-                        f"  {name} over {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s"
-                        f" (stage compute {', '.join(f'{c:.2f}' for _, c in sorted(s.compute_s.items()))} s)",
-                        file=sys.stderr,
-                    ),
-                )
-                step_s = statistics.median([s.step_s for s in result.stats[1:]] or [s.step_s for s in result.stats])
-                link_bytes = max((b for s in result.stats[-1:] for b in s.sent_bytes.values()), default=0)
-                rows.append(
-                    {
-                        "system": f"fusion-{name}-{k}",
-                        "workers": k,
-                        "step_s": round(step_s, 3),
-                        "ratio": round(step_s / single, 3),
-                        "max_link_bytes_per_step": link_bytes,
-                    }
-                )
-    return rows
+    return statistics.median(times[1:] or times), 0
+
+
+def _split_step(
+    job: Any, cluster: Any, split: tuple[dict[str, int] | None, list[int] | None], name: str, device: str
+) -> tuple[float, int]:
+    """One run of ``job`` over ``cluster``'s executors with ``split`` (node -> stage and each
+    stage's executor, or ``None`` for the even split): its median step (the first left out),
+    and the most bytes one link carried in its last step."""
+    from fusion.launch.distributed import train_distributed
+
+    assignment, stage_workers = split
+    k = cluster.num_workers
+    result = train_distributed(
+        job,
+        cluster.addresses,
+        assignment=assignment,
+        stage_workers=stage_workers,
+        device=device,
+        on_step=lambda s: print(
+            f"  {name} over {k} workers step {s.step}: loss {s.loss:.4f}, {s.step_s:.2f}s"
+            f" (stage compute {', '.join(f'{c:.2f}' for _, c in sorted(s.compute_s.items()))} s)",
+            file=sys.stderr,
+        ),
+    )
+    step_s = statistics.median([s.step_s for s in result.stats[1:]] or [s.step_s for s in result.stats])
+    return step_s, max((b for s in result.stats[-1:] for b in s.sent_bytes.values()), default=0)
 
 
 def planned_split(job: Any, addresses: list[str], device: str) -> tuple[dict[str, int], list[int]]:
@@ -143,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds of the step-time part, the systems taking turns in each"
+    )
     parser.add_argument("--sizes-mib", default="1,16,64", help="tensor sizes for the transport part")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
@@ -176,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seq_len,
             args.micro_batches,
             args.device,
+            args.rounds,
         )
         out["steps_config"] = {
             "preset": args.preset,
@@ -183,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             "seq_len": args.seq_len,
             "micro_batches": args.micro_batches,
             "device": args.device,
+            "rounds": args.rounds,
         }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -217,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
             f"\nGPT-2 {c['preset']} step time (batch {c['batch_size']} x {c['seq_len']}, "
             f"{c['micro_batches']} micro-batches, {c['device']})"
         )
-        print(f"{'system':>22} {'step s':>8} {'vs 1 proc':>10}")
+        print(f"{'system':>22} {'step s':>8} {'vs 1 proc':>10}  rounds (s)")
         for r in out["steps"]:
-            print(f"{r['system']:>22} {r['step_s']:>8.3f} {r['ratio']:>10.2f}")
+            rounds = ", ".join(f"{s:.3f}" for s in r["rounds_step_s"])
+            print(f"{r['system']:>22} {r['step_s']:>8.3f} {r['ratio']:>10.2f}  {rounds}")
     return 0
 
 

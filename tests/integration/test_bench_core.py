@@ -56,3 +56,23 @@ def test_transport_part_reports_rates_round_trip_and_cpu_per_transfer() -> None:
         assert r["size_kib"] == 64 and r["transfers"] > 0
         # Every transfer is sent by this process and received by another: both spend CPU.
         assert r["wall_us"] > 0 and r["sender_cpu_us"] > 0 and r["receiver_cpu_us"] > 0, (path, r)
+
+
+def test_step_part_interleaves_rounds_of_every_system() -> None:
+    """Two rounds of a tiny GPT-2, each running the single process and both splits over two
+    workers once: every system has a step per round and its ratio is read within rounds."""
+    from testbeds.bench.core import bench_steps
+
+    rows = bench_steps("tiny", [2], steps=2, batch_size=2, seq_len=8, micro_batches=2, device="cpu", rounds=2)
+
+    assert [r["system"] for r in rows] == ["single-process", "fusion-uniform-2", "fusion-compute-2"]
+    single, *splits = rows
+    assert single["ratio"] == 1.0 and single["workers"] == 1
+    for r in rows:
+        assert len(r["rounds_step_s"]) == 2 and all(s > 0 for s in r["rounds_step_s"]), r
+    for r in splits:
+        assert r["workers"] == 2
+        # The split sends activations and gradients between its two stages every step.
+        assert r["max_link_bytes_per_step"] > 0, r
+        per_round = [s / one for s, one in zip(r["rounds_step_s"], single["rounds_step_s"], strict=True)]
+        assert min(per_round) - 0.01 <= r["ratio"] <= max(per_round) + 0.01, r
