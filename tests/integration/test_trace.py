@@ -44,7 +44,10 @@ def test_a_traced_two_stage_run_matches_pytorch_and_its_timeline_is_complete(
     for s in doc["steps"]:
         assert set(s["done_ms"]) == {"0", "1"} and set(s["compute_ms"]) == {"0", "1"}
         assert all(v > 0 for v in s["compute_ms"].values())
-        assert 0 < s["run_step_ms"] < max(s["done_ms"].values()) <= s["forward_backward_ms"] < s["step_ms"]
+        # Every RunStep answer comes before the driver waits for the stages to finish, but a
+        # stage of this tiny job may finish before the last answer reaches the driver.
+        assert 0 < s["run_step_ms"] <= s["forward_backward_ms"]
+        assert max(s["done_ms"].values()) <= s["forward_backward_ms"] < s["step_ms"]
     found = transfers(events, job)
     # Per step and micro-batch: activations 0 -> 1 and their gradients 1 -> 0.
     assert sorted((x.step, x.src, x.dst, x.micro_batch) for x in found) == sorted(
