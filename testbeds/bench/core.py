@@ -58,7 +58,7 @@ def bench_steps(
     system runs) and each K's planned split is made once. A system's ``step_s`` is the
     median over rounds of each run's median step (its first step is warm-up); ``ratio`` is
     the median over rounds of that run's step over the single process's step in the same
-    round, and ``rounds_step_s`` lists the rounds in the order they ran."""
+    round; ``rounds_step_s`` and ``rounds_ratio`` list the rounds in the order they ran."""
     from contextlib import ExitStack
 
     from fusion.config import JobSpec
@@ -95,13 +95,15 @@ def bench_steps(
                 seconds, link_bytes[name] = run()
                 step_s[name].append(seconds)
     single = step_s["single-process"]
+    ratios = {name: [s / one for s, one in zip(times, single, strict=True)] for name, times in step_s.items()}
     return [
         {
             "system": name,
             "workers": k,
             "step_s": round(statistics.median(step_s[name]), 3),
-            "ratio": round(statistics.median([s / one for s, one in zip(step_s[name], single, strict=True)]), 3),
+            "ratio": round(statistics.median(ratios[name]), 3),
             "rounds_step_s": [round(s, 3) for s in step_s[name]],
+            "rounds_ratio": [round(r, 3) for r in ratios[name]],
             **({"max_link_bytes_per_step": link_bytes[name]} if k > 1 else {}),
         }
         for name, _, k in runs
