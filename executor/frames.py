@@ -47,7 +47,7 @@ import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from executor.receive_buffers import ReceiveBuffers
-from executor.transport import HEADER_ALLOWANCE_BYTES, check_header_shape, dtype_from_wire, payload_views
+from executor.transport import HEADER_ALLOWANCE_BYTES, check_header_shape, dtype_from_wire
 from fusion.auth import CLOCK_SKEW_S, NonceCache
 from fusion.errors import AuthError, StateError, WireError
 from fusion.wire import tensor_pb2 as pb
@@ -138,11 +138,6 @@ def encode_head(
     hb = header.SerializeToString()
     prefix = PREFIX.pack(MAGIC, VERSION, ftype, len(job), len(hb), payload_len, seq, int(time.time()), nonce)
     return prefix + job + hb + _header_mac(job_key, prefix, job, hb), nonce
-
-
-#: A frame's payload as views of the tensors' memory, ``header.tensors`` filled: the same
-#: views the gRPC path chunks.
-frame_views = payload_views
 
 
 def payload_pieces(views: list[memoryview]) -> Iterator[memoryview]:

@@ -51,7 +51,7 @@ from executor import frames, local_socket
 from executor.client import transfer_timeout_s
 from executor.socket_deadline import Deadline, timed_out
 from executor.stream_server import MAX_REPLY_BODY, REPLY, REPLY_MAGIC, recv_exact
-from executor.transport import scalar_to_wire
+from executor.transport import payload_views, scalar_to_wire
 from fusion.auth import KeyRing
 from fusion.errors import RemoteError, WireError
 from fusion.tls import client_ca
@@ -231,7 +231,7 @@ class DataPlaneClient:
             return None
         for name, value in (scalars or {}).items():
             header.values.append(scalar_to_wire(name, value))
-        views = frames.frame_views(header, tensors, encoded)
+        views = payload_views(header, tensors, encoded)
         size = sum(len(v) for v in views)
         what = f"Send(kind {header.kind} to stage {header.stage_idx}, micro-batch {header.micro_batch_idx})"
         while True:

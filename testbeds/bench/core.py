@@ -110,6 +110,11 @@ def bench_steps(
     ]
 
 
+def _median_after_warmup(times: list[float]) -> float:
+    """The median step time, the first step (warm-up) left out unless it is the only one."""
+    return statistics.median(times[1:] or times)
+
+
 def _single_process_step(job: Any, device: str) -> tuple[float, int]:
     """One plain PyTorch run of ``job``: its median step (the first step left out), and the
     bytes it sends between stages (none)."""
@@ -126,7 +131,7 @@ def _single_process_step(job: Any, device: str) -> tuple[float, int]:
         print(f"  single-process step {step}: loss {loss:.4f}, {times[-1]:.2f}s", file=sys.stderr)
 
     train_reference(job, device=device, on_step=tick)
-    return statistics.median(times[1:] or times), 0
+    return _median_after_warmup(times), 0
 
 
 def _split_step(
@@ -151,7 +156,7 @@ def _split_step(
             file=sys.stderr,
         ),
     )
-    step_s = statistics.median([s.step_s for s in result.stats[1:]] or [s.step_s for s in result.stats])
+    step_s = _median_after_warmup([s.step_s for s in result.stats])
     return step_s, max((b for s in result.stats[-1:] for b in s.sent_bytes.values()), default=0)
 
 

@@ -20,7 +20,7 @@ from executor import frames, stream_client, stream_server
 from executor.mailbox import ExpectedValue
 from executor.stream_client import DataPlaneClient, warmup_bytes
 from executor.stream_server import REPLY, DataListener, recv_exact
-from executor.transport import dtype_from_wire
+from executor.transport import dtype_from_wire, payload_views
 from fusion.auth import KeyRing, NonceCache, new_key
 from fusion.errors import RemoteError, WireError
 from fusion.wire import tensor_pb2 as pb
@@ -77,7 +77,7 @@ def client_for(listener: DataListener, keyring: KeyRing, *, local_path: bool = T
 
 
 def raw_frame(key: bytes, h: pb.TransferHeader, tensors: Mapping[str, torch.Tensor], seq: int = 1) -> bytes:
-    views = frames.frame_views(h, tensors)
+    views = payload_views(h, tensors)
     size = sum(len(v) for v in views)
     head, nonce = frames.encode_head(key, h, size, seq)
     mac = frames.payload_mac(key, nonce)
