@@ -142,6 +142,9 @@ class Workload:
     output_bytes: int = 0
     """Bytes of the model output per micro-batch; the loss stage keeps it and the loss's own
     saved tensors (about as large, e.g. cross-entropy's log-probabilities) until backward."""
+    cuttable: np.ndarray = field(default_factory=lambda: np.ones(0, dtype=bool))
+    """Per position ``k`` in ``0 .. n``: whether a stage may begin at unit ``k``
+    (:meth:`fusion.graph.ir.OpDag.cut_points`); all true when not given."""
     _edge_arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -158,6 +161,8 @@ class Workload:
     def __post_init__(self) -> None:
         if len(self.input_bytes) != len(self.names):
             self.input_bytes = np.zeros(len(self.names))
+        if len(self.cuttable) != len(self.names) + 1:
+            self.cuttable = np.ones(len(self.names) + 1, dtype=bool)
 
     def edge_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(src, dst, bytes, grad bytes) as arrays, cached."""
@@ -244,6 +249,7 @@ def workload_from_dag(
         step=step or StepCosts(),
         optimizer=opt,
         input_bytes=input_bytes,
+        cuttable=np.array(dag.cut_points(), dtype=bool),
     )
 
 

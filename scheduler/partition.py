@@ -142,6 +142,7 @@ class _Prefix:
         self.inflight = micro_batches if schedule == "gpipe" else min(micro_batches, num_workers)
         self.ref = workload.reference_flops
         self.output_unit = workload.output_unit if workload.output_unit >= 0 else n - 1
+        self.cuttable = workload.cuttable
         self.output_bytes = workload.output_bytes
 
     def seconds(self, start: int, end: int, flops: float) -> float:
@@ -176,7 +177,8 @@ def greedy_cover(
     prefix: _Prefix, workers: Sequence[int], topology: Topology, period: float, *, use_links: bool = True
 ) -> Placement | None:
     """Cover all units with stages on ``workers`` (in order, skipping any that cannot help)
-    so that every stage's compute and every cut's transfer fits in ``period``.
+    so that every stage's compute and every cut's transfer fits in ``period``, cutting only
+    where a stage may begin (``Workload.cuttable``).
 
     Each step is a binary search on the prefix sums (compute and memory grow with the
     segment) plus one vectorised scan for the farthest cut whose transfer fits.
@@ -201,14 +203,15 @@ def greedy_cover(
             nxt = workers[i + 1] if i + 1 < len(workers) else None
             if nxt is None:
                 return None
+            ok = prefix.cuttable[pos + 1 : end + 1].copy()
             if use_links:
                 fwd_cap = _bytes_within(topology, w, nxt, period)
                 bwd_cap = _bytes_within(topology, nxt, w, period)
-                ok = (prefix.cut[pos + 1 : end + 1] <= fwd_cap) & (prefix.grad_cut[pos + 1 : end + 1] <= bwd_cap)
-                hits = np.nonzero(ok)[0]
-                if len(hits) == 0:
-                    continue
-                end = pos + 1 + int(hits[-1])
+                ok &= (prefix.cut[pos + 1 : end + 1] <= fwd_cap) & (prefix.grad_cut[pos + 1 : end + 1] <= bwd_cap)
+            hits = np.nonzero(ok)[0]
+            if len(hits) == 0:
+                continue
+            end = pos + 1 + int(hits[-1])
         bounds.append(end)
         chosen.append(w)
         pos = end
@@ -272,8 +275,9 @@ UNUSED_TRIED = 4
 BOUNDARY_SCAN_LIMIT = 32
 
 
-def boundary_moves(p: Placement) -> list[Placement]:
-    """Placements with one boundary moved (anywhere between its neighbours, or log-spaced)."""
+def boundary_moves(p: Placement, cuttable: np.ndarray) -> list[Placement]:
+    """Placements with one boundary moved (anywhere between its neighbours, or log-spaced)
+    to a position where a stage may begin."""
     out: list[Placement] = []
     b = list(p.bounds)
     for i in range(1, len(p.workers)):
@@ -284,14 +288,15 @@ def boundary_moves(p: Placement) -> list[Placement]:
             steps = [2**k for k in range(int(math.log2(hi - lo)) + 1)]
             positions = sorted({min(hi, max(lo, b[i] + d)) for k in steps for d in (k, -k)})
         for nb in positions:
-            if nb != b[i]:
+            if nb != b[i] and cuttable[nb]:
                 out.append(Placement(tuple(b[:i] + [nb] + b[i + 1 :]), p.workers))
     return out
 
 
-def worker_moves(p: Placement, unused: Sequence[int]) -> list[Placement]:
+def worker_moves(p: Placement, unused: Sequence[int], cuttable: np.ndarray) -> list[Placement]:
     """Placements with the workers changed: swap two stages' workers, move a stage to a spare
-    worker, merge two neighbouring stages, split a stage onto a spare worker."""
+    worker, merge two neighbouring stages, split a stage onto a spare worker (at the position
+    nearest its middle where a stage may begin)."""
     out: list[Placement] = []
     b, w = list(p.bounds), list(p.workers)
     s_count = len(w)
@@ -311,8 +316,9 @@ def worker_moves(p: Placement, unused: Sequence[int]) -> list[Placement]:
         out.append(Placement(nb, tuple(w[:i] + w[i + 1 :])))
         out.append(Placement(nb, tuple(w[: i - 1] + w[i:])))
     for i in range(s_count):
-        if b[i + 1] - b[i] >= 2 and unused:
-            mid = (b[i] + b[i + 1]) // 2
+        inside = np.nonzero(cuttable[b[i] + 1 : b[i + 1]])[0] + b[i] + 1
+        if len(inside) and unused:
+            mid = int(inside[np.argmin(np.abs(inside - (b[i] + b[i + 1]) / 2))])
             nb = tuple(b[: i + 1] + [mid] + b[i + 1 :])
             for u in unused:
                 out.append(Placement(nb, tuple(w[: i + 1] + [u] + w[i + 1 :])))
@@ -344,22 +350,28 @@ def local_search(start: Placement, objective: Objective, all_workers: Sequence[i
     first that improves. Stops when nothing improves or the time is up.
     """
 
+    cuttable = objective.workload.cuttable
+
     def spare(p: Placement) -> list[int]:
         used = set(p.workers)
         return [x for x in all_workers if x not in used]
 
-    current = _descend(start, objective, lambda p: boundary_moves(p) + worker_moves(p, spare(p)), deadline)
+    def boundaries(p: Placement) -> list[Placement]:
+        return boundary_moves(p, cuttable)
+
+    def every_move(p: Placement) -> list[Placement]:
+        return boundary_moves(p, cuttable) + worker_moves(p, spare(p), cuttable)
+
+    current = _descend(start, objective, every_move, deadline)
     while time.monotonic() < deadline:
         value = objective(current)
         improved = False
-        for cand in worker_moves(current, spare(current)):
+        for cand in worker_moves(current, spare(current), cuttable):
             if time.monotonic() > deadline:
                 break
-            settled = _descend(cand, objective, boundary_moves, deadline)
+            settled = _descend(cand, objective, boundaries, deadline)
             if objective(settled) < value - 1e-12:
-                current = _descend(
-                    settled, objective, lambda p: boundary_moves(p) + worker_moves(p, spare(p)), deadline
-                )
+                current = _descend(settled, objective, every_move, deadline)
                 improved = True
                 break
         if not improved:
@@ -516,7 +528,8 @@ def compute_placement(workload: Workload, topology: Topology, *, micro_batches: 
 def exhaustive_placement(
     workload: Workload, topology: Topology, *, micro_batches: int, schedule: str, max_evaluations: int = 2_000_000
 ) -> Placement:
-    """The optimum under the estimator over all contiguous segmentations and worker mappings.
+    """The optimum under the estimator over all contiguous segmentations (cut where a stage
+    may begin) and worker mappings.
 
     Only for small instances: the space has ``Σ_k C(n-1, k-1)·P(W, k)`` placements.
     """
@@ -527,8 +540,9 @@ def exhaustive_placement(
     objective = Objective(workload, topology, micro_batches=micro_batches, schedule=schedule)
     best: Placement | None = None
     best_value = math.inf
+    positions = [k for k in range(1, n) if workload.cuttable[k]]
     for k in range(1, min(n, num_workers) + 1):
-        for cuts in itertools.combinations(range(1, n), k - 1):
+        for cuts in itertools.combinations(positions, k - 1):
             bounds = (0, *cuts, n)
             for workers in itertools.permutations(range(num_workers), k):
                 p = Placement(bounds, workers)

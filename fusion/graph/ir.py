@@ -189,6 +189,30 @@ class OpDag:
         """Nodes that are placed on stages, in topological order."""
         return [n for n in self.nodes if n.is_compute]
 
+    def cut_points(self) -> list[bool]:
+        """Where a stage may begin: entry ``k`` says whether a boundary just before compute
+        node ``k`` (in :meth:`compute_nodes` order; entry ``len`` is the end) keeps every
+        value that cannot be sent on one stage.
+
+        A value that cannot cross a boundary (a ``tuple``, say, read by ``getitem`` nodes)
+        made by node ``i`` and last read by node ``j`` forbids every boundary in
+        ``(i, j]``: :func:`fusion.graph.split.normalize_assignment` would pull its readers
+        onto the producer's stage, so a split there is not the split the planner priced.
+        A coarsened DAG's groups never straddle such a value (:meth:`coarsen`), so every
+        boundary between groups is allowed.
+        """
+        compute = self.compute_nodes()
+        pos = {n.name: i for i, n in enumerate(compute)}
+        allowed = [True] * (len(compute) + 1)
+        consumers = self.consumers()
+        for i, n in enumerate(compute):
+            if n.op == "group" or n.value.sendable:
+                continue
+            last = max((pos[c] for c in consumers[n.name] if c in pos), default=i)
+            for k in range(i + 1, last + 1):
+                allowed[k] = False
+        return allowed
+
     def input_names(self) -> list[str]:
         """Names of the model inputs (placeholders), in call order."""
         return [n.name for n in self.nodes if n.op == "placeholder"]
@@ -260,8 +284,9 @@ class OpDag:
         """Group compute nodes along the module hierarchy into at most ``max_nodes`` units.
 
         Groups are maximal runs of consecutive compute nodes (in topological order) that
-        share a module-path prefix of some depth. Runs of one topological order can never
-        form a cycle, so the coarse graph is a DAG. The deepest depth that fits is used;
+        share a module-path prefix of some depth, joined where a boundary between them would
+        split a value that cannot be sent (:meth:`cut_points`). Runs of one topological
+        order can never form a cycle, so the coarse graph is a DAG. The deepest depth that fits is used;
         if even the top level yields too many runs, neighbouring runs are merged. Each
         group lists its original nodes in ``members``; :meth:`expand_assignment` maps a
         placement of groups back to nodes. ``get_attr`` nodes are folded into the groups
@@ -273,9 +298,10 @@ class OpDag:
         if len(compute) <= max_nodes:
             return self
         max_depth = max((n.module_path.count(".") + 1 if n.module_path else 0) for n in compute)
+        allowed = self.cut_points()
         runs: list[list[OpNode]] = []
         for depth in range(max_depth, -1, -1):
-            runs = _runs_by_prefix(compute, depth)
+            runs = _joined_where_uncuttable(_runs_by_prefix(compute, depth), allowed)
             if len(runs) <= max_nodes:
                 break
         while len(runs) > max_nodes:
@@ -412,6 +438,20 @@ def _runs_by_prefix(nodes: list[OpNode], depth: int) -> list[list[OpNode]]:
             runs.append([n])
         last_key = key
     return runs
+
+
+def _joined_where_uncuttable(runs: list[list[OpNode]], allowed: list[bool]) -> list[list[OpNode]]:
+    """``runs`` with each run that begins where no stage may (``allowed`` over the
+    concatenated nodes, :meth:`OpDag.cut_points`) joined to the run before it."""
+    out: list[list[OpNode]] = []
+    start = 0
+    for run in runs:
+        if out and not allowed[start]:
+            out[-1] = out[-1] + run
+        else:
+            out.append(run)
+        start += len(run)
+    return out
 
 
 def _merge_smallest_neighbours(runs: list[list[OpNode]]) -> list[list[OpNode]]:

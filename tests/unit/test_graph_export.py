@@ -12,7 +12,7 @@ from torch import nn
 from fusion.errors import GraphExportError, SplitError
 from fusion.graph.export import capture, describe_value, export, tied_parameter_names
 from fusion.graph.ir import OpDag, ValueMeta
-from fusion.graph.split import split_stages
+from fusion.graph.split import normalize_assignment, split_stages
 from fusion.models import build_model
 from tests.support.graph_models import (
     Captured,
@@ -352,6 +352,32 @@ def test_coarsen_groups_gpt2_into_at_most_six_nodes(gpt2: Captured) -> None:
     assert coarse.total_flops_fwd == dag.total_flops_fwd
     assert coarse.total_param_bytes == dag.total_param_bytes
     assert dag.node(dag.output).name in coarse.node(coarse.output).members
+
+
+def test_cut_points_are_the_boundaries_a_split_keeps(gpt2: Captured) -> None:
+    """A boundary ``cut_points`` allows is one ``normalize_assignment`` leaves where it is;
+    one it forbids would pull nodes across it (attention splits qkv into a tuple)."""
+    dag = gpt2.dag
+    names = [n.name for n in dag.compute_nodes()]
+    allowed = dag.cut_points()
+    assert len(allowed) == len(names) + 1 and allowed[0] and allowed[-1]
+    assert not all(allowed)
+    for k in range(1, len(names)):
+        two = {name: int(i >= k) for i, name in enumerate(names)}
+        assert (normalize_assignment(dag, two) == two) == allowed[k], names[k]
+
+
+@pytest.mark.parametrize("max_nodes", [4, 6, 12, 24])
+def test_coarse_groups_begin_only_where_a_stage_may(gpt2: Captured, max_nodes: int) -> None:
+    dag = gpt2.dag
+    allowed = dag.cut_points()
+    coarse = dag.coarsen(max_nodes)
+    assert coarse is not dag and len(coarse.compute_nodes()) <= max_nodes
+    assert all(coarse.cut_points())
+    start = 0
+    for group in coarse.compute_nodes():
+        assert allowed[start], group.name
+        start += len(group.members)
 
 
 def test_coarsen_is_a_no_op_when_small_enough(resnet: Captured) -> None:
