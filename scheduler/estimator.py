@@ -146,6 +146,7 @@ class Workload:
     """Per position ``k`` in ``0 .. n``: whether a stage may begin at unit ``k``
     (:meth:`fusion.graph.ir.OpDag.cut_points`); all true when not given."""
     _edge_arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _param_lists: tuple[np.ndarray, list[int], list[int]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -163,6 +164,18 @@ class Workload:
             self.input_bytes = np.zeros(len(self.names))
         if len(self.cuttable) != len(self.names) + 1:
             self.cuttable = np.ones(len(self.names) + 1, dtype=bool)
+
+    def param_lists(self) -> tuple[np.ndarray, list[int], list[int]]:
+        """Every (unit, parameter id, bytes) of :attr:`params`, flattened: the units as an
+        index array, ids and bytes as lists; cached."""
+        if self._param_lists is None:
+            flat = [(u, pid, size) for u, unit in enumerate(self.params) for pid, size in unit]
+            self._param_lists = (
+                np.array([u for u, _, _ in flat], dtype=np.int64),
+                [pid for _, pid, _ in flat],
+                [size for _, _, size in flat],
+            )
+        return self._param_lists
 
     def edge_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(src, dst, bytes, grad bytes) as arrays, cached."""
@@ -335,9 +348,9 @@ def stage_graph(
     for s in reversed(order):
         depth[s] = max((depth[c] + 1 for (a, c) in act if a == s), default=0)
     stage_params: list[dict[int, int]] = [{} for _ in range(num_stages)]
-    for u, unit in enumerate(workload.params):
-        for pid, size in unit:
-            stage_params[stage_of[u]][pid] = size
+    units, pids, sizes = workload.param_lists()
+    for s, pid, size in zip(stage_of[units].tolist(), pids, sizes, strict=True):
+        stage_params[s][pid] = size
     return StageGraph(
         num_stages=num_stages,
         stage_of=stage_of,
@@ -566,18 +579,26 @@ def _cut_traffic(
         return {}, {}, np.zeros(num_stages)
     src, dst, size, gsize = arrays
     a, c = stage_of[src], stage_of[dst]
-    cross = a != c
-    src, a, c, size, gsize = src[cross], a[cross], c[cross], size[cross], gsize[cross]
-    _, first = np.unique(src * num_stages + c, return_index=True)  # once per (value, dst stage)
-    a, c, size, gsize = a[first], c[first], size[first], gsize[first]
-    pair = a * num_stages + c
-    act_all = np.bincount(pair, weights=size, minlength=num_stages * num_stages)
-    grad_all = np.bincount(pair, weights=gsize, minlength=num_stages * num_stages)
-    present = np.unique(pair)
-    act = {(int(p) // num_stages, int(p) % num_stages): int(act_all[p]) for p in present}
-    grad = {(int(p) // num_stages, int(p) % num_stages): int(grad_all[p]) for p in present}
-    received = np.bincount(c, weights=size, minlength=num_stages)
-    return act, grad, received
+    cross = np.flatnonzero(a != c)  # few edges: the rest is plain Python over them
+    act: dict[tuple[int, int], int] = {}
+    grad: dict[tuple[int, int], int] = {}
+    received = np.zeros(num_stages)
+    sent: set[tuple[int, int]] = set()
+    for value, s, d, nbytes, gbytes in zip(
+        src[cross].tolist(),
+        a[cross].tolist(),
+        c[cross].tolist(),
+        size[cross].tolist(),
+        gsize[cross].tolist(),
+        strict=True,
+    ):
+        if (value, d) in sent:
+            continue  # once per (value, dst stage)
+        sent.add((value, d))
+        act[(s, d)] = act.get((s, d), 0) + int(nbytes)
+        grad[(s, d)] = grad.get((s, d), 0) + int(gbytes)
+        received[d] += nbytes
+    return dict(sorted(act.items())), dict(sorted(grad.items())), received
 
 
 def _stage_order(num_stages: int, links: dict[tuple[int, int], int]) -> list[int]:
