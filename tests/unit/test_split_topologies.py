@@ -26,8 +26,9 @@ JOBS = ("bench-gpt2-split", "bench-resnet-split")
 TOPOLOGIES = ("two-sites-split", "two-sites-slow-split", "three-continents-split", "volunteers-split")
 #: Caps scaled by these still force the regime: live peaks a few percent under or over the estimate.
 HEADROOM = (0.96, 1.0, 1.04)
-#: OP-Fence's local search runs to a wall-clock deadline (0.5 s here by default): on a busy
-#: machine it may stop before it finds a placement the caps allow. The test gives it more.
+#: OP-Fence's local search runs to a local optimum or a wall-clock deadline (5 s by default,
+#: :data:`scheduler.planner.DEFAULT_BUDGET_S`); 1.5 s finds a placement the caps allow on a
+#: busy machine and keeps these 24 plans short.
 SEARCH_BUDGET_S = 1.5
 
 
