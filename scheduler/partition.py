@@ -203,11 +203,11 @@ def greedy_cover(
             nxt = workers[i + 1] if i + 1 < len(workers) else None
             if nxt is None:
                 return None
-            ok = prefix.cuttable[pos + 1 : end + 1].copy()
+            ok = prefix.cuttable[pos + 1 : end + 1]
             if use_links:
                 fwd_cap = _bytes_within(topology, w, nxt, period)
                 bwd_cap = _bytes_within(topology, nxt, w, period)
-                ok &= (prefix.cut[pos + 1 : end + 1] <= fwd_cap) & (prefix.grad_cut[pos + 1 : end + 1] <= bwd_cap)
+                ok = ok & (prefix.cut[pos + 1 : end + 1] <= fwd_cap) & (prefix.grad_cut[pos + 1 : end + 1] <= bwd_cap)
             hits = np.nonzero(ok)[0]
             if len(hits) == 0:
                 continue
@@ -315,9 +315,9 @@ def worker_moves(p: Placement, unused: Sequence[int], cuttable: np.ndarray) -> l
         nb = tuple(b[:i] + b[i + 1 :])
         out.append(Placement(nb, tuple(w[:i] + w[i + 1 :])))
         out.append(Placement(nb, tuple(w[: i - 1] + w[i:])))
-    for i in range(s_count):
+    for i in range(s_count if unused else 0):
         inside = np.nonzero(cuttable[b[i] + 1 : b[i + 1]])[0] + b[i] + 1
-        if len(inside) and unused:
+        if len(inside):
             mid = int(inside[np.argmin(np.abs(inside - (b[i] + b[i + 1]) / 2))])
             nb = tuple(b[: i + 1] + [mid] + b[i + 1 :])
             for u in unused:

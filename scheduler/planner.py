@@ -168,10 +168,9 @@ def make_plan(dag: OpDag, topology: Topology, request: PlanRequest) -> Plan:
     )
 
 
-#: OP-Fence's default search budget before its per-worker share (seconds). The search runs to a
-#: local optimum: the split-regime jobs (``testbeds/jobs/*-split.toml``, 74-117 units on 4-6
-#: workers) reach theirs in 0.4-3.7 s on this project's 2-core machine, and a budget that stops
-#: it sooner makes the plan depend on how busy the machine is (docs/benchmarks.md).
+#: OP-Fence's default search budget before its per-worker share (seconds): room for the local
+#: search to reach its optimum on jobs of a few hundred units, since a search the deadline stops
+#: gives a plan that depends on how busy the machine is (timings: testbeds/results/split/README.md).
 DEFAULT_BUDGET_S = 5.0
 
 #: Searches over tightened caps before a plan whose nodes need more than its coarse units is refused.

@@ -286,11 +286,11 @@ class OpDag:
         Groups are maximal runs of consecutive compute nodes (in topological order) that
         share a module-path prefix of some depth, joined where a boundary between them would
         split a value that cannot be sent (:meth:`cut_points`). Runs of one topological
-        order can never form a cycle, so the coarse graph is a DAG. The deepest depth that fits is used;
-        if even the top level yields too many runs, neighbouring runs are merged. Each
-        group lists its original nodes in ``members``; :meth:`expand_assignment` maps a
-        placement of groups back to nodes. ``get_attr`` nodes are folded into the groups
-        that read them.
+        order can never form a cycle, so the coarse graph is a DAG. The deepest depth that
+        fits is used; if even the top level yields too many runs, neighbouring runs are
+        merged. Each group lists its original nodes in ``members``; :meth:`expand_assignment`
+        maps a placement of groups back to nodes. ``get_attr`` nodes are folded into the
+        groups that read them.
         """
         if max_nodes < 1:
             raise ValueError("max_nodes must be >= 1")
