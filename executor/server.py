@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -52,6 +51,7 @@ from fusion.config import TrainSpec
 from fusion.errors import FusionError, MemoryCapError, NotFoundError, StateError, WireError
 from fusion.losses import get_loss
 from fusion.optim import build_optimizer
+from fusion.stop_signals import catch_stop_signals, wait_for_stop
 from fusion.tls import ServerTls, add_port, set_client_ca, warn_if_exposed
 from fusion.wire import executor_pb2 as epb
 from fusion.wire import tensor_pb2 as pb
@@ -710,11 +710,9 @@ def serve(
         keyring=service.pool.keyring, control_key=control, failure_burst=args.auth_failure_burst
     )
     server, port = start_server(service, args.listen, tls=tls)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = catch_stop_signals()
     print(f"{READY_PREFIX} {port}", flush=True)
-    stop.wait()
+    wait_for_stop(stop)
     server.stop(grace=2.0).wait()
     service.close()
     return 0

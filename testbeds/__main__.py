@@ -18,10 +18,10 @@ import logging
 import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 from fusion.cli.env import add_log_arg, run_cli, setup_logging
+from fusion.stop_signals import catch_stop_signals, wait_for_stop
 from testbeds.net.backend import open_testbed
 from testbeds.net.testbed import TOPOLOGY_DIR
 
@@ -126,17 +126,6 @@ def _interrupt_the_build() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _catch_stop_signals() -> threading.Event:
-    """An event that SIGINT or SIGTERM sets from now on. Installed before ``up`` says it is
-    ready: an interrupt sent as soon as the ready line is read (as a script or test does)
-    then stops the wait, instead of landing between the line and the handlers as a
-    ``KeyboardInterrupt`` that tore the testbed down but exited as interrupted."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     _interrupt_the_build()
     with open_testbed(args.topology, backend=args.backend) as tb:
@@ -148,10 +137,13 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"{host}:{port} is reached as: " + ", ".join(f"{src} -> {via}" for src, via in routes.items()),
                 flush=True,
             )
-        stop = _catch_stop_signals()
+        # Caught before ``up`` says it is ready: an interrupt sent as soon as the ready line
+        # is read (as a script or test does) then stops the wait, instead of landing between
+        # the line and the handlers as a ``KeyboardInterrupt`` that tore the testbed down but
+        # exited as interrupted.
+        stop = catch_stop_signals()
         print(f"{UP_READY}: {tb.prefix} (Ctrl-C tears it down)", flush=True)
-        while not stop.wait(3600):
-            pass
+        wait_for_stop(stop)
         print("tearing down", flush=True)
     print("testbed removed", flush=True)
     return 0

@@ -11,9 +11,7 @@ import argparse
 import logging
 import os
 import secrets
-import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +26,7 @@ from fusion.cli.env import (
 from fusion.coordinator.serving import open_server, requeue_after_restart, starting_handler
 from fusion.coordinator.store import Store
 from fusion.errors import ConfigError
+from fusion.stop_signals import catch_stop_signals, wait_for_stop
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 
 if TYPE_CHECKING:
@@ -219,11 +218,9 @@ def main(
                 raise ConfigError(f"cannot serve the live view on {args.http}: {e}") from e
             scheme = "https" if tls else "http"
             print(f"{LIVE_VIEW} {scheme}://{http[0]}:{view.port}/ (sign in with the token)", flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = catch_stop_signals()
         print(f"{LISTENING} {args.host}:{port} (state: {state_dir})", flush=True)
-        stop.wait()
+        wait_for_stop(stop)
         print("fusion-coordinator stopping", flush=True)
         if view is not None:
             view.close()

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable
 
 import torch
@@ -19,6 +17,7 @@ from fusion.cli.env import add_connection_args, add_log_arg, resolve_token, run_
 from fusion.errors import AuthError, ConfigError
 from fusion.memory import format_bytes, gb_to_bytes
 from fusion.profiling import DeviceProfile
+from fusion.stop_signals import catch_stop_signals, wait_for_stop
 from fusion.tls import ServerTls, set_client_ca, warn_if_exposed
 from fusion.worker import Worker
 
@@ -144,9 +143,7 @@ def run_worker(
             channel_factory=channel_factory,
             report=report,
         )
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = catch_stop_signals()
         try:
             worker.start()
         except AuthError as e:
@@ -162,7 +159,7 @@ def run_worker(
             f"lending {format_bytes(lent)} of memory",
             flush=True,
         )
-        stop.wait()
+        wait_for_stop(stop)
         print(f"fusion-worker {worker.name} leaving", flush=True)
         worker.stop("stopped by its operator")
         return 0

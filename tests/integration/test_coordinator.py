@@ -7,7 +7,9 @@ processes; jobs go in through ``fusion submit`` and are watched with
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -336,6 +338,28 @@ def test_job_waits_for_workers_then_runs(fleet: Fleet, cli: Cli, tmp_path: Path)
     assert proc.wait(timeout=30) == 0
     workers = json.loads(cli.run("status", "--json").stdout)["workers"]
     assert {w["name"]: w["state"] for w in workers}["late"] == "gone"
+
+
+def _signal_thread(pid: int, tid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to one thread of another process (``tgkill``), as the kernel may deliver a
+    signal sent to the process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, tid, int(sig)) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig.name}) failed")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and tgkill (Linux)")
+def test_ctrl_c_received_by_another_thread_still_lets_the_worker_leave(fleet: Fleet, cli: Cli) -> None:
+    """CPython runs a signal handler in the main thread only; a Ctrl-C that the kernel hands
+    to one of the worker's other threads (gRPC's, torch's) was lost while the main thread
+    waited, and the volunteer's worker never left (:mod:`fusion.stop_signals`)."""
+    proc = fleet.start_worker("sidethread", token=TOKEN)
+    others = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+    assert others, "the worker runs threads beside its main one"
+    _signal_thread(proc.pid, others[-1], signal.SIGINT)
+    assert proc.wait(timeout=30) == 0, fleet.log_of("worker-sidethread")
+    workers = json.loads(cli.run("status", "--json").stdout)["workers"]
+    assert {w["name"]: w["state"] for w in workers}["sidethread"] == "gone"
 
 
 def test_cancel_pending_job(cli: Cli, tmp_path: Path) -> None:
