@@ -228,9 +228,21 @@ class Recovery:
             "place_and_load_s": t_placed - t_held,
             "restore_s": t_end - t_placed,
         }
+        if point.step > failed_step:
+            # A worker lost after every stage had finished the step and snapshotted the next,
+            # before the driver heard the step end: resuming after it is exact (the older
+            # snapshots of the lost stage are gone: a buddy keeps one replica), but the step's
+            # loss, which only the lost last stage knew, is not there to record.
+            job.event(
+                "loss_unrecorded",
+                f"step {failed_step} finished on every stage before a worker was lost; its loss was never "
+                "received and is not recorded (the training state is exact: every stage resumes after it)",
+                step=failed_step,
+            )
+        redone = f"{failed_step - point.step} step(s) redone" if point.step <= failed_step else "nothing redone"
         job.event(
             "resumed_at_step",
-            f"resumed at step {point.step} (failed at step {failed_step}; {failed_step - point.step} step(s) redone) "
+            f"resumed at step {point.step} (failed at step {failed_step}; {redone}) "
             f"after {t_end - t0:.2f}s ({', '.join(f'{k[:-2]} {v:.2f}s' for k, v in phases.items())})",
             step=point.step,
             failed_step=failed_step,

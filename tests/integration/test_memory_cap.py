@@ -30,6 +30,7 @@ from fusion.coordinator.client import CoordinatorClient
 from fusion.launch import Fleet
 from fusion.memory import gb_to_bytes
 from fusion.training import build_job_model, train_reference
+from tests.support.parity import assert_recorded_losses
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -100,12 +101,7 @@ def check_same_run(s: dict[str, Any], path: Path) -> None:
     out = Path(s["output_dir"])
     spec = load_job(path)
     ref = train_reference(spec)
-    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
-    last = {r["step"]: r["loss"] for r in records}  # a redone step's second loss wins
-    assert sorted(last) == list(range(spec.train.steps))
-    torch.testing.assert_close(
-        torch.tensor([last[i] for i in range(spec.train.steps)]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-5
-    )
+    assert_recorded_losses(out / "metrics.jsonl", ref.losses)
     model = build_job_model(spec)
     model.load_state_dict(load_file(out / "model.safetensors"))
     for name, v in ref.state_dict.items():

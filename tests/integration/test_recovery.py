@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from fusion.config import load_job
 from fusion.coordinator.client import CoordinatorClient
 from fusion.launch import Fleet
 from fusion.training import build_job_model, train_reference
-from tests.support.parity import assert_state_close
+from tests.support.parity import assert_recorded_losses, assert_state_close
 
 TOKEN = "recovery-token"
 # AdamW at lr 1e-3 for 40 steps keeps plain split-vs-single-process float drift (~6e-6) inside
@@ -166,13 +165,7 @@ def check_exact(s: dict[str, Any], path: Path) -> None:
     model.load_state_dict(load_file(out / "model.safetensors"))
     ref = train_reference(spec)
     assert_state_close(model.state_dict(), ref.state_dict)
-    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
-    last = {r["step"]: r["loss"] for r in records}  # a redone step's second loss wins
-    steps = spec.train.steps
-    assert sorted(last) == list(range(steps))
-    torch.testing.assert_close(
-        torch.tensor([last[i] for i in range(steps)]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-5
-    )
+    assert_recorded_losses(out / "metrics.jsonl", ref.losses)
 
 
 def resumed(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,8 +6,10 @@ Losses, every parameter's gradient (of the last step, before its update) and eve
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -81,6 +83,27 @@ def assert_state_close(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.
                 )
             g, v = torch.cat([g[:n], g[2 * n :]]), torch.cat([v[:n], v[2 * n :]])
         torch.testing.assert_close(g, v, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_recorded_losses(metrics: Path, reference: Sequence[float]) -> None:
+    """Every step's loss in a job's ``metrics.jsonl`` (a redone step's last) equals the
+    reference run's. A step may lack its loss only where the job said so, with a
+    ``loss_unrecorded`` event: its last stage's worker was lost after every stage had
+    finished it, so the job resumed after it (:meth:`fusion.coordinator.recovery.Recovery.recover`)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = {r["step"]: r["loss"] for r in rows if "event" not in r}
+    unrecorded = {r["step"] for r in rows if r.get("event") == "loss_unrecorded"}
+    steps = range(len(reference))
+    assert unrecorded <= set(steps) and sorted(last) == [i for i in steps if i not in unrecorded], (
+        sorted(last),
+        unrecorded,
+    )
+    torch.testing.assert_close(
+        torch.tensor([last[i] for i in sorted(last)]),
+        torch.tensor([reference[i] for i in sorted(last)]),
+        rtol=RTOL,
+        atol=ATOL,
+    )
 
 
 def skip_assignment(dag: OpDag, branch: str, num_stages: int) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,8 +12,10 @@ from executor.client import ChannelPool
 from executor.driver import SnapshotRequest
 from fusion.checkpoint import CheckpointDir
 from fusion.config import JobSpec
+from fusion.coordinator import recovery as recovery_module
 from fusion.coordinator.recovery import MAX_RECOVERIES, Recovery, answering
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
+from fusion.coordinator.store import WorkerRow
 from fusion.errors import FusionError, StateError
 from fusion.launch.executors import LocalCluster
 
@@ -119,3 +122,53 @@ def test_recovery_gives_up_after_the_last_allowed_one(tmp_path: Path) -> None:
             recovery.recover(FusionError("step failed"), 3, {"w1": "worker w1 stopped heart-beating"})
     finally:
         pool.close()
+
+
+class LostAfterItsStep(NoWorkersLeft):
+    """A two-stage job whose second stage's worker died after both stages finished step 3
+    and snapshotted step 4, before the driver heard the step end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers = [
+            WorkerRow("w1", "w1", "127.0.0.1:1", {}, "", "busy", "job", registered_at=0.0, last_heartbeat=0.0)
+        ]
+        self.driver = SimpleNamespace(stage_keys=["s0", "s1"], canonical=lambda name: name)
+        self.rewound_to: int | None = None
+        self.messages: list[str] = []
+
+    def event(self, event: str, message: str, **extra: Any) -> None:
+        super().event(event, message, **extra)
+        self.messages.append(message)
+
+    def drop(self, worker: Any, state: str) -> None:
+        self.workers.remove(worker)
+
+    def rewind(self, step: int) -> None:
+        self.rewound_to = step
+
+
+def test_a_step_finished_unseen_is_resumed_after_and_its_lost_loss_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Snapshots of step 4 exist for every stage, though the driver saw step 3 fail: every
+    stage resumes at step 4 (exact), and the job says that step 3's loss was never received
+    instead of claiming -1 steps redone."""
+    held = {(key, step): ["127.0.0.1:2"] for key in ("s0", "s1") for step in (3, 4)}
+    held.pop(("s1", 3))  # the lost stage's older snapshot: its buddy keeps one replica
+    restored_at: list[int] = []
+    monkeypatch.setattr(recovery_module, "snapshot_holdings", lambda *args, **kwargs: held)
+    monkeypatch.setattr(Recovery, "_place", lambda self, replan=False: None)
+    monkeypatch.setattr(
+        recovery_module, "restore_stages", lambda driver, point, *args: restored_at.append(point.step) or {}
+    )
+    pool = ChannelPool()
+    try:
+        job = LostAfterItsStep()
+        step = recovery_of(job, tmp_path, pool).recover(FusionError("WaitStep failed"), 3, {"w1": "w1 stopped"})
+    finally:
+        pool.close()
+    assert step == 4 and restored_at == [4] and job.rewound_to == 4
+    assert job.events[-2:] == ["loss_unrecorded", "resumed_at_step"], job.events
+    assert "step 3 finished on every stage" in job.messages[-2], job.messages
+    assert "resumed at step 4 (failed at step 3; nothing redone)" in job.messages[-1], job.messages

@@ -1,5 +1,7 @@
 """A stop signal that lands on a thread other than the main one still stops the wait
-(:mod:`fusion.stop_signals`)."""
+(:mod:`fusion.stop_signals`). Whether an untimed wait would have missed it depends on what
+else wakes the main thread (under pytest-xdist something does);
+``tests/integration/test_coordinator.py`` shows a real worker missing it before the fix."""
 
 from __future__ import annotations
 
@@ -30,9 +32,6 @@ def test_a_signal_another_thread_receives_stops_the_wait(sig: signal.Signals) ->
     other = threading.Thread(target=time.sleep, args=(10.0,), name="takes-the-signal", daemon=True)
     other.start()
     signal.pthread_kill(other.ident, sig)  # as the kernel may deliver a process's signal
-    # The failure mode itself: one long wait in the main thread does not run the handler,
-    # whatever the length of the wait, so a worker in ``stop.wait()`` never left.
-    assert not stop.wait(1.0)
     t0 = time.monotonic()
     wait_for_stop(stop)
     assert stop.is_set() and time.monotonic() - t0 < 2.0
