@@ -239,7 +239,9 @@ class Recovery:
                 "received and is not recorded (the training state is exact: every stage resumes after it)",
                 step=failed_step,
             )
-        redone = f"{failed_step - point.step} step(s) redone" if point.step <= failed_step else "nothing redone"
+            redone = "nothing redone"
+        else:
+            redone = f"{failed_step - point.step} step(s) redone"
         job.event(
             "resumed_at_step",
             f"resumed at step {point.step} (failed at step {failed_step}; {redone}) "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import grpc
 
 from fusion.errors import RemoteError
+from fusion.stop_signals import catch_stop_signals
 from fusion.wire import coordinator_pb2 as cpb
 from fusion.wire import coordinator_pb2_grpc as cgrpc
 
@@ -51,9 +51,7 @@ LITE_PREFIX = "lite-"
 # ----------------------------------------------------------------- the lightweight worker
 def lite_worker(coordinator: str, token: str, name: str, report: Path) -> int:
     """Register, heart-beat until SIGTERM, deregister, write a JSON report of every heartbeat."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = catch_stop_signals()
     t0 = time.monotonic()
     stats: dict[str, Any] = {
         "name": name,

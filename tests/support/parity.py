@@ -94,13 +94,11 @@ def assert_recorded_losses(metrics: Path, reference: Sequence[float]) -> None:
     last = {r["step"]: r["loss"] for r in rows if "event" not in r}
     unrecorded = {r["step"] for r in rows if r.get("event") == "loss_unrecorded"}
     steps = range(len(reference))
-    assert unrecorded <= set(steps) and sorted(last) == [i for i in steps if i not in unrecorded], (
-        sorted(last),
-        unrecorded,
-    )
+    recorded = sorted(last)
+    assert unrecorded <= set(steps) and recorded == [i for i in steps if i not in unrecorded], (recorded, unrecorded)
     torch.testing.assert_close(
-        torch.tensor([last[i] for i in sorted(last)]),
-        torch.tensor([reference[i] for i in sorted(last)]),
+        torch.tensor([last[i] for i in recorded]),
+        torch.tensor([reference[i] for i in recorded]),
         rtol=RTOL,
         atol=ATOL,
     )
