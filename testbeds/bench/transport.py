@@ -145,22 +145,35 @@ class _Paths:
 SETTLE_S = 0.02
 
 
+#: The paths compared with the socket, in the order the first repeat times them.
+COMPARED = ("data", "unix", "socket")
+
+
+def interleaved_orders(repeats: int) -> list[list[str]]:
+    """The order of the paths in each repeat: the compared paths (:data:`COMPARED`) rotated
+    by one per repeat, then gRPC with its settle pause. The transfer timed right after the
+    pause meets caches the pause has cooled and a core that has gone idle, and takes up to
+    twice as long (``testbeds/results/transport/README.md``): that slot goes to each compared
+    path in turn, and ``repeats`` is rounded up to a multiple of their number so that each
+    gets it equally often. (A rotation of one cyclic order including gRPC would not do: it
+    keeps the path after gRPC the same in every repeat but one.)"""
+    n = len(COMPARED)
+    rounded = -(-repeats // n) * n
+    return [[*COMPARED[r % n :], *COMPARED[: r % n], "grpc"] for r in range(rounded)]
+
+
 def _medians(paths: _Paths, n: int, repeats: int) -> dict[str, float]:
-    """Median seconds per path, the paths interleaved within each repeat in an order rotated
-    from one repeat to the next, so that each path comes first after the gRPC call's settle
-    pause equally often: that transfer meets caches the pause has cooled and a core that has
-    gone idle, and takes longer (``testbeds/results/transport/README.md``)."""
-    runs: list[tuple[str, Callable[[int], float]]] = [
-        ("data", paths.data_plane),
-        ("unix", paths.unix),
-        ("socket", paths.socket),
-        ("grpc", paths.grpc),
-    ]
-    times: dict[str, list[float]] = {k: [] for k, _ in runs}
-    for r in range(repeats):
-        k = r % len(runs)
-        for name, run in runs[k:] + runs[:k]:
-            times[name].append(run(n))
+    """Median seconds per path over the repeats of :func:`interleaved_orders`."""
+    runs: dict[str, Callable[[int], float]] = {
+        "data": paths.data_plane,
+        "unix": paths.unix,
+        "socket": paths.socket,
+        "grpc": paths.grpc,
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for order in interleaved_orders(repeats):
+        for name in order:
+            times[name].append(runs[name](n))
             if name == "grpc":
                 time.sleep(SETTLE_S)
     return {k: statistics.median(v) for k, v in times.items()}

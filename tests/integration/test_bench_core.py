@@ -76,3 +76,18 @@ def test_step_part_interleaves_rounds_of_every_system() -> None:
         # The split sends activations and gradients between its two stages every step.
         assert r["max_link_bytes_per_step"] > 0, r
         assert len(r["rounds_ratio"]) == 2 and min(r["rounds_ratio"]) <= r["ratio"] <= max(r["rounds_ratio"]), r
+
+
+def test_each_compared_path_is_timed_first_after_the_settle_pause_equally_often() -> None:
+    """The transfer right after gRPC's settle pause runs cold and slow; no path may get that
+    slot more often than another (a rotation of one cyclic order gave it to the data plane
+    in three repeats of four)."""
+    from testbeds.bench.transport import COMPARED, interleaved_orders
+
+    for repeats in (1, 3, 7, 9):
+        orders = interleaved_orders(repeats)
+        assert len(orders) >= repeats and len(orders) % len(COMPARED) == 0
+        assert all(sorted(o) == sorted([*COMPARED, "grpc"]) and o[-1] == "grpc" for o in orders)
+        # The first path of each repeat follows the previous repeat's pause (or the warm-up).
+        firsts = [o[0] for o in orders]
+        assert {p: firsts.count(p) for p in COMPARED} == {p: len(orders) // len(COMPARED) for p in COMPARED}
