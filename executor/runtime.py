@@ -470,7 +470,8 @@ class StageRuntime:
         self.tied.set_sums(own, received)
         return sent, time.perf_counter() - t0
 
-    def _check_finished(self, step: int, doing: str) -> None:
+    def _check_finished(self, step: int, doing: str) -> StepResult:
+        """The result of ``step``, which this stage has finished and not yet applied."""
         result = self._step
         if result is None or result.step != step or not result.done.is_set():
             raise StateError(f"stage {self.spec.stage_idx} cannot {doing} step {step}: it has not finished it")
@@ -478,6 +479,7 @@ class StageRuntime:
             raise StateError(f"stage {self.spec.stage_idx} cannot {doing} step {step}: it failed ({result.error})")
         if self._last_applied == step:
             raise StateError(f"stage {self.spec.stage_idx} already applied step {step}")
+        return result
 
     def apply_step(
         self, step: int, *, optimizer_step: bool, snapshot_to: Callable[[Snapshot], None] | None = None
@@ -488,18 +490,22 @@ class StageRuntime:
         snapshotted in the background and handed to ``snapshot_to``; the next optimizer step
         waits for the copy, the next forward pass does not.
         """
-        self._check_finished(step, "apply")
-        self._apply(step, optimizer_step=optimizer_step, snapshot_to=snapshot_to)
+        result = self._check_finished(step, "apply")
+        self._apply(result, optimizer_step=optimizer_step, snapshot_to=snapshot_to)
 
-    def _apply(self, step: int, *, optimizer_step: bool, snapshot_to: Callable[[Snapshot], None] | None) -> None:
-        """:meth:`apply_step`'s update, its checks done."""
+    def _apply(
+        self, result: StepResult, *, optimizer_step: bool, snapshot_to: Callable[[Snapshot], None] | None
+    ) -> None:
+        """:meth:`apply_step`'s update of ``result``'s step, its checks done. The loss
+        stage's snapshot carries the step's loss (:func:`fusion.checkpoint.snapshot.snapshot_metadata`)."""
         self._weights_free.wait()
         if optimizer_step:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._last_applied = step
+        self._last_applied = result.step
         if snapshot_to is not None:
-            self._snapshot_async(step + 1, snapshot_to)
+            loss = result.loss if self.spec.is_loss_stage else None
+            self._snapshot_async(result.step + 1, snapshot_to, step_loss=loss)
 
     def _finish(self, result: StepResult, finish: StepFinish) -> None:
         """Finish ``result``'s step on the compute thread, as :meth:`sync_tied` then
@@ -511,16 +517,16 @@ class StageRuntime:
         if self.tied.peers():
             result.tied_synced = True
             self._exchange_tied(result.step)
-        self._apply(result.step, optimizer_step=finish.optimizer_step, snapshot_to=finish.snapshot_to)
+        self._apply(result, optimizer_step=finish.optimizer_step, snapshot_to=finish.snapshot_to)
 
     # ------------------------------------------------------------- snapshots
-    def _snapshot_async(self, label: int, sink: Callable[[Snapshot], None]) -> None:
+    def _snapshot_async(self, label: int, sink: Callable[[Snapshot], None], *, step_loss: float | None) -> None:
         volatile = capture_volatile(self.module, self.compression.feedback.state_dict())
         self._weights_free.clear()
 
         def work() -> None:
             try:
-                meta = snapshot_metadata(self.job_id, self.spec.stage_idx, self.stage_key, label)
+                meta = snapshot_metadata(self.job_id, self.spec.stage_idx, self.stage_key, label, step_loss=step_loss)
                 # Serialise straight from the live weights: the optimizer waits until this is done.
                 data = serialize({**capture_weights(self.module, self.optimizer, copy=False), **volatile}, meta)
             except BaseException:

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def snapshot_info(snap: Snapshot) -> epb.SnapshotInfo:
+    """What a listing or a restore says of ``snap``: its identity, and the step loss its
+    metadata carries, if any (:attr:`~fusion.checkpoint.snapshot.Snapshot.step_loss`)."""
     return epb.SnapshotInfo(
         job_id=snap.job_id,
         stage_idx=snap.stage_idx,
@@ -33,6 +35,7 @@ def snapshot_info(snap: Snapshot) -> epb.SnapshotInfo:
         size_bytes=snap.size_bytes,
         sha256=snap.sha256,
         replica=snap.replica,
+        step_loss=snap.step_loss,
     )
 
 

@@ -10,7 +10,10 @@ host-memory store a worker keeps (its own snapshots and the replicas it holds fo
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -46,6 +49,17 @@ class Snapshot:
     @property
     def size_bytes(self) -> int:
         return len(self.data)
+
+    @functools.cached_property
+    def step_loss(self) -> float | None:
+        """The loss of step ``step - 1`` where the snapshot carries it (the loss stage's, see
+        :func:`snapshot_metadata`); ``None`` where it does not, or its header is unreadable.
+        Read from the header once."""
+        try:
+            value = float(read_metadata(self.data)[STEP_LOSS_KEY])
+        except (CheckpointError, KeyError, ValueError):
+            return None
+        return value if math.isfinite(value) else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state, after checking the checksum (raises :class:`CheckpointError`)."""
@@ -86,12 +100,54 @@ def decode(data: bytes | bytearray, sha256: str, *, what: str = "snapshot") -> d
         raise CheckpointError(f"{what} is not a valid safetensors blob: {e}") from None
 
 
-def snapshot_metadata(job_id: str, stage_idx: int, key: str, step: int) -> dict[str, str]:
-    return {"job_id": job_id, "stage_idx": str(stage_idx), "stage_key": key, "step": str(step)}
+#: Snapshot metadata key of the loss of the step that produced the state (loss stage only).
+STEP_LOSS_KEY = "step_loss"
+#: Largest safetensors header :func:`read_metadata` parses.
+MAX_HEADER_BYTES = 100 << 20
 
 
-def make_snapshot(job_id: str, stage_idx: int, key: str, step: int, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
-    data, sha = encode(tensors, snapshot_metadata(job_id, stage_idx, key, step))
+def snapshot_metadata(
+    job_id: str, stage_idx: int, key: str, step: int, *, step_loss: float | None = None
+) -> dict[str, str]:
+    """The metadata a snapshot carries in its safetensors header. ``step_loss``: on the loss
+    stage, the loss of step ``step - 1``, whose update the state holds. A worker lost after
+    every stage finished that step, before the driver heard its end, leaves that loss in
+    this snapshot and its replica only (:meth:`fusion.coordinator.recovery.Recovery.recover`)."""
+    meta = {"job_id": job_id, "stage_idx": str(stage_idx), "stage_key": key, "step": str(step)}
+    if step_loss is not None:
+        meta[STEP_LOSS_KEY] = repr(float(step_loss))
+    return meta
+
+
+def read_metadata(data: bytes | bytearray) -> dict[str, str]:
+    """The metadata of a safetensors blob, read from its header (an 8-byte little-endian
+    length, then that many bytes of JSON) without loading a tensor; ``CheckpointError`` for
+    a header that is not one. Parsed as JSON: data, never code."""
+    if len(data) < 8:
+        raise CheckpointError(f"snapshot of {len(data)} bytes has no safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > min(len(data) - 8, MAX_HEADER_BYTES):
+        raise CheckpointError(f"snapshot header declares {size} bytes; the blob holds {len(data) - 8} after it")
+    try:
+        header = json.loads(bytes(data[8 : 8 + size]))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"snapshot header is not JSON: {e}") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError("snapshot header's metadata is not a map of strings")
+    return meta
+
+
+def make_snapshot(
+    job_id: str,
+    stage_idx: int,
+    key: str,
+    step: int,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    step_loss: float | None = None,
+) -> Snapshot:
+    data, sha = encode(tensors, snapshot_metadata(job_id, stage_idx, key, step, step_loss=step_loss))
     return Snapshot(job_id=job_id, stage_idx=stage_idx, stage_key=key, step=step, data=data, sha256=sha)
 
 

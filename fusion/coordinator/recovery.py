@@ -40,6 +40,7 @@ from fusion.coordinator.eligibility import CodeGate
 from fusion.coordinator.memory_ledger import MemoryLedger
 from fusion.coordinator.restore import (
     Holdings,
+    Restored,
     RestorePoint,
     WholeState,
     choose_restore_point,
@@ -219,7 +220,7 @@ class Recovery:
         t_held = time.perf_counter()
         self._place(replan=over_cap is not None)
         t_placed = time.perf_counter()
-        point = self._restore(old_keys, held)
+        point, restored = self._restore(old_keys, held)
         self._settled_keys = None
         t_end = time.perf_counter()
         phases = {
@@ -231,14 +232,9 @@ class Recovery:
         if point.step > failed_step:
             # A worker lost after every stage had finished the step and snapshotted the next,
             # before the driver heard the step end: resuming after it is exact (the older
-            # snapshots of the lost stage are gone: a buddy keeps one replica), but the step's
-            # loss, which only the lost last stage knew, is not there to record.
-            job.event(
-                "loss_unrecorded",
-                f"step {failed_step} finished on every stage before a worker was lost; its loss was never "
-                "received and is not recorded (the training state is exact: every stage resumes after it)",
-                step=failed_step,
-            )
+            # snapshots of the lost stage are gone: a buddy keeps one replica). The step's
+            # loss was never received; the loss stage's snapshot carries it.
+            self._record_unseen_loss(failed_step, restored.step_loss)
             redone = "nothing redone"
         else:
             redone = f"{failed_step - point.step} step(s) redone"
@@ -252,6 +248,26 @@ class Recovery:
             **{k: round(v, 3) for k, v in phases.items()},
         )
         return point.step
+
+    def _record_unseen_loss(self, step: int, loss: float | None) -> None:
+        """Record the loss of a ``step`` every stage finished unseen: from the loss stage's
+        snapshot (a ``loss_from_snapshot`` event), or, where it carried none, say that the
+        loss is not recorded (``loss_unrecorded``)."""
+        if loss is not None:
+            self.job.event(
+                "loss_from_snapshot",
+                f"step {step} finished on every stage before a worker was lost; its loss, {loss:.4f}, "
+                "was read from the loss stage's snapshot",
+                step=step,
+                loss=loss,
+            )
+            return
+        self.job.event(
+            "loss_unrecorded",
+            f"step {step} finished on every stage before a worker was lost; its loss was never "
+            "received and is not recorded (the training state is exact: every stage resumes after it)",
+            step=step,
+        )
 
     def move(self, step: int, *, exclude: set[str], why: str, let_go: Callable[[], None] | None = None) -> int:
         """Re-plan between steps without the ``exclude`` workers, nor any worker whose leave
@@ -298,7 +314,7 @@ class Recovery:
                 if not exclude:
                     raise
                 held = self._part_then_wait(step, let_go)
-        point = self._restore(old_keys, held, at_most=step)
+        point, _ = self._restore(old_keys, held, at_most=step)
         self._settled_keys = None
         redone = "nothing redone" if point.step == step else f"{step - point.step} step(s) redone"
         job.event(
@@ -331,7 +347,7 @@ class Recovery:
         """After a coordinator restart: restore the newest durable checkpoint, if there is one."""
         if not self.checkpoints.list():
             return None
-        return self._restore(self.job.driver.stage_keys, {})
+        return self._restore(self.job.driver.stage_keys, {})[0]
 
     def _find_lost(self, error: FusionError, flagged: Mapping[str, str]) -> dict[str, tuple[str, str]]:
         """Workers to drop after a failed step: worker id -> (reason, new state)."""
@@ -431,8 +447,11 @@ class Recovery:
                 )
                 job.drop(w, "gone")
 
-    def _restore(self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None) -> RestorePoint:
-        """Bring every stage of the job's driver to the newest step they can all reach.
+    def _restore(
+        self, old_keys: Sequence[str], held: Holdings, *, at_most: int | None = None
+    ) -> tuple[RestorePoint, Restored]:
+        """Bring every stage of the job's driver to the newest step they can all reach; the
+        point restored, and what :func:`~fusion.coordinator.restore.restore_stages` did.
 
         A holder that fails a snapshot read (lost, leaving, refusing the new placement's
         credential) is named in a ``snapshot_unavailable`` event and skipped: the other
@@ -466,7 +485,7 @@ class Recovery:
             )
             copies = sum(len(v) for v in held.values())
             try:
-                sources = restore_stages(job.driver, point, held, whole, warn)
+                restored = restore_stages(job.driver, point, held, whole, warn)
             except CheckpointError as e:
                 if point.source == "snapshots" and sum(len(v) for v in held.values()) < copies:
                     # ``held`` lost the holders that failed: choose again among what is left.
@@ -477,10 +496,12 @@ class Recovery:
                 job.event("checkpoint_corrupt", f"{point.durable.path.name} failed its checks and was skipped: {e}")
                 bad.add(point.durable.path)
                 continue
-            text = "; ".join(f"stage {i} ({job.stage_workers[i].name}) from {s}" for i, s in sorted(sources.items()))
+            text = "; ".join(
+                f"stage {i} ({job.stage_workers[i].name}) from {s}" for i, s in sorted(restored.sources.items())
+            )
             job.event("restored_from", text, step=point.step, source=point.source)
             job.rewind(point.step)
-            return point
+            return point, restored
 
 
 def failure_reason(e: BaseException) -> str:

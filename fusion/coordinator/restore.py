@@ -212,18 +212,27 @@ class WholeState:
         return merge_states(fetched, self.canonical)
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore_stages` did: per stage, where its state came from (for the job's
+    events), and the loss of the step before the restore point where the loss stage's
+    snapshot carried it (:attr:`fusion.checkpoint.snapshot.Snapshot.step_loss`)."""
+
+    sources: dict[int, str]
+    step_loss: float | None = None
+
+
 def restore_stages(
     driver: PipelineDriver,
     point: RestorePoint,
     held: Holdings,
     whole: WholeState,
     warn: Warn = lambda address, reason: None,
-) -> dict[int, str]:
+) -> Restored:
     """Bring every stage of ``driver`` (loaded, parameters not yet set) to ``point.step``.
 
     A stage restored straight from a snapshot reads it from its own worker when that holds
-    one, else from the other holders in turn (:func:`from_holders`). Returns, per stage,
-    where its state came from (for the job's events).
+    one, else from the other holders in turn (:func:`from_holders`).
 
     Raises:
         CheckpointError: no holder served a snapshot the restore needs (``held`` no longer
@@ -232,6 +241,7 @@ def restore_stages(
     job_id = driver.job_id
     step = point.step
     sources: dict[int, str] = {}
+    losses: dict[int, float] = {}
     direct: list[int] = []
     for spec in driver.stages:
         holders = held.get((driver.stage_keys[spec.stage_idx], step), []) if point.source == "snapshots" else []
@@ -252,7 +262,9 @@ def restore_stages(
                     held[(key, step)] = [address, *[a for a in holders if a != address]]
 
             def pull(source: str) -> str:
-                client.restore_stage(job_id, idx, step, source_address="" if source == address else source)
+                info = client.restore_stage(job_id, idx, step, source_address="" if source == address else source)
+                if info.HasField("step_loss"):
+                    losses[idx] = info.step_loss
                 return source
 
             source = from_holders(held, key, step, pull, warn)
@@ -265,4 +277,4 @@ def restore_stages(
         sources[idx] = point.describe()
 
     run_parallel([lambda i=i: one(i) for i in range(len(driver.stages))], name="restore")
-    return sources
+    return Restored(sources, losses.get(driver.loss_stage))

@@ -459,7 +459,7 @@ class PingResponse(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("job_id", "stage_idx", "stage_key", "step", "size_bytes", "sha256", "replica")
+    __slots__ = ("job_id", "stage_idx", "stage_key", "step", "size_bytes", "sha256", "replica", "step_loss")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_IDX_FIELD_NUMBER: _ClassVar[int]
     STAGE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -467,6 +467,7 @@ class SnapshotInfo(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STEP_LOSS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage_idx: int
     stage_key: str
@@ -474,7 +475,8 @@ class SnapshotInfo(_message.Message):
     size_bytes: int
     sha256: str
     replica: bool
-    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., stage_key: _Optional[str] = ..., step: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., replica: _Optional[bool] = ...) -> None: ...
+    step_loss: float
+    def __init__(self, job_id: _Optional[str] = ..., stage_idx: _Optional[int] = ..., stage_key: _Optional[str] = ..., step: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., replica: _Optional[bool] = ..., step_loss: _Optional[float] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
     __slots__ = ("info", "data", "auth")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ from executor.driver import PipelineDriver, SnapshotRequest
 from executor.snapshots import snapshot_chunks
 from fusion.checkpoint import make_snapshot
 from fusion.config import JobSpec
+from fusion.coordinator.restore import RestorePoint, restore_stages, snapshot_holdings
 from fusion.errors import RemoteError
 from fusion.graph.export import capture
 from fusion.graph.split import split_stages
@@ -42,6 +44,8 @@ JOB = JobSpec.from_dict(
     }
 )
 CHUNK = 4096
+#: The loss of each step the fixture trains.
+LOSSES: list[float] = []
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,8 @@ def driver() -> Iterator[PipelineDriver]:
         buddies = {0: workers.addresses[1], 1: workers.addresses[0]}
         for step in range(2):
             xb, yb = job_batch(JOB, dataset, step)
-            d.train_step(step, (xb,), yb, snapshot=SnapshotRequest(buddies=buddies) if step == 1 else None)
+            stats = d.train_step(step, (xb,), yb, snapshot=SnapshotRequest(buddies=buddies) if step == 1 else None)
+            LOSSES.append(stats.loss)
         yield d
         d.close()
         pool.close()
@@ -105,6 +110,35 @@ def test_each_stage_holds_its_own_snapshot_and_its_peers_replica(driver: Pipelin
     )
     got = ExecutorClient(driver.addresses[1], driver.pool).get_snapshot(driver.job_id, k0, 2)
     assert "param/transformer.wte.weight" in got.tensors() and "optim/transformer.wte.weight/exp_avg" in got.tensors()
+
+
+def test_the_loss_stages_snapshot_and_its_replica_say_the_loss_of_the_step_they_follow(
+    driver: PipelineDriver,
+) -> None:
+    """Stage 1 computes the loss: its snapshot of step 2, and the replica its buddy holds,
+    list the loss of step 1, exactly as the driver received it; stage 0's list none."""
+    k0, k1 = driver.stage_keys
+    wait_for(lambda: (k1, 2, True) in held(driver, 0) and (k1, 2, False) in held(driver, 1))
+    listed = {(s.stage_key, s.replica): s for i in range(2) for s in driver.clients[i].list_snapshots(driver.job_id)}
+    for replica in (False, True):
+        assert listed[(k1, replica)].HasField("step_loss") and listed[(k1, replica)].step_loss == LOSSES[1]
+        assert not listed[(k0, replica)].HasField("step_loss")
+
+
+def test_a_restore_from_a_buddys_replica_reads_the_loss_stages_step_loss(driver: PipelineDriver) -> None:
+    """Every stage restored at step 2, stage 1 from the replica on worker 0 (as after its own
+    worker was lost): the restore gives back the step-1 loss that replica carries."""
+    k0, k1 = driver.stage_keys
+    wait_for(lambda: (k1, 2, True) in held(driver, 0))
+    holdings = snapshot_holdings(driver.job_id, driver.addresses, driver.pool)
+    holdings[(k1, 2)] = [driver.addresses[0]]  # only the buddy's replica
+
+    def no_whole_state() -> None:
+        raise AssertionError("every stage has a snapshot to restore from")
+
+    restored = restore_stages(driver, RestorePoint(2, "snapshots"), holdings, SimpleNamespace(get=no_whole_state))  # type: ignore[arg-type]
+    assert restored.step_loss == LOSSES[1]
+    assert restored.sources == {0: "the snapshot on its worker", 1: f"the replica on {driver.addresses[0]}"}
 
 
 def test_replica_cut_mid_stream_is_refused_and_not_stored(driver: PipelineDriver) -> None:

@@ -87,11 +87,12 @@ def assert_state_close(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.
 
 def assert_recorded_losses(metrics: Path, reference: Sequence[float]) -> None:
     """Every step's loss in a job's ``metrics.jsonl`` (a redone step's last) equals the
-    reference run's. A step may lack its loss only where the job said so, with a
-    ``loss_unrecorded`` event: its last stage's worker was lost after every stage had
-    finished it, so the job resumed after it (:meth:`fusion.coordinator.recovery.Recovery.recover`)."""
+    reference run's. A step whose loss stage's worker was lost after every stage had
+    finished it is resumed after (:meth:`fusion.coordinator.recovery.Recovery.recover`): its
+    loss comes from a ``loss_from_snapshot`` event, or it may lack one where a
+    ``loss_unrecorded`` event says so."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    last = {r["step"]: r["loss"] for r in rows if "event" not in r}
+    last = {r["step"]: r["loss"] for r in rows if "event" not in r or r["event"] == "loss_from_snapshot"}
     unrecorded = {r["step"] for r in rows if r.get("event") == "loss_unrecorded"}
     steps = range(len(reference))
     recorded = sorted(last)

@@ -21,7 +21,7 @@ from fusion.checkpoint import (
     stage_key,
     stage_subset,
 )
-from fusion.checkpoint.snapshot import decode, encode
+from fusion.checkpoint.snapshot import chunks_of, decode, encode, read_metadata
 from fusion.coordinator.restore import choose_restore_point
 from fusion.errors import CheckpointError, NotFoundError
 
@@ -133,6 +133,42 @@ def test_flipped_byte_is_never_loaded() -> None:
         import hashlib
 
         decode(junk, hashlib.sha256(junk).hexdigest())
+
+
+def test_the_loss_stage_snapshot_carries_its_step_loss_through_a_replica() -> None:
+    """The loss of the step before a snapshot's label travels in its (checksummed) metadata,
+    so a buddy's replica, reassembled from chunks, still says it; a snapshot without one,
+    or with a value that is not a finite number, says nothing."""
+    snap = make_snapshot("j", 1, "k", 8, {"param/a": torch.ones(3)}, step_loss=2.718281828459045)
+    assert read_metadata(snap.data)["step"] == "8"
+    asm = Assembler("j", 1, "k", 8, snap.size_bytes, snap.sha256, replica=True)
+    for piece in chunks_of(snap.data, 7):
+        asm.add(bytes(piece))
+    replica = asm.finish()
+    assert replica.step_loss == snap.step_loss == 2.718281828459045
+    assert make_snapshot("j", 0, "k", 8, {"param/a": torch.ones(3)}).step_loss is None
+    assert make_snapshot("j", 1, "k", 8, {"param/a": torch.ones(3)}, step_loss=float("nan")).step_loss is None
+
+
+def header_of(header: object) -> bytes:
+    """A safetensors header with this JSON and no tensors."""
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b"\x01", "no safetensors header"),
+        ((1 << 40).to_bytes(8, "little") + b"{}", "declares"),
+        ((4).to_bytes(8, "little") + b"{nop", "not JSON"),
+        ((2).to_bytes(8, "little") + b"[]", "not a map of strings"),
+        (header_of({"__metadata__": {"step": 3}}), "not a map of strings"),
+    ],
+)
+def test_a_snapshot_header_that_is_not_one_is_refused_by_name(data: bytes, words: str) -> None:
+    with pytest.raises(CheckpointError, match=words):
+        read_metadata(data)
 
 
 def test_assembler_refuses_short_long_and_corrupt_streams() -> None:

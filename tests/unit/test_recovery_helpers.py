@@ -15,6 +15,7 @@ from fusion.config import JobSpec
 from fusion.coordinator import recovery as recovery_module
 from fusion.coordinator.recovery import MAX_RECOVERIES, Recovery, answering
 from fusion.coordinator.replicas import choose_buddies, snapshot_request
+from fusion.coordinator.restore import Restored, RestorePoint
 from fusion.coordinator.store import WorkerRow
 from fusion.errors import FusionError, StateError
 from fusion.launch.executors import LocalCluster
@@ -136,10 +137,12 @@ class LostAfterItsStep(NoWorkersLeft):
         self.driver = SimpleNamespace(stage_keys=["s0", "s1"], canonical=lambda name: name)
         self.rewound_to: int | None = None
         self.messages: list[str] = []
+        self.extras: list[dict[str, Any]] = []
 
     def event(self, event: str, message: str, **extra: Any) -> None:
         super().event(event, message, **extra)
         self.messages.append(message)
+        self.extras.append(extra)
 
     def drop(self, worker: Any, state: str) -> None:
         self.workers.remove(worker)
@@ -148,20 +151,23 @@ class LostAfterItsStep(NoWorkersLeft):
         self.rewound_to = step
 
 
-def test_a_step_finished_unseen_is_resumed_after_and_its_lost_loss_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Snapshots of step 4 exist for every stage, though the driver saw step 3 fail: every
-    stage resumes at step 4 (exact), and the job says that step 3's loss was never received
-    instead of claiming -1 steps redone."""
+def recover_a_step_finished_unseen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, carried_loss: float | None
+) -> LostAfterItsStep:
+    """Snapshots of step 4 exist for every stage, though the driver saw step 3 fail; the
+    restore reads ``carried_loss`` from the loss stage's snapshot. Checks that every stage
+    resumes at step 4 (exact) with nothing redone, and returns the job."""
     held = {(key, step): ["127.0.0.1:2"] for key in ("s0", "s1") for step in (3, 4)}
     held.pop(("s1", 3))  # the lost stage's older snapshot: its buddy keeps one replica
     restored_at: list[int] = []
+
+    def restore_stages(driver: Any, point: RestorePoint, *args: Any) -> Restored:
+        restored_at.append(point.step)
+        return Restored({}, carried_loss)
+
     monkeypatch.setattr(recovery_module, "snapshot_holdings", lambda *args, **kwargs: held)
     monkeypatch.setattr(Recovery, "_place", lambda self, replan=False: None)
-    monkeypatch.setattr(
-        recovery_module, "restore_stages", lambda driver, point, *args: restored_at.append(point.step) or {}
-    )
+    monkeypatch.setattr(recovery_module, "restore_stages", restore_stages)
     pool = ChannelPool()
     try:
         job = LostAfterItsStep()
@@ -169,6 +175,24 @@ def test_a_step_finished_unseen_is_resumed_after_and_its_lost_loss_named(
     finally:
         pool.close()
     assert step == 4 and restored_at == [4] and job.rewound_to == 4
-    assert job.events[-2:] == ["loss_unrecorded", "resumed_at_step"], job.events
-    assert "step 3 finished on every stage" in job.messages[-2], job.messages
     assert "resumed at step 4 (failed at step 3; nothing redone)" in job.messages[-1], job.messages
+    return job
+
+
+def test_a_step_finished_unseen_is_resumed_after_and_its_loss_read_from_the_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = recover_a_step_finished_unseen(tmp_path, monkeypatch, 2.5)
+    assert job.events[-2:] == ["loss_from_snapshot", "resumed_at_step"], job.events
+    assert job.extras[-2] == {"step": 3, "loss": 2.5}
+    assert "step 3 finished on every stage" in job.messages[-2] and "2.5000" in job.messages[-2], job.messages
+
+
+def test_a_step_finished_unseen_whose_snapshot_carries_no_loss_names_it_unrecorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss stage's snapshot from a release before snapshots carried the step loss."""
+    job = recover_a_step_finished_unseen(tmp_path, monkeypatch, None)
+    assert job.events[-2:] == ["loss_unrecorded", "resumed_at_step"], job.events
+    assert job.extras[-2] == {"step": 3}
+    assert "its loss was never received" in job.messages[-2], job.messages
