@@ -201,13 +201,11 @@ def _check_device(name: str) -> None:
 
 
 def _last_losses(job_dir: Path, n: int) -> list[float]:
-    import json
+    """The losses of the job's last ``n`` steps; the events between them (re-plans,
+    recoveries, compression notes) carry no step loss and are skipped."""
+    from fusion.coordinator.outputs import read_history
 
-    try:
-        lines = (job_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    return [json.loads(line)["loss"] for line in lines[-n:] if line.strip()]
+    return [loss for _, loss in read_history(job_dir / "metrics.jsonl", before=sys.maxsize)[-n:]]
 
 
 def _read_summary(job_dir: Path) -> dict[str, Any]:

@@ -308,3 +308,23 @@ def test_an_unreachable_coordinator_is_named_in_one_line(details: str, expected:
     assert message is not None and expected in message and "\n" not in message
     assert _unreachable_message(remote("UNAVAILABLE", "StageError: stage 1 is restarting"), "h:1") is None
     assert _unreachable_message(remote("INVALID_ARGUMENT", "Connection refused"), "h:1") is None
+
+
+def test_the_demos_closing_losses_skip_the_events_between_steps(tmp_path: Path) -> None:
+    """``metrics.jsonl`` holds the job's events beside its steps (a compression note at
+    planning, a recovery, a loss read from a snapshot); the demo's closing line averages the
+    last steps' losses, a redone step's last, and reads past the events."""
+    from fusion.cli.demo import _last_losses
+
+    rows = [
+        {"event": "compression", "message": "nothing compressed"},
+        {"step": 0, "loss": 4.0},
+        {"step": 1, "loss": 3.0},
+        {"event": "resumed_at_step", "message": "resumed at step 1", "step": 1},
+        {"step": 1, "loss": 2.5},
+        {"event": "loss_from_snapshot", "message": "...", "step": 2, "loss": 2.0},
+        {"step": 3, "loss": 1.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _last_losses(tmp_path, 2) == [2.5, 1.5]
+    assert _last_losses(tmp_path / "missing", 2) == []
