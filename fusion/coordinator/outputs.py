@@ -214,7 +214,8 @@ def metrics_record(
 
 def read_history(path: Path, before: int) -> list[tuple[int, float]]:
     """(step, loss) of the steps before ``before`` from an earlier run's ``metrics.jsonl``
-    (a resumed job's loss curve starts where that run's did); unreadable lines are skipped."""
+    (a resumed job's loss curve starts where that run's did): each step's last record, or
+    the ``loss_from_snapshot`` event that gave its loss; unreadable lines are skipped."""
     out: dict[int, float] = {}
     try:
         lines = path.read_text().splitlines()
@@ -229,7 +230,7 @@ def read_history(path: Path, before: int) -> list[tuple[int, float]]:
             isinstance(rec, dict)
             and "loss" in rec
             and "step" in rec
-            and "event" not in rec
+            and rec.get("event", "loss_from_snapshot") == "loss_from_snapshot"
             and int(rec["step"]) < before
         ):
             out[int(rec["step"])] = float(rec["loss"])

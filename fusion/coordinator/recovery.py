@@ -129,6 +129,11 @@ class RecoveringJob(Protocol):
         """Forget the job's progress from ``step`` on (it is replayed)."""
         ...
 
+    def loss_found(self, step: int, loss: float) -> None:
+        """Add to the job's loss curve the loss of a ``step`` the driver never heard end,
+        read from the loss stage's snapshot (after :meth:`rewind` to the step after it)."""
+        ...
+
     def stopping(self) -> tuple[str, str] | None:
         """``(state, reason)`` once the job is being stopped, else ``None``."""
         ...
@@ -261,6 +266,7 @@ class Recovery:
                 step=step,
                 loss=loss,
             )
+            self.job.loss_found(step, loss)
             return
         self.job.event(
             "loss_unrecorded",

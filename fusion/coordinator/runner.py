@@ -664,6 +664,11 @@ class JobRunner(threading.Thread):
             samples_per_s=0.0,
         )
 
+    def loss_found(self, step: int, loss: float) -> None:
+        """Add the loss of a ``step`` the driver never heard end (recovery read it from the
+        loss stage's snapshot) to the loss curve, in step order."""
+        self._history = sorted([*(h for h in self._history if h[0] != step), (step, loss)])
+
     def wait_for(self, text: str | None) -> None:
         """Wait, ``pending``, saying ``text`` (what the job needs and has), or with ``None``
         go back to ``running``."""

@@ -312,8 +312,8 @@ def test_an_unreachable_coordinator_is_named_in_one_line(details: str, expected:
 
 def test_the_demos_closing_losses_skip_the_events_between_steps(tmp_path: Path) -> None:
     """``metrics.jsonl`` holds the job's events beside its steps (a compression note at
-    planning, a recovery, a loss read from a snapshot); the demo's closing line averages the
-    last steps' losses, a redone step's last, and reads past the events."""
+    planning, a recovery); the demo's closing line averages the last steps' losses, a redone
+    step's last and a loss read from a snapshot, and reads past the other events."""
     from fusion.cli.demo import _last_losses
 
     rows = [
@@ -326,5 +326,5 @@ def test_the_demos_closing_losses_skip_the_events_between_steps(tmp_path: Path) 
         {"step": 3, "loss": 1.5},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert _last_losses(tmp_path, 2) == [2.5, 1.5]
+    assert _last_losses(tmp_path, 3) == [2.5, 2.0, 1.5]
     assert _last_losses(tmp_path / "missing", 2) == []

@@ -293,9 +293,12 @@ def test_read_history_takes_the_steps_before_the_resume_point(tmp_path: Path) ->
                 "{not json",
                 json.dumps({"step": 1, "loss": 2.4}),  # a replayed step: the later record wins
                 json.dumps({"step": 2, "loss": 2.0}),
+                # a step finished unseen, its loss read from the loss stage's snapshot
+                json.dumps({"event": "loss_from_snapshot", "step": 3, "loss": 1.8}),
             ]
         )
         + "\n"
     )
     assert read_history(path, 2) == [(0, 3.0), (1, 2.4)]
+    assert read_history(path, 5) == [(0, 3.0), (1, 2.4), (2, 2.0), (3, 1.8)]
     assert read_history(tmp_path / "missing.jsonl", 5) == []

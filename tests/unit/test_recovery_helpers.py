@@ -138,6 +138,7 @@ class LostAfterItsStep(NoWorkersLeft):
         self.rewound_to: int | None = None
         self.messages: list[str] = []
         self.extras: list[dict[str, Any]] = []
+        self.found: list[tuple[int, float]] = []
 
     def event(self, event: str, message: str, **extra: Any) -> None:
         super().event(event, message, **extra)
@@ -149,6 +150,9 @@ class LostAfterItsStep(NoWorkersLeft):
 
     def rewind(self, step: int) -> None:
         self.rewound_to = step
+
+    def loss_found(self, step: int, loss: float) -> None:
+        self.found.append((step, loss))
 
 
 def recover_a_step_finished_unseen(
@@ -184,7 +188,7 @@ def test_a_step_finished_unseen_is_resumed_after_and_its_loss_read_from_the_snap
 ) -> None:
     job = recover_a_step_finished_unseen(tmp_path, monkeypatch, 2.5)
     assert job.events[-2:] == ["loss_from_snapshot", "resumed_at_step"], job.events
-    assert job.extras[-2] == {"step": 3, "loss": 2.5}
+    assert job.extras[-2] == {"step": 3, "loss": 2.5} and job.found == [(3, 2.5)]
     assert "step 3 finished on every stage" in job.messages[-2] and "2.5000" in job.messages[-2], job.messages
 
 
@@ -194,5 +198,5 @@ def test_a_step_finished_unseen_whose_snapshot_carries_no_loss_names_it_unrecord
     """A loss stage's snapshot from a release before snapshots carried the step loss."""
     job = recover_a_step_finished_unseen(tmp_path, monkeypatch, None)
     assert job.events[-2:] == ["loss_unrecorded", "resumed_at_step"], job.events
-    assert job.extras[-2] == {"step": 3}
+    assert job.extras[-2] == {"step": 3} and job.found == []
     assert "its loss was never received" in job.messages[-2], job.messages
