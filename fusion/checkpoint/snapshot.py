@@ -130,8 +130,8 @@ def read_metadata(data: bytes | bytearray) -> dict[str, str]:
         raise CheckpointError(f"snapshot header declares {size} bytes; the blob holds {len(data) - 8} after it")
     try:
         header = json.loads(bytes(data[8 : 8 + size]))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"snapshot header is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
+        raise CheckpointError(f"snapshot header is not JSON: {type(e).__name__}: {e}") from None
     meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CheckpointError("snapshot header's metadata is not a map of strings")

@@ -164,7 +164,9 @@ def header_of(header: object) -> bytes:
         ((4).to_bytes(8, "little") + b"{nop", "not JSON"),
         ((2).to_bytes(8, "little") + b"[]", "not a map of strings"),
         (header_of({"__metadata__": {"step": 3}}), "not a map of strings"),
+        ((200_000).to_bytes(8, "little") + b"[" * 100_000 + b"]" * 100_000, "not JSON: RecursionError"),
     ],
+    ids=["short", "oversized", "not-json", "not-a-map", "non-string-values", "nested-too-deep"],
 )
 def test_a_snapshot_header_that_is_not_one_is_refused_by_name(data: bytes, words: str) -> None:
     with pytest.raises(CheckpointError, match=words):
