@@ -258,20 +258,16 @@ class Recovery:
         """Record the loss of a ``step`` every stage finished unseen: from the loss stage's
         snapshot (a ``loss_from_snapshot`` event), or, where it carried none, say that the
         loss is not recorded (``loss_unrecorded``)."""
+        unseen = f"step {step} finished on every stage before a worker was lost"
         if loss is not None:
-            self.job.event(
-                "loss_from_snapshot",
-                f"step {step} finished on every stage before a worker was lost; its loss, {loss:.4f}, "
-                "was read from the loss stage's snapshot",
-                step=step,
-                loss=loss,
-            )
+            message = f"{unseen}; its loss, {loss:.4f}, was read from the loss stage's snapshot"
+            self.job.event("loss_from_snapshot", message, step=step, loss=loss)
             self.job.loss_found(step, loss)
             return
         self.job.event(
             "loss_unrecorded",
-            f"step {step} finished on every stage before a worker was lost; its loss was never "
-            "received and is not recorded (the training state is exact: every stage resumes after it)",
+            f"{unseen}; its loss was never received and is not recorded (the training state is exact: "
+            "every stage resumes after it)",
             step=step,
         )
 

@@ -666,8 +666,9 @@ class JobRunner(threading.Thread):
 
     def loss_found(self, step: int, loss: float) -> None:
         """Add the loss of a ``step`` the driver never heard end (recovery read it from the
-        loss stage's snapshot) to the loss curve, in step order."""
-        self._history = sorted([*(h for h in self._history if h[0] != step), (step, loss)])
+        loss stage's snapshot) to the loss curve; :meth:`rewind` to ``step + 1`` came first,
+        so every step the curve holds is before it."""
+        self._history.append((step, loss))
 
     def wait_for(self, text: str | None) -> None:
         """Wait, ``pending``, saying ``text`` (what the job needs and has), or with ``None``

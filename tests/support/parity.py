@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from fusion.config import JobSpec
+from fusion.coordinator.outputs import read_history
 from fusion.graph.ir import OpDag
 from fusion.launch.distributed import DistributedResult, train_distributed
 from fusion.training import train_reference
@@ -92,7 +94,7 @@ def assert_recorded_losses(metrics: Path, reference: Sequence[float]) -> None:
     loss comes from a ``loss_from_snapshot`` event, or it may lack one where a
     ``loss_unrecorded`` event says so."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    last = {r["step"]: r["loss"] for r in rows if "event" not in r or r["event"] == "loss_from_snapshot"}
+    last = dict(read_history(metrics, before=sys.maxsize))
     unrecorded = {r["step"] for r in rows if r.get("event") == "loss_unrecorded"}
     steps = range(len(reference))
     recorded = sorted(last)
